@@ -1,0 +1,38 @@
+# The two commands of the README: `make demo` (the main job) and `make test` (everything CI runs).
+# Both create .venv when missing and install torch==2.13.0 first (its CPU wheel is on disk here;
+# an unpinned torch would pull a multi-GB CUDA build), then attnkit with its extras.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.attnkit-installed
+
+.PHONY: setup demo test lint typecheck pytest bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test,dev]"
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/attnkit demo
+
+test: setup lint typecheck pytest
+
+lint: setup
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+pytest: setup
+	$(PY) -m pytest -q --hypothesis-profile=ci --hypothesis-show-statistics
+
+bench: setup
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,32 @@
+"""attnkit: self-attention for PyTorch that is correct, fast, and easy to look inside.
+
+One function, :func:`attention`, with one convention (see its docstring and the README):
+``q (B, H, L, Dk)``, ``k (B, Hkv, S, Dk)``, ``v (B, Hkv, S, Dv)`` -> ``(B, H, L, Dv)``;
+bool masks say True = may attend; ``causal`` is aligned to the end when ``L != S``.
+"""
+
+from attnkit.backends import available_backends, register_backend
+from attnkit.errors import AttentionInputError, AttentionMaskWarning
+from attnkit.functional import AttentionOutput, Explanation, attention, explain
+from attnkit.heads import merge_heads, split_heads
+from attnkit.masks import causal_mask
+from attnkit.modules import CrossAttention, MultiHeadAttention, SelfAttention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionInputError",
+    "AttentionMaskWarning",
+    "AttentionOutput",
+    "CrossAttention",
+    "Explanation",
+    "MultiHeadAttention",
+    "SelfAttention",
+    "attention",
+    "available_backends",
+    "causal_mask",
+    "explain",
+    "merge_heads",
+    "register_backend",
+    "split_heads",
+]

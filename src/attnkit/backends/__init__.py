@@ -1,0 +1,120 @@
+"""The backend registry: plain functions with one signature, registered by name.
+
+A backend is two functions with the same keyword signature::
+
+    run(q, k, v, *, mask, causal, scale, dropout_p, return_weights) -> (out, weights | None)
+    check(q, k, v, *, mask, causal, scale, dropout_p, return_weights) -> str | None
+
+``check`` returns ``None`` when the backend can serve the call, and otherwise the reason it
+cannot, in words that :func:`attnkit.explain` shows. Backends receive validated, prepared input
+(see :func:`attnkit.functional.attention`): ``mask`` is ``None``, a bool mask (True = may attend)
+or a float mask (added to the scores), broadcastable to ``(B, H, L, S)``; ``causal`` is the
+end-aligned causal rule and never comes together with a mask; ``scale`` is a float. A backend
+never validates again and never falls back to another one.
+
+``auto`` walks :data:`AUTO_ORDER` and takes the first backend whose ``check`` passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+__all__ = [
+    "AUTO_ORDER",
+    "Backend",
+    "BackendCheck",
+    "BackendRun",
+    "available_backends",
+    "get_backend",
+    "register_backend",
+]
+
+
+class BackendRun(Protocol):
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask: torch.Tensor | None,
+        causal: bool,
+        scale: float,
+        dropout_p: float,
+        return_weights: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+class BackendCheck(Protocol):
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask: torch.Tensor | None,
+        causal: bool,
+        scale: float,
+        dropout_p: float,
+        return_weights: bool,
+    ) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A registered backend: its name, its two functions and a one-line description."""
+
+    name: str
+    run: BackendRun
+    check: BackendCheck
+    description: str
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+#: The order in which ``backend="auto"`` tries the backends: fastest first.
+AUTO_ORDER: list[str] = []
+
+
+def register_backend(
+    name: str,
+    run: BackendRun,
+    check: BackendCheck,
+    description: str,
+    *,
+    auto_rank: int | None = None,
+) -> Backend:
+    """Register a backend under ``name``; ``auto_rank`` places it in :data:`AUTO_ORDER`.
+
+    ``auto_rank=None`` keeps it out of ``auto`` (it is used only when named).
+    """
+    if name == "auto" or name in _REGISTRY:
+        raise ValueError(f"a backend named {name!r} is already registered")
+    backend = Backend(name, run, check, description)
+    _REGISTRY[name] = backend
+    if auto_rank is not None:
+        AUTO_ORDER.insert(auto_rank, name)
+    return backend
+
+
+def get_backend(name: str) -> Backend:
+    """The backend registered under ``name`` (``KeyError`` if none)."""
+    return _REGISTRY[name]
+
+
+def available_backends() -> list[str]:
+    """Names of all registered backends, in registration order."""
+    return list(_REGISTRY)
+
+
+def _register_builtin() -> None:
+    from attnkit.backends import math, sdpa
+
+    register_backend("sdpa", sdpa.run, sdpa.check, sdpa.DESCRIPTION, auto_rank=0)
+    register_backend("math", math.run, math.check, math.DESCRIPTION, auto_rank=1)
+
+
+_register_builtin()

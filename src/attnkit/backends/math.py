@@ -1,0 +1,69 @@
+"""The ``math`` backend: the readable reference, plain 4-D matmul, softmax, matmul.
+
+This is what every seed writes by hand, and what :func:`attnkit.attention` is *equivalent to*.
+It serves every call (any dtype, ``Dv != Dk``, dropout, masks) and is the only built-in backend
+that returns the attention weights.
+
+Dimension legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv query heads per
+key/value head, L query length, S key length, Dk query/key head dim, Dv value head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from attnkit.masks import causal_mask
+
+DESCRIPTION = "reference: matmul, softmax, matmul in plain PyTorch (returns weights)"
+
+
+def run(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    return_weights: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    B, H, L, Dk = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = H // Hkv
+    if S == 0:  # nothing to attend to: every row is fully masked
+        return q.new_zeros(B, H, L, Dv), (q.new_zeros(B, H, L, 0) if return_weights else None)
+    # Grouped-query heads without copying K/V: the G query heads of one key/value head are
+    # stacked along the length, so one matmul per key/value head serves all of them.
+    qg = q.reshape(B, Hkv, G * L, Dk)  # (B, Hkv, G*L, Dk)
+    scores = (qg @ k.transpose(-2, -1)).view(B, H, L, S) * scale  # (B, H, L, S)
+    if causal:
+        mask = causal_mask(L, S, device=q.device)  # (L, S)
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask
+    # A query row with nothing to attend to is all -inf; softmax would give NaN. Give it
+    # scores of 0 (finite), then zero its weights, so its output and gradient are exactly 0.
+    row_ok = scores.amax(dim=-1, keepdim=True) > float("-inf")  # (B, H, L, 1)
+    weights = torch.where(row_ok, scores, 0.0).softmax(dim=-1)  # (B, H, L, S)
+    weights = torch.where(row_ok, weights, 0.0)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    out = weights.view(B, Hkv, G * L, S) @ v  # (B, Hkv, G*L, Dv)
+    return out.view(B, H, L, Dv), (weights if return_weights else None)
+
+
+def check(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    return_weights: bool,
+) -> str | None:
+    return None

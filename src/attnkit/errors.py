@@ -1,0 +1,66 @@
+"""The one exception type of attnkit, and the helpers that write its messages.
+
+Every message has the same four parts, so a user can read any of them the same way::
+
+    attnkit.attention: `k` has 4 heads, which does not divide the 6 heads of `q`.
+      got:      q (B=2, H=6, L=5, Dk=16)  k (B=2, Hkv=4, S=5, Dk=16)  v (B=2, Hkv=4, S=5, Dv=16)
+      expected: H % Hkv == 0 (each key/value head serves H/Hkv query heads)
+      fix:      project keys/values to a number of heads that divides H (1 is multi-query)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["AttentionInputError", "AttentionMaskWarning", "shape_str"]
+
+
+def shape_str(name: str, t: torch.Tensor | Sequence[int], dims: Sequence[str] | None) -> str:
+    """``q (B=2, H=8, L=5, Dk=64)``: a tensor's shape with its dimension names.
+
+    When ``dims`` does not match the rank (the usual case for a wrong-rank input) the sizes are
+    printed without names.
+    """
+    sizes = tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t)
+    if dims is not None and len(dims) == len(sizes):
+        inner = ", ".join(f"{d}={s}" for d, s in zip(dims, sizes, strict=True))
+    else:
+        inner = ", ".join(str(s) for s in sizes) + (", " if len(sizes) == 1 else "")
+        inner = f"{len(sizes)}-D: {inner}" if sizes else "0-D"
+    return f"{name} ({inner})"
+
+
+class AttentionInputError(ValueError):
+    """Bad input to an attnkit function or module.
+
+    The message names the argument, shows the shapes it got with their dimension names, says what
+    was expected and, where a common mistake explains it, the likely fix. The same parts are kept
+    as attributes for programs: ``argument``, ``got``, ``expected``, ``fix``.
+    """
+
+    def __init__(
+        self,
+        where: str,
+        argument: str,
+        problem: str,
+        *,
+        got: str,
+        expected: str,
+        fix: str | None = None,
+    ) -> None:
+        self.where = where
+        self.argument = argument
+        self.problem = problem
+        self.got = got
+        self.expected = expected
+        self.fix = fix
+        lines = [f"{where}: {problem}", f"  got:      {got}", f"  expected: {expected}"]
+        if fix:
+            lines.append(f"  fix:      {fix}")
+        super().__init__("\n".join(lines))
+
+
+class AttentionMaskWarning(UserWarning):
+    """A mask that is valid but almost certainly not what was meant (for example, inverted)."""

@@ -1,0 +1,95 @@
+"""Splitting the model width into heads and merging it back.
+
+Dimension legend: B batch, L length, H heads, D head dim, E = H * D model width.
+
+Why ``view`` before ``transpose`` (seed 004): a projection writes each token's ``E`` features
+contiguously, head after head. ``view(B, L, H, D)`` only relabels that memory (token, head,
+feature), and ``transpose(1, 2)`` then brings the heads forward for a batched matmul. The other
+order (``view(B, H, L, D)`` straight away) runs without error but mixes tokens into heads.
+On the way back ``transpose(1, 2)`` leaves a tensor that is not contiguous, so it cannot be
+``view``-ed; ``reshape`` makes it contiguous (one copy) and then views it, which is what
+``.contiguous().view(...)`` spells out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnkit.errors import AttentionInputError, shape_str
+
+__all__ = ["merge_heads", "split_heads"]
+
+
+def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``(B, L, E) -> (B, H, L, E / H)``: view the width as heads, then bring heads forward.
+
+    >>> split_heads(torch.randn(2, 4, 8), num_heads=2).shape
+    torch.Size([2, 2, 4, 4])
+    """
+    where = "attnkit.split_heads"
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise AttentionInputError(
+            where,
+            "num_heads",
+            f"`num_heads` must be a positive int, got {num_heads!r}.",
+            got=f"num_heads={num_heads!r}",
+            expected="an int >= 1",
+        )
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        got = shape_str("x", x, ("B", "H", "L", "D")) if isinstance(x, torch.Tensor) else "?"
+        raise AttentionInputError(
+            where,
+            "x",
+            "`x` must be 3-D (batch, length, width).",
+            got=got,
+            expected="x (B, L, E)",
+            fix="a 4-D tensor is probably split already; a 2-D one needs x.unsqueeze(0)",
+        )
+    B, L, E = x.shape
+    if E % num_heads != 0:
+        divisors = [h for h in range(1, E + 1) if E % h == 0]
+        raise AttentionInputError(
+            where,
+            "num_heads",
+            f"width E={E} is not divisible by num_heads={num_heads}.",
+            got=shape_str("x", x, ("B", "L", "E")) + f"  num_heads={num_heads}",
+            expected="E % num_heads == 0",
+            fix=f"pick num_heads from {divisors[-8:]}, or project to a width H * D first",
+        )
+    return x.reshape(B, L, num_heads, E // num_heads).transpose(1, 2)  # (B, H, L, D)
+
+
+def merge_heads(x: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+    """``(B, H, L, D) -> (B, L, H * D)``: heads back next to each other, then one width.
+
+    ``num_heads``, when given, is checked against ``x.shape[1]``; that catches a tensor that was
+    transposed back already (``(B, L, H, D)``).
+
+    >>> merge_heads(torch.randn(2, 2, 4, 4)).shape
+    torch.Size([2, 4, 8])
+    """
+    where = "attnkit.merge_heads"
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        got = shape_str("x", x, ("B", "L", "E")) if isinstance(x, torch.Tensor) else "?"
+        raise AttentionInputError(
+            where,
+            "x",
+            "`x` must be 4-D (batch, heads, length, head dim).",
+            got=got,
+            expected="x (B, H, L, D)",
+            fix="a 3-D (B, L, E) tensor is merged already",
+        )
+    B, H, L, D = x.shape
+    if num_heads is not None and num_heads != H:
+        fix = "check the order of dims"
+        if num_heads == L:
+            fix = "x looks like (B, L, H, D): it was transposed back already; pass it as is"
+        raise AttentionInputError(
+            where,
+            "x",
+            f"`x` has {H} in the heads dim but num_heads={num_heads}.",
+            got=shape_str("x", x, ("B", "H", "L", "D")),
+            expected=f"x (B, H={num_heads}, L, D)",
+            fix=fix,
+        )
+    return x.transpose(1, 2).reshape(B, L, H * D)  # (B, L, E)

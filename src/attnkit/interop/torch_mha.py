@@ -1,0 +1,203 @@
+"""The boundary with ``torch.nn.MultiheadAttention``: weights both ways, and its masks.
+
+torch's masks say True = *ignore* (``key_padding_mask``, bool ``attn_mask``); attnkit's say
+True = *may attend*. This file is the only place that translates one into the other.
+
+Dimension legend: B batch, H heads, L query length, S key length, E model width.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from attnkit.errors import AttentionInputError, shape_str
+
+if TYPE_CHECKING:
+    from attnkit.modules.attention import MultiHeadAttention
+
+__all__ = ["from_torch", "mask_from_torch", "to_torch"]
+
+
+def from_torch(
+    cls: type[MultiHeadAttention], m: nn.MultiheadAttention, *, backend: str = "auto"
+) -> MultiHeadAttention:
+    """Build ``cls`` with the weights of ``m`` (see ``MultiHeadAttention.from_torch``)."""
+    where = "attnkit.MultiHeadAttention.from_torch"
+    if not isinstance(m, nn.MultiheadAttention):
+        raise AttentionInputError(
+            where,
+            "m",
+            f"`m` is a {type(m).__name__}, not an nn.MultiheadAttention.",
+            got=type(m).__name__,
+            expected="torch.nn.MultiheadAttention",
+        )
+    if m.bias_k is not None or m.add_zero_attn:
+        raise AttentionInputError(
+            where,
+            "m",
+            "add_bias_kv / add_zero_attn have no attnkit equivalent.",
+            got=f"add_bias_kv={m.bias_k is not None}  add_zero_attn={m.add_zero_attn}",
+            expected="an nn.MultiheadAttention built without add_bias_kv and add_zero_attn",
+        )
+    ref = m.out_proj.weight
+    has_bias = m.in_proj_bias is not None
+    mod = cls(
+        m.embed_dim,
+        m.num_heads,
+        kdim=m.kdim,
+        vdim=m.vdim,
+        bias=has_bias,
+        dropout=m.dropout,
+        batch_first=m.batch_first,
+        backend=backend,
+        device=ref.device,
+        dtype=ref.dtype,
+    )
+    with torch.no_grad():
+        if m._qkv_same_embed_dim:
+            wq, wk, wv = torch.chunk(m.in_proj_weight, 3)
+        else:
+            wq, wk, wv = m.q_proj_weight, m.k_proj_weight, m.v_proj_weight
+        for proj, w in ((mod.q_proj, wq), (mod.k_proj, wk), (mod.v_proj, wv)):
+            proj.weight.copy_(w)
+        if m.in_proj_bias is not None:
+            for proj, b in zip(
+                (mod.q_proj, mod.k_proj, mod.v_proj), torch.chunk(m.in_proj_bias, 3), strict=True
+            ):
+                proj.bias.copy_(b)
+        out = mod.out_proj
+        assert isinstance(out, nn.Linear)  # always built with an output projection here
+        out.weight.copy_(m.out_proj.weight)
+        if m.out_proj.bias is not None:
+            out.bias.copy_(m.out_proj.bias)
+    return mod
+
+
+def to_torch(mod: MultiHeadAttention) -> nn.MultiheadAttention:
+    """An ``nn.MultiheadAttention`` with the weights of ``mod`` (see ``.to_torch()``)."""
+    where = "attnkit.MultiHeadAttention.to_torch"
+    E, H = mod.embed_dim, mod.num_heads
+    out = mod.out_proj
+    problems = []
+    if mod.num_kv_heads != H:
+        problems.append(f"num_kv_heads={mod.num_kv_heads} != num_heads={H}")
+    if mod.head_dim * H != E or mod.v_head_dim != mod.head_dim:
+        problems.append(f"head_dim={mod.head_dim}, v_head_dim={mod.v_head_dim} with E={E}")
+    if not isinstance(out, nn.Linear):
+        problems.append("no output projection")
+    if mod.causal:
+        problems.append("causal=True (torch's module has no causal setting)")
+    if problems:
+        raise AttentionInputError(
+            where,
+            "self",
+            "this module has no nn.MultiheadAttention equivalent: " + "; ".join(problems) + ".",
+            got=repr(mod),
+            expected="num_kv_heads == num_heads, head_dim == v_head_dim == embed_dim // "
+            "num_heads, an output projection, causal=False",
+            fix="keep the attnkit module; torch's cannot express these settings",
+        )
+    assert isinstance(out, nn.Linear)
+    ref = out.weight
+    m = nn.MultiheadAttention(
+        E,
+        H,
+        dropout=mod.dropout,
+        bias=mod.q_proj.bias is not None,
+        kdim=mod.kdim,
+        vdim=mod.vdim,
+        batch_first=mod.batch_first,
+        device=ref.device,
+        dtype=ref.dtype,
+    )
+    with torch.no_grad():
+        weights = [mod.q_proj.weight, mod.k_proj.weight, mod.v_proj.weight]
+        if m._qkv_same_embed_dim:
+            m.in_proj_weight.copy_(torch.cat(weights))
+        else:
+            for target, w in zip(
+                (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight), weights, strict=True
+            ):
+                target.copy_(w)
+        if m.in_proj_bias is not None:
+            m.in_proj_bias.copy_(torch.cat([mod.q_proj.bias, mod.k_proj.bias, mod.v_proj.bias]))
+        m.out_proj.weight.copy_(out.weight)
+        if m.out_proj.bias is not None:
+            m.out_proj.bias.copy_(out.bias)
+    return m
+
+
+def mask_from_torch(
+    attn_mask: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    *,
+    num_heads: int,
+) -> torch.Tensor | None:
+    """Translate ``nn.MultiheadAttention``'s masks into one attnkit mask.
+
+    Args:
+        attn_mask: torch's ``(L, S)`` or ``(B * H, L, S)``; bool True = *ignore*, or float
+            (added to the scores).
+        key_padding_mask: torch's ``(B, S)``; bool True = *ignore* (padding), or float.
+        num_heads: ``H``, to unfold a ``(B * H, L, S)`` mask.
+
+    Returns:
+        An attnkit mask broadcastable to ``(B, H, L, S)``: bool True = may attend when both
+        inputs are bool, else float (``-inf`` blocks); ``None`` when both are ``None``.
+
+    >>> kpm = torch.tensor([[False, False, True]])  # torch: the third key is padding
+    >>> mask_from_torch(key_padding_mask=kpm, num_heads=2).int()
+    tensor([[[[1, 1, 0]]]], dtype=torch.int32)
+    """
+    where = "attnkit.interop.mask_from_torch"
+    parts: list[torch.Tensor] = []
+    if attn_mask is not None:
+        if attn_mask.dim() == 3:
+            BH, L, S = attn_mask.shape
+            if BH % num_heads != 0:
+                raise AttentionInputError(
+                    where,
+                    "attn_mask",
+                    f"a 3-D attn_mask has {BH} in dim 0, not a multiple of num_heads.",
+                    got=shape_str("attn_mask", attn_mask, ("B*H", "L", "S"))
+                    + f"  num_heads={num_heads}",
+                    expected="attn_mask (L, S) or (B * num_heads, L, S)",
+                )
+            attn_mask = attn_mask.view(BH // num_heads, num_heads, L, S)
+        elif attn_mask.dim() != 2:
+            raise AttentionInputError(
+                where,
+                "attn_mask",
+                f"attn_mask is {attn_mask.dim()}-D.",
+                got=shape_str("attn_mask", attn_mask, None),
+                expected="attn_mask (L, S) or (B * num_heads, L, S), as nn.MultiheadAttention",
+            )
+        parts.append(attn_mask)
+    if key_padding_mask is not None:
+        if key_padding_mask.dim() != 2:
+            raise AttentionInputError(
+                where,
+                "key_padding_mask",
+                f"key_padding_mask is {key_padding_mask.dim()}-D.",
+                got=shape_str("key_padding_mask", key_padding_mask, None),
+                expected="key_padding_mask (B, S), as nn.MultiheadAttention",
+            )
+        parts.append(key_padding_mask[:, None, None, :])  # (B, 1, 1, S)
+    if not parts:
+        return None
+    if all(p.dtype == torch.bool for p in parts):
+        allowed = ~parts[0]
+        for p in parts[1:]:
+            allowed = allowed & ~p
+        return allowed
+    floats = [p for p in parts if p.is_floating_point()]
+    dtype = floats[0].dtype
+    total: torch.Tensor | None = None
+    for p in parts:
+        if p.dtype == torch.bool:
+            p = torch.zeros(p.shape, dtype=dtype, device=p.device).masked_fill(p, float("-inf"))
+        total = p if total is None else total + p
+    return total

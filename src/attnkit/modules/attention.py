@@ -1,0 +1,429 @@
+"""Attention modules: multi-head (self, cross, grouped-query), single-head self, and cross.
+
+Dimension legend: B batch, L query length, S key length, E model width (``embed_dim``),
+H query heads, Hkv key/value heads, Dk query/key head dim, Dv value head dim.
+
+Every module projects, splits heads, calls :func:`attnkit.attention`, merges heads and
+projects back; they differ only in which inputs they take. They return an
+:class:`~attnkit.AttentionOutput` ``(output, weights)`` always, ``weights`` being ``None``
+unless ``need_weights=True``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnkit.errors import AttentionInputError, AttentionMaskWarning, shape_str
+from attnkit.functional import AttentionOutput, run_attention
+from attnkit.heads import merge_heads, split_heads
+
+__all__ = ["CrossAttention", "MultiHeadAttention", "SelfAttention"]
+
+
+def _positive_int(where: str, name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise AttentionInputError(
+            where,
+            name,
+            f"`{name}` must be a positive int, got {value!r}.",
+            got=f"{name}={value!r}",
+            expected="an int >= 1",
+        )
+    return value
+
+
+class _Attention(nn.Module):
+    """Projections and the forward pass shared by every attention module."""
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        v_head_dim: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        batch_first: bool = True,
+        causal: bool = False,
+        backend: str = "auto",
+        output_projection: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        where = f"attnkit.{type(self).__name__}"
+        self._where = where
+        E = _positive_int(where, "embed_dim", embed_dim)
+        H = _positive_int(where, "num_heads", num_heads)
+        Hkv = _positive_int(where, "num_kv_heads", H if num_kv_heads is None else num_kv_heads)
+        if head_dim is None and E % H != 0:
+            divisors = [h for h in range(1, E + 1) if E % h == 0]
+            raise AttentionInputError(
+                where,
+                "embed_dim",
+                f"embed_dim={E} is not divisible by num_heads={H}.",
+                got=f"embed_dim={E}  num_heads={H}",
+                expected="embed_dim % num_heads == 0 (each head gets embed_dim // num_heads)",
+                fix=f"choose num_heads from {divisors[-8:]}, or pass head_dim=... explicitly",
+            )
+        if H % Hkv != 0:
+            raise AttentionInputError(
+                where,
+                "num_kv_heads",
+                f"num_kv_heads={Hkv} does not divide num_heads={H}.",
+                got=f"num_heads={H}  num_kv_heads={Hkv}",
+                expected="num_heads % num_kv_heads == 0 (grouped-query attention)",
+                fix="num_kv_heads=1 is multi-query; num_kv_heads=num_heads is plain multi-head",
+            )
+        if (
+            isinstance(dropout, bool)
+            or not isinstance(dropout, (int, float))
+            or not (0.0 <= dropout < 1.0)
+        ):
+            raise AttentionInputError(
+                where,
+                "dropout",
+                f"`dropout` must be in [0, 1), got {dropout!r}.",
+                got=f"dropout={dropout!r}",
+                expected="0 <= dropout < 1",
+            )
+        Dk = _positive_int(where, "head_dim", E // H if head_dim is None else head_dim)
+        Dv = _positive_int(where, "v_head_dim", Dk if v_head_dim is None else v_head_dim)
+        self.embed_dim = E
+        self.num_heads = H
+        self.num_kv_heads = Hkv
+        self.head_dim = Dk
+        self.v_head_dim = Dv
+        self.kdim = _positive_int(where, "kdim", E if kdim is None else kdim)
+        self.vdim = _positive_int(where, "vdim", E if vdim is None else vdim)
+        self.dropout = float(dropout)
+        self.batch_first = batch_first
+        self.causal = causal
+        self.backend = backend
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(E, H * Dk, bias=bias, **factory)
+        self.k_proj = nn.Linear(self.kdim, Hkv * Dk, bias=bias, **factory)
+        self.v_proj = nn.Linear(self.vdim, Hkv * Dv, bias=bias, **factory)
+        self.out_proj: nn.Module = (
+            nn.Linear(H * Dv, E, bias=bias, **factory) if output_projection else nn.Identity()
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"v_head_dim={self.v_head_dim}, causal={self.causal}, backend={self.backend!r}"
+        )
+
+    def _check_input(self, name: str, x: object, width: int, width_name: str) -> torch.Tensor:
+        dims = ("B", "L", "E") if name == "query" else ("B", "S", "E")
+        if not self.batch_first:
+            dims = (dims[1], dims[0], dims[2])
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            got = shape_str(name, x, dims) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise AttentionInputError(
+                self._where,
+                name,
+                f"`{name}` must be 3-D ({', '.join(dims)}).",
+                got=got,
+                expected=f"{name} ({', '.join(dims)}) with E={width}",
+                fix="add a batch dim with x.unsqueeze(0)"
+                if isinstance(x, torch.Tensor) and x.dim() == 2
+                else "attention on 4-D heads is attnkit.attention(q, k, v)",
+            )
+        if x.shape[-1] != width:
+            raise AttentionInputError(
+                self._where,
+                name,
+                f"`{name}` has width {x.shape[-1]} but the module expects {width_name}={width}.",
+                got=shape_str(name, x, dims),
+                expected=f"{name}.shape[-1] == {width_name} == {width}",
+                fix=f"build the module with {width_name}={x.shape[-1]}"
+                if name != "query"
+                else f"build the module with embed_dim={x.shape[-1]}",
+            )
+        return x
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor | None,
+        key_padding_mask: torch.Tensor | None,
+        need_weights: bool,
+    ) -> AttentionOutput:
+        where = self._where
+        self._check_input("query", query, self.embed_dim, "embed_dim")
+        self._check_input("key", key, self.kdim, "kdim")
+        self._check_input("value", value, self.vdim, "vdim")
+        if not self.batch_first:  # (L, B, E) -> (B, L, E)
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        B = query.shape[0]
+        S = key.shape[1]
+        if key.shape[0] != B or value.shape[0] != B or value.shape[1] != S:
+            seq_first = self.batch_first and query.shape[1] == key.shape[1]
+            raise AttentionInputError(
+                where,
+                "key" if key.shape[0] != B else "value",
+                "query, key and value disagree on batch or key length.",
+                got="  ".join(
+                    shape_str(n, t, d)
+                    for n, t, d in (
+                        ("query", query, ("B", "L", "E")),
+                        ("key", key, ("B", "S", "E")),
+                        ("value", value, ("B", "S", "E")),
+                    )
+                ),
+                expected="the same B in all three, the same S in key and value",
+                fix="these look like (seq, batch, embed) tensors: pass batch_first=False "
+                "or x.transpose(0, 1)"
+                if seq_first
+                else "key and value must come from the same sequence",
+            )
+        if key_padding_mask is not None:
+            mask = self._merge_key_padding(query, key_padding_mask, mask, B, S)
+        # (B, L, E) -> (B, H, L, Dk); keys/values -> (B, Hkv, S, D)
+        q = split_heads(self.q_proj(query), self.num_heads)
+        k = split_heads(self.k_proj(key), self.num_kv_heads)
+        v = split_heads(self.v_proj(value), self.num_kv_heads)
+        out, weights = run_attention(
+            q,
+            k,
+            v,
+            mask,
+            self.causal,
+            None,
+            self.dropout if self.training else 0.0,
+            need_weights,
+            self.backend,
+        )
+        y = self.out_proj(merge_heads(out))  # (B, H, L, Dv) -> (B, L, H*Dv) -> (B, L, E)
+        if not self.batch_first:
+            y = y.transpose(0, 1)  # (L, B, E)
+        return AttentionOutput(y, weights)
+
+    def _merge_key_padding(
+        self,
+        query: torch.Tensor,
+        kpm: torch.Tensor,
+        mask: torch.Tensor | None,
+        B: int,
+        S: int,
+    ) -> torch.Tensor:
+        where = self._where
+        if not isinstance(kpm, torch.Tensor) or kpm.dtype != torch.bool:
+            raise AttentionInputError(
+                where,
+                "key_padding_mask",
+                "`key_padding_mask` must be a bool tensor (True = a real key, may attend).",
+                got=f"key_padding_mask dtype={getattr(kpm, 'dtype', type(kpm).__name__)}",
+                expected="bool (B, S)",
+                fix="lengths -> arange(S) < lengths[:, None]; torch's masks (True = ignore) "
+                "go through attnkit.interop.mask_from_torch",
+            )
+        if tuple(kpm.shape) != (B, S):
+            fix = "build it as (batch, key length)"
+            if tuple(kpm.shape) == (S, B):
+                fix = "it looks transposed: use key_padding_mask.T"
+            if self.batch_first and tuple(kpm.shape) == (query.shape[1], query.shape[0]):
+                fix = "the inputs look like (seq, batch, embed): pass batch_first=False"
+            raise AttentionInputError(
+                where,
+                "key_padding_mask",
+                "`key_padding_mask` does not match (B, S).",
+                got=shape_str("key_padding_mask", kpm, ("B", "S")) + f"  target (B={B}, S={S})",
+                expected="key_padding_mask (B, S), True = a real key",
+                fix=fix,
+            )
+        if not torch.compiler.is_compiling() and S > 0 and bool((~kpm.any(dim=1)).any()):
+            warnings.warn(
+                "attnkit: key_padding_mask lets some batch rows attend to no key at all (their "
+                "output is 0). attnkit's convention is True = a real key that may be attended; "
+                "nn.MultiheadAttention's is True = ignore. If this is a torch mask, pass "
+                "~key_padding_mask, or convert it with attnkit.interop.mask_from_torch.",
+                AttentionMaskWarning,
+                stacklevel=4,
+            )
+        keep = kpm[:, None, None, :]  # (B, 1, 1, S)
+        if mask is None:
+            return keep
+        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+            return mask & keep
+        if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+            return mask.masked_fill(~keep, float("-inf"))
+        return mask  # anything else is rejected, with its message, by attnkit.attention
+
+
+class MultiHeadAttention(_Attention):
+    """Multi-head attention: self, cross and grouped-query, ``batch_first`` by default.
+
+    Args:
+        embed_dim: model width ``E`` of the query and of the output.
+        num_heads: query heads ``H``.
+        num_kv_heads: key/value heads ``Hkv`` (default ``H``); ``H % Hkv == 0``; 1 is
+            multi-query.
+        head_dim: query/key head dim ``Dk`` (default ``E // H``, which then must divide).
+        v_head_dim: value head dim ``Dv`` (default ``Dk``).
+        kdim, vdim: widths of the key and value inputs (default ``E``), for cross-attention.
+        bias: biases on all four projections.
+        dropout: on the attention weights, in training mode only.
+        batch_first: inputs ``(B, L, E)``; ``False`` takes ``nn.MultiheadAttention``'s
+            ``(L, B, E)``.
+        causal: apply the end-aligned causal rule (see :func:`attnkit.attention`).
+        backend: passed to :func:`attnkit.attention`.
+        output_projection: ``False`` drops the output projection (the output is then
+            ``(B, L, H * Dv)``).
+
+    ``forward(query, key=None, value=None, *, mask=None, key_padding_mask=None,
+    need_weights=False)``: ``query (B, L, E)``, ``key (B, S, kdim)`` (default: the query),
+    ``value (B, S, vdim)`` (default: the key). ``mask`` follows attnkit's convention
+    (bool, True = may attend, or float added; broadcastable to ``(B, H, L, S)``);
+    ``key_padding_mask`` is bool ``(B, S)``, True = a real key. Returns
+    :class:`~attnkit.AttentionOutput` ``(output (B, L, E), weights (B, H, L, S) or None)``.
+
+    >>> mha = MultiHeadAttention(64, 8, num_kv_heads=2)
+    >>> mha(torch.randn(2, 10, 64)).output.shape
+    torch.Size([2, 10, 64])
+    """
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        *,
+        mask: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = False,
+    ) -> AttentionOutput:
+        key = query if key is None else key
+        value = key if value is None else value
+        return self._attend(query, key, value, mask, key_padding_mask, need_weights)
+
+    @classmethod
+    def from_torch(cls, m: nn.MultiheadAttention, *, backend: str = "auto") -> MultiHeadAttention:
+        """An attnkit module with ``m``'s weights (copied exactly) and settings.
+
+        Masks keep attnkit's convention; translate torch's with
+        :func:`attnkit.interop.mask_from_torch`.
+        """
+        from attnkit.interop.torch_mha import from_torch
+
+        return from_torch(cls, m, backend=backend)
+
+    def to_torch(self) -> nn.MultiheadAttention:
+        """An ``nn.MultiheadAttention`` with this module's weights (copied exactly)."""
+        from attnkit.interop.torch_mha import to_torch
+
+        return to_torch(self)
+
+
+class SelfAttention(_Attention):
+    """Single-head self-attention without output projection, as written by hand in seed 000.
+
+    ``x (B, L, E) -> (B, L, head_dim)``; queries, keys and values are ``Linear(E, head_dim)``
+    projections of ``x`` (no bias by default). Returns :class:`~attnkit.AttentionOutput`.
+
+    >>> SelfAttention(256, 64)(torch.randn(32, 50, 256)).output.shape
+    torch.Size([32, 50, 64])
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        head_dim: int,
+        *,
+        bias: bool = False,
+        dropout: float = 0.0,
+        causal: bool = False,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            embed_dim,
+            1,
+            head_dim=head_dim,
+            bias=bias,
+            dropout=dropout,
+            causal=causal,
+            backend=backend,
+            output_projection=False,
+            device=device,
+            dtype=dtype,
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        mask: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = False,
+    ) -> AttentionOutput:
+        return self._attend(x, x, x, mask, key_padding_mask, need_weights)
+
+
+class CrossAttention(_Attention):
+    """Multi-head cross-attention: queries from ``x``, keys and values from ``context``.
+
+    ``x (B, L, E)``, ``context (B, S, context_dim)`` with any ``S``; output ``(B, L, E)``.
+    Same keywords as :class:`MultiHeadAttention` (``context_dim`` sets both ``kdim`` and
+    ``vdim``).
+
+    >>> xattn = CrossAttention(16, 4, context_dim=32)
+    >>> xattn(torch.randn(2, 6, 16), torch.randn(2, 8, 32)).output.shape
+    torch.Size([2, 6, 16])
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        context_dim: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        v_head_dim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        batch_first: bool = True,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            embed_dim,
+            num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            v_head_dim=v_head_dim,
+            kdim=context_dim,
+            vdim=context_dim,
+            bias=bias,
+            dropout=dropout,
+            batch_first=batch_first,
+            backend=backend,
+            device=device,
+            dtype=dtype,
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor,
+        *,
+        mask: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = False,
+    ) -> AttentionOutput:
+        return self._attend(x, context, context, mask, key_padding_mask, need_weights)

@@ -1,0 +1,308 @@
+"""Input checks for :func:`attnkit.attention` and the modules, in one place.
+
+Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
+Dk query/key head dim, Dv value head dim, E model width.
+
+Every check raises :class:`~attnkit.errors.AttentionInputError` with the argument's name, the
+shapes it got (with dim names), what was expected and the likely fix. Checks that look at tensor
+*values* (the inverted-causal-mask warning) are skipped while ``torch.compile`` traces, so that a
+compiled model has no data-dependent branches; shape and dtype checks always run.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import NamedTuple
+
+import torch
+
+from attnkit.errors import AttentionInputError, AttentionMaskWarning, shape_str
+
+__all__ = ["Dims", "mask_dims_str", "validate_attention"]
+
+Q_DIMS = ("B", "H", "L", "Dk")
+K_DIMS = ("B", "Hkv", "S", "Dk")
+V_DIMS = ("B", "Hkv", "S", "Dv")
+MASK_DIMS = ("B", "H", "L", "S")
+
+WHERE = "attnkit.attention"
+
+
+class Dims(NamedTuple):
+    """The sizes of one attention call, by dimension name."""
+
+    B: int
+    H: int
+    Hkv: int
+    L: int
+    S: int
+    Dk: int
+    Dv: int
+
+
+def _qkv_str(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    return "  ".join(
+        (shape_str("q", q, Q_DIMS), shape_str("k", k, K_DIMS), shape_str("v", v, V_DIMS))
+    )
+
+
+def mask_dims_str(mask: torch.Tensor) -> str:
+    """``mask (L=5, S=5)``: a mask's shape named from the right, as broadcasting aligns it."""
+    names = MASK_DIMS[len(MASK_DIMS) - mask.dim() :] if mask.dim() <= 4 else None
+    return shape_str("mask", mask, names)
+
+
+def _check_tensor(name: str, t: object, where: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise AttentionInputError(
+            where,
+            name,
+            f"`{name}` is a {type(t).__name__}, not a tensor.",
+            got=f"{name}: {type(t).__name__}",
+            expected="a torch.Tensor",
+            fix=f"convert it first, e.g. torch.as_tensor({name}, dtype=torch.float32)",
+        )
+    if not t.is_floating_point():
+        raise AttentionInputError(
+            where,
+            name,
+            f"`{name}` has dtype {t.dtype}; attention needs floating-point inputs.",
+            got=f"{name}.dtype = {t.dtype}",
+            expected="float16, bfloat16, float32 or float64",
+            fix=f"{name}.float() (integer token ids need an nn.Embedding before attention)",
+        )
+    return t
+
+
+def validate_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float | None,
+    dropout_p: float,
+    *,
+    where: str = WHERE,
+) -> Dims:
+    """Check one attention call; return its sizes. Raises :class:`AttentionInputError`."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, where)
+    for name, t, names in (("q", q, Q_DIMS), ("k", k, K_DIMS), ("v", v, V_DIMS)):
+        if t.dim() != 4:
+            fix = (
+                "a (B, L, E) tensor needs attnkit.split_heads(x, num_heads) first; "
+                "for one head use x.unsqueeze(1)"
+                if t.dim() == 3
+                else "reshape it to 4-D with a heads dimension"
+            )
+            raise AttentionInputError(
+                where,
+                name,
+                f"`{name}` is {t.dim()}-D; attention takes 4-D (batch, heads, length, dim).",
+                got=_qkv_str(q, k, v),
+                expected=f"{name} as ({', '.join(names)})",
+                fix=fix,
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise AttentionInputError(
+            where,
+            "k" if k.dtype != q.dtype else "v",
+            "q, k and v have different dtypes; attnkit never casts silently.",
+            got=f"q.dtype={q.dtype}  k.dtype={k.dtype}  v.dtype={v.dtype}",
+            expected="one dtype for q, k and v",
+            fix=f"cast them yourself, e.g. k.to({q.dtype}), v.to({q.dtype})",
+        )
+    if not (q.device == k.device == v.device):
+        raise AttentionInputError(
+            where,
+            "k" if k.device != q.device else "v",
+            "q, k and v are on different devices.",
+            got=f"q.device={q.device}  k.device={k.device}  v.device={v.device}",
+            expected="q, k and v on one device",
+            fix=f"move them: k.to({str(q.device)!r}), v.to({str(q.device)!r})",
+        )
+    B, H, L, Dk = q.shape
+    Bk, Hkv, S, Dkk = k.shape
+    Bv, Hv, Sv, Dv = v.shape
+    if not (B == Bk == Bv):
+        raise AttentionInputError(
+            where,
+            "k" if Bk != B else "v",
+            f"batch sizes differ: q has B={B}, k has B={Bk}, v has B={Bv}.",
+            got=_qkv_str(q, k, v),
+            expected="the same B in q, k and v",
+            fix="check that the batch dimension is first in all three "
+            "(a (seq, batch, ...) tensor needs .transpose(0, 1))",
+        )
+    if Dkk != Dk:
+        fix = "project queries and keys to the same head dim"
+        if k.shape[-2] == Dk and Dkk == L:
+            fix = "k looks transposed (B, Hkv, Dk, S): pass k itself, attention transposes it"
+        raise AttentionInputError(
+            where,
+            "k",
+            f"query/key head dims differ: q has Dk={Dk}, k has Dk={Dkk}.",
+            got=_qkv_str(q, k, v),
+            expected="q.shape[-1] == k.shape[-1] (the dot product needs equal lengths)",
+            fix=fix,
+        )
+    if Hv != Hkv:
+        raise AttentionInputError(
+            where,
+            "v",
+            f"k and v have different head counts: k has Hkv={Hkv}, v has Hkv={Hv}.",
+            got=_qkv_str(q, k, v),
+            expected="k.shape[1] == v.shape[1]",
+            fix="project keys and values to the same number of heads",
+        )
+    if Hkv == 0 or H % Hkv != 0:
+        raise AttentionInputError(
+            where,
+            "k",
+            f"`k` has {Hkv} heads, which does not divide the {H} heads of `q`.",
+            got=_qkv_str(q, k, v),
+            expected="H % Hkv == 0 (each key/value head serves H/Hkv query heads)",
+            fix="give k and v a number of heads that divides H (Hkv=1 is multi-query); "
+            "if heads and length are swapped, use .transpose(1, 2)",
+        )
+    if Sv != S:
+        raise AttentionInputError(
+            where,
+            "v",
+            f"k and v have different lengths: k has S={S}, v has S={Sv}.",
+            got=_qkv_str(q, k, v),
+            expected="k.shape[2] == v.shape[2] (one value per key)",
+            fix="keys and values must come from the same sequence",
+        )
+    if Dk == 0:
+        raise AttentionInputError(
+            where,
+            "q",
+            "the head dim Dk is 0.",
+            got=_qkv_str(q, k, v),
+            expected="Dk >= 1",
+        )
+    dims = Dims(B, H, Hkv, L, S, Dk, Dv)
+    if mask is not None:
+        _validate_mask(mask, q, dims, where)
+    if not isinstance(causal, bool):
+        raise AttentionInputError(
+            where,
+            "causal",
+            f"`causal` is a {type(causal).__name__}; it is a flag.",
+            got=f"causal={causal!r}",
+            expected="True or False",
+            fix="pass a boolean mask as mask=..., and causal=True only for the causal rule",
+        )
+    if scale is not None and (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not math.isfinite(scale)
+        or scale <= 0
+    ):
+        raise AttentionInputError(
+            where,
+            "scale",
+            f"`scale` must be a positive finite number, got {scale!r}.",
+            got=f"scale={scale!r}",
+            expected="scale > 0 (default 1/sqrt(Dk))",
+            fix=f"leave it out for 1/sqrt({Dk}) = {1 / math.sqrt(Dk):.4g}",
+        )
+    if (
+        isinstance(dropout_p, bool)
+        or not isinstance(dropout_p, (int, float))
+        or not 0.0 <= dropout_p < 1.0
+    ):
+        raise AttentionInputError(
+            where,
+            "dropout_p",
+            f"`dropout_p` must be in [0, 1), got {dropout_p!r}.",
+            got=f"dropout_p={dropout_p!r}",
+            expected="0 <= dropout_p < 1 (a probability of dropping a weight)",
+            fix="pass dropout_p=0.0 to turn dropout off",
+        )
+    return dims
+
+
+def _validate_mask(mask: object, q: torch.Tensor, dims: Dims, where: str) -> None:
+    if not isinstance(mask, torch.Tensor):
+        raise AttentionInputError(
+            where,
+            "mask",
+            f"`mask` is a {type(mask).__name__}, not a tensor.",
+            got=f"mask: {type(mask).__name__}",
+            expected="a bool tensor (True = may attend) or a float tensor added to the scores",
+            fix="torch.as_tensor(mask, dtype=torch.bool)",
+        )
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise AttentionInputError(
+            where,
+            "mask",
+            f"`mask` has dtype {mask.dtype}; integer masks are ambiguous (is 1 keep or drop?).",
+            got=f"{mask_dims_str(mask)} dtype={mask.dtype}",
+            expected="a bool mask (True = may attend) or a float mask of q's dtype (-inf blocks)",
+            fix="mask.bool() if 1 means 'may attend', mask == 0 if 1 means 'blocked'",
+        )
+    if mask.is_floating_point() and mask.dtype != q.dtype:
+        raise AttentionInputError(
+            where,
+            "mask",
+            f"float `mask` has dtype {mask.dtype} but q has {q.dtype}; attnkit never casts.",
+            got=f"{mask_dims_str(mask)} dtype={mask.dtype}",
+            expected=f"a float mask of dtype {q.dtype}, or a bool mask",
+            fix=f"mask.to({q.dtype})",
+        )
+    if mask.device != q.device:
+        raise AttentionInputError(
+            where,
+            "mask",
+            f"`mask` is on {mask.device} but q is on {q.device}.",
+            got=f"mask.device={mask.device}  q.device={q.device}",
+            expected="the mask on q's device",
+            fix=f"mask.to({str(q.device)!r})",
+        )
+    target = (dims.B, dims.H, dims.L, dims.S)
+    ok = mask.dim() <= 4 and all(
+        m in (1, t) for m, t in zip(mask.shape[::-1], target[::-1], strict=False)
+    )
+    if not ok:
+        fix = "build it as (L, S), (B, 1, L, S) or (B, H, L, S); size-1 dims broadcast"
+        if mask.dim() == 2 and tuple(mask.shape) == (dims.B, dims.S):
+            fix = "a (B, S) key-padding mask needs mask[:, None, None, :]"
+        elif mask.dim() >= 2 and tuple(mask.shape[-2:]) == (dims.S, dims.L):
+            fix = "the mask looks transposed (S, L): use mask.transpose(-2, -1)"
+        raise AttentionInputError(
+            where,
+            "mask",
+            "`mask` does not broadcast to (B, H, L, S).",
+            got=f"{mask_dims_str(mask)}  target (B={dims.B}, H={dims.H}, L={dims.L}, S={dims.S})",
+            expected="each mask dim equal to the target's or 1, at most 4 dims",
+            fix=fix,
+        )
+    if dims.L == dims.S and dims.L > 1 and not torch.compiler.is_compiling():
+        _warn_if_inverted_causal(mask)
+
+
+def _warn_if_inverted_causal(mask: torch.Tensor) -> None:
+    """Warn on a mask that forbids every diagonal entry but allows some future key.
+
+    That is the mask of seed 001 (``ones(L, L).triu(1).bool()``) read with attnkit's
+    True = may attend convention: each token sees only the tokens after it, and the last token
+    sees nothing. It is checked only when the whole diagonal is blocked, so the usual masks cost
+    one pass over the diagonal.
+    """
+    allowed = mask if mask.dtype == torch.bool else mask != float("-inf")
+    if bool(allowed.diagonal(dim1=-2, dim2=-1).any()):
+        return
+    if bool(allowed.triu(1).any()):
+        warnings.warn(
+            "attnkit: this mask blocks every token from itself and lets it see only later "
+            "tokens: it looks like an inverted causal mask. attnkit's convention is "
+            "True = may attend (as in F.scaled_dot_product_attention). Fix: pass causal=True "
+            "instead of a mask, or invert it with ~mask (a mask built as "
+            "ones(L, L).triu(1).bool() marks the positions to *block*).",
+            AttentionMaskWarning,
+            stacklevel=4,
+        )
