@@ -1,0 +1,57 @@
+"""The float64 oracle: attention written out head by head, independent of attnkit's backends.
+
+It loops over batch and heads, maps query head h to key/value head h // (H // Hkv) explicitly,
+builds the end-aligned causal rule from indices, and zeroes rows with nothing to attend to.
+
+Tolerance rule used by the tests (after flash-attention's): a backend's error against this
+oracle, computed in float64, must be at most 2x (outputs) / 3x (gradients) the error of a naive
+run in the backend's own dtype, plus a small absolute floor for dtype rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output (B, H, L, Dv) and weights (B, H, L, S), in q's dtype's float64 upcast."""
+    q, k, v = (t.double() for t in (q, k, v))
+    B, H, L, Dk = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    group = H // Hkv
+    scale = 1.0 / math.sqrt(Dk) if scale is None else scale
+    allowed = torch.ones(B, H, L, S, dtype=torch.bool)
+    additive = torch.zeros(B, H, L, S, dtype=torch.float64)
+    if mask is not None:
+        m = mask.expand(B, H, L, S)
+        if m.dtype == torch.bool:
+            allowed &= m
+        else:
+            additive = additive + m.double()
+            allowed &= m != float("-inf")
+    if causal:
+        i = torch.arange(L)[:, None]
+        j = torch.arange(S)[None, :]
+        allowed &= j <= i + (S - L)
+    out = torch.zeros(B, H, L, Dv, dtype=torch.float64)
+    weights = torch.zeros(B, H, L, S, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            hk = h // group
+            s = (q[b, h] @ k[b, hk].T) * scale + additive[b, h]  # (L, S)
+            s = s.masked_fill(~allowed[b, h], float("-inf"))
+            live = allowed[b, h].any(dim=1)  # rows with something to attend to
+            w = torch.softmax(s[live], dim=1)  # (rows, S)
+            weights[b, h, live] = w
+            out[b, h, live] = w @ v[b, hk]  # rows with nothing keep output 0
+    return out, weights
