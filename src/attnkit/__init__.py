@@ -5,7 +5,7 @@ One function, :func:`attention`, with one convention (see its docstring and the 
 bool masks say True = may attend; ``causal`` is aligned to the end when ``L != S``.
 """
 
-from attnkit.backends import available_backends, register_backend
+from attnkit.backends import available_backends, register_backend, unregister_backend
 from attnkit.errors import AttentionInputError, AttentionMaskWarning
 from attnkit.functional import AttentionOutput, Explanation, attention, explain
 from attnkit.heads import merge_heads, split_heads
@@ -29,4 +29,5 @@ __all__ = [
     "merge_heads",
     "register_backend",
     "split_heads",
+    "unregister_backend",
 ]

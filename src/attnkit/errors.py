@@ -10,11 +10,13 @@ Every message has the same four parts, so a user can read any of them the same w
 
 from __future__ import annotations
 
+import sys
+import warnings
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["AttentionInputError", "AttentionMaskWarning", "shape_str"]
+__all__ = ["AttentionInputError", "AttentionMaskWarning", "shape_str", "warn_user"]
 
 
 def shape_str(name: str, t: torch.Tensor | Sequence[int], dims: Sequence[str] | None) -> str:
@@ -64,3 +66,15 @@ class AttentionInputError(ValueError):
 
 class AttentionMaskWarning(UserWarning):
     """A mask that is valid but almost certainly not what was meant (for example, inverted)."""
+
+
+def warn_user(message: str, category: type[Warning] = AttentionMaskWarning) -> None:
+    """Warn, pointing at the first caller outside attnkit and torch (the user's line)."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and str(frame.f_globals.get("__name__", "")).startswith(
+        ("attnkit.", "torch.")
+    ):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, category, stacklevel=level + 1)

@@ -71,7 +71,7 @@ def _prepare(
     return_weights: bool,
     where: str,
 ) -> _Call:
-    dims = validate_attention(q, k, v, mask, causal, scale, dropout_p, where=where)
+    dims = validate_attention(q, k, v, mask, causal, scale, dropout_p, return_weights, where=where)
     # Backends get the causal rule alone, or one mask: causal + mask (which torch refuses) and
     # causal with L > S (whose first L - S rows see nothing) become one end-aligned mask.
     if causal and (mask is not None or dims.L > dims.S):
@@ -91,7 +91,7 @@ def _prepare(
         causal,
         float(scale) if scale is not None else 1.0 / math.sqrt(dims.Dk),
         float(dropout_p),
-        bool(return_weights),
+        return_weights,
         dims,
     )
 

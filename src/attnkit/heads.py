@@ -7,8 +7,9 @@ contiguously, head after head. ``view(B, L, H, D)`` only relabels that memory (t
 feature), and ``transpose(1, 2)`` then brings the heads forward for a batched matmul. The other
 order (``view(B, H, L, D)`` straight away) runs without error but mixes tokens into heads.
 On the way back ``transpose(1, 2)`` leaves a tensor that is not contiguous, so it cannot be
-``view``-ed; ``reshape`` makes it contiguous (one copy) and then views it, which is what
-``.contiguous().view(...)`` spells out.
+``view``-ed: ``.contiguous()`` copies it into token-major order once, then ``view`` merges the
+heads. (``split_heads`` uses ``reshape``, which views when it can and copies only an input
+whose layout does not allow the view.)
 """
 
 from __future__ import annotations
@@ -36,7 +37,11 @@ def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
             expected="an int >= 1",
         )
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        got = shape_str("x", x, ("B", "H", "L", "D")) if isinstance(x, torch.Tensor) else "?"
+        got = (
+            shape_str("x", x, ("B", "H", "L", "D"))
+            if isinstance(x, torch.Tensor)
+            else f"x: {type(x).__name__}"
+        )
         raise AttentionInputError(
             where,
             "x",
@@ -69,8 +74,22 @@ def merge_heads(x: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
     torch.Size([2, 4, 8])
     """
     where = "attnkit.merge_heads"
+    if num_heads is not None and (
+        isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1
+    ):
+        raise AttentionInputError(
+            where,
+            "num_heads",
+            f"`num_heads` must be a positive int or None, got {num_heads!r}.",
+            got=f"num_heads={num_heads!r}",
+            expected="an int >= 1 (or None to skip the check)",
+        )
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
-        got = shape_str("x", x, ("B", "L", "E")) if isinstance(x, torch.Tensor) else "?"
+        got = (
+            shape_str("x", x, ("B", "L", "E"))
+            if isinstance(x, torch.Tensor)
+            else f"x: {type(x).__name__}"
+        )
         raise AttentionInputError(
             where,
             "x",
@@ -92,4 +111,4 @@ def merge_heads(x: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
             expected=f"x (B, H={num_heads}, L, D)",
             fix=fix,
         )
-    return x.transpose(1, 2).reshape(B, L, H * D)  # (B, L, E)
+    return x.transpose(1, 2).contiguous().view(B, L, H * D)  # (B, L, E)

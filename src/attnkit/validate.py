@@ -12,12 +12,11 @@ compiled model has no data-dependent branches; shape and dtype checks always run
 from __future__ import annotations
 
 import math
-import warnings
 from typing import NamedTuple
 
 import torch
 
-from attnkit.errors import AttentionInputError, AttentionMaskWarning, shape_str
+from attnkit.errors import AttentionInputError, shape_str, warn_user
 
 __all__ = ["Dims", "mask_dims_str", "validate_attention"]
 
@@ -83,6 +82,7 @@ def validate_attention(
     causal: bool,
     scale: float | None,
     dropout_p: float,
+    return_weights: bool = False,
     *,
     where: str = WHERE,
 ) -> Dims:
@@ -138,7 +138,7 @@ def validate_attention(
         )
     if Dkk != Dk:
         fix = "project queries and keys to the same head dim"
-        if k.shape[-2] == Dk and Dkk == L:
+        if k.shape[-2] == Dk and Dkk == v.shape[2]:
             fix = "k looks transposed (B, Hkv, Dk, S): pass k itself, attention transposes it"
         raise AttentionInputError(
             where,
@@ -191,7 +191,7 @@ def validate_attention(
         raise AttentionInputError(
             where,
             "causal",
-            f"`causal` is a {type(causal).__name__}; it is a flag.",
+            f"`causal` is of type {type(causal).__name__}; it is a flag.",
             got=f"causal={causal!r}",
             expected="True or False",
             fix="pass a boolean mask as mask=..., and causal=True only for the causal rule",
@@ -222,6 +222,14 @@ def validate_attention(
             got=f"dropout_p={dropout_p!r}",
             expected="0 <= dropout_p < 1 (a probability of dropping a weight)",
             fix="pass dropout_p=0.0 to turn dropout off",
+        )
+    if not isinstance(return_weights, bool):
+        raise AttentionInputError(
+            where,
+            "return_weights",
+            f"`return_weights` is of type {type(return_weights).__name__}; it is a flag.",
+            got=f"return_weights={return_weights!r}",
+            expected="True or False",
         )
     return dims
 
@@ -271,7 +279,7 @@ def _validate_mask(mask: object, q: torch.Tensor, dims: Dims, where: str) -> Non
         fix = "build it as (L, S), (B, 1, L, S) or (B, H, L, S); size-1 dims broadcast"
         if mask.dim() == 2 and tuple(mask.shape) == (dims.B, dims.S):
             fix = "a (B, S) key-padding mask needs mask[:, None, None, :]"
-        elif mask.dim() >= 2 and tuple(mask.shape[-2:]) == (dims.S, dims.L):
+        elif dims.L != dims.S and mask.dim() >= 2 and tuple(mask.shape[-2:]) == (dims.S, dims.L):
             fix = "the mask looks transposed (S, L): use mask.transpose(-2, -1)"
         raise AttentionInputError(
             where,
@@ -281,7 +289,8 @@ def _validate_mask(mask: object, q: torch.Tensor, dims: Dims, where: str) -> Non
             expected="each mask dim equal to the target's or 1, at most 4 dims",
             fix=fix,
         )
-    if dims.L == dims.S and dims.L > 1 and not torch.compiler.is_compiling():
+    square = mask.dim() >= 2 and mask.shape[-2] == mask.shape[-1] == dims.L > 1
+    if square and not torch.compiler.is_compiling():
         _warn_if_inverted_causal(mask)
 
 
@@ -297,12 +306,10 @@ def _warn_if_inverted_causal(mask: torch.Tensor) -> None:
     if bool(allowed.diagonal(dim1=-2, dim2=-1).any()):
         return
     if bool(allowed.triu(1).any()):
-        warnings.warn(
+        warn_user(
             "attnkit: this mask blocks every token from itself and lets it see only later "
             "tokens: it looks like an inverted causal mask. attnkit's convention is "
             "True = may attend (as in F.scaled_dot_product_attention). Fix: pass causal=True "
             "instead of a mask, or invert it with ~mask (a mask built as "
-            "ones(L, L).triu(1).bool() marks the positions to *block*).",
-            AttentionMaskWarning,
-            stacklevel=4,
+            "ones(L, L).triu(1).bool() marks the positions to *block*)."
         )

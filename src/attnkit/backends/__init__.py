@@ -30,6 +30,7 @@ __all__ = [
     "available_backends",
     "get_backend",
     "register_backend",
+    "unregister_backend",
 ]
 
 
@@ -98,6 +99,13 @@ def register_backend(
     if auto_rank is not None:
         AUTO_ORDER.insert(auto_rank, name)
     return backend
+
+
+def unregister_backend(name: str) -> None:
+    """Remove a backend registered with :func:`register_backend` (``KeyError`` if none)."""
+    del _REGISTRY[name]
+    if name in AUTO_ORDER:
+        AUTO_ORDER.remove(name)
 
 
 def get_backend(name: str) -> Backend:

@@ -32,8 +32,6 @@ def run(
     B, H, L, Dk = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = H // Hkv
-    if S == 0:  # nothing to attend to: every row is fully masked
-        return q.new_zeros(B, H, L, Dv), (q.new_zeros(B, H, L, 0) if return_weights else None)
     # Grouped-query heads without copying K/V: the G query heads of one key/value head are
     # stacked along the length, so one matmul per key/value head serves all of them.
     qg = q.reshape(B, Hkv, G * L, Dk)  # (B, Hkv, G*L, Dk)
@@ -46,7 +44,7 @@ def run(
         scores = scores + mask
     # A query row with nothing to attend to is all -inf; softmax would give NaN. Give it
     # scores of 0 (finite), then zero its weights, so its output and gradient are exactly 0.
-    row_ok = scores.amax(dim=-1, keepdim=True) > float("-inf")  # (B, H, L, 1)
+    row_ok = (scores > float("-inf")).any(dim=-1, keepdim=True)  # (B, H, L, 1)
     weights = torch.where(row_ok, scores, 0.0).softmax(dim=-1)  # (B, H, L, S)
     weights = torch.where(row_ok, weights, 0.0)
     if dropout_p > 0.0:

@@ -11,13 +11,12 @@ unless ``need_weights=True``.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
-from attnkit.errors import AttentionInputError, AttentionMaskWarning, shape_str
+from attnkit.errors import AttentionInputError, shape_str, warn_user
 from attnkit.functional import AttentionOutput, run_attention
 from attnkit.heads import merge_heads, split_heads
 
@@ -93,7 +92,8 @@ class _Attention(nn.Module):
                 "dropout",
                 f"`dropout` must be in [0, 1), got {dropout!r}.",
                 got=f"dropout={dropout!r}",
-                expected="0 <= dropout < 1",
+                expected="0 <= dropout < 1 (the probability of dropping an attention weight)",
+                fix="dropout=0.0 turns it off",
             )
         Dk = _positive_int(where, "head_dim", E // H if head_dim is None else head_dim)
         Dv = _positive_int(where, "v_head_dim", Dk if v_head_dim is None else v_head_dim)
@@ -245,13 +245,11 @@ class _Attention(nn.Module):
                 fix=fix,
             )
         if not torch.compiler.is_compiling() and S > 0 and bool((~kpm.any(dim=1)).any()):
-            warnings.warn(
+            warn_user(
                 "attnkit: key_padding_mask lets some batch rows attend to no key at all (their "
                 "output is 0). attnkit's convention is True = a real key that may be attended; "
                 "nn.MultiheadAttention's is True = ignore. If this is a torch mask, pass "
-                "~key_padding_mask, or convert it with attnkit.interop.mask_from_torch.",
-                AttentionMaskWarning,
-                stacklevel=4,
+                "~key_padding_mask, or convert it with attnkit.interop.mask_from_torch."
             )
         keep = kpm[:, None, None, :]  # (B, 1, 1, S)
         if mask is None:

@@ -1,0 +1,241 @@
+"""attention() and explain(): conventions, dispatch, dropout, fully masked rows, gradcheck."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import AttentionInputError, attention, causal_mask, explain
+from oracle import reference_attention
+
+BACKENDS = attnkit.available_backends()
+
+
+def _qkv(B=2, H=4, Hkv=2, L=5, S=7, Dk=8, Dv=8, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(B, H, L, Dk, generator=g, dtype=dtype),
+        torch.randn(B, Hkv, S, Dk, generator=g, dtype=dtype),
+        torch.randn(B, Hkv, S, Dv, generator=g, dtype=dtype),
+    )
+
+
+def test_causal_mask_is_aligned_to_the_end() -> None:
+    assert causal_mask(2, 4).int().tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    assert causal_mask(4, 2).int().tolist() == [[0, 0], [0, 0], [1, 0], [1, 1]]
+    assert torch.equal(causal_mask(5, 5), torch.ones(5, 5, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("L", "S"), [(3, 7), (7, 7), (7, 3), (1, 9)])
+def test_causal_matches_the_end_aligned_mask(backend: str, L: int, S: int) -> None:
+    q, k, v = _qkv(L=L, S=S)
+    got = attention(q, k, v, causal=True, backend=backend)
+    explicit = attention(q, k, v, mask=causal_mask(L, S), backend="math")
+    assert torch.allclose(got, explicit, atol=1e-12)
+    assert torch.allclose(got, reference_attention(q, k, v, causal=True)[0], atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_causal_and_mask_together(backend: str) -> None:
+    q, k, v = _qkv(L=6, S=6)
+    pad = torch.tensor([True] * 4 + [False] * 2)  # keys 4, 5 are padding
+    out = attention(q, k, v, mask=pad, causal=True, backend=backend)
+    both = causal_mask(6, 6) & pad
+    assert torch.allclose(out, reference_attention(q, k, v, mask=both)[0], atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bool_and_float_masks_agree(backend: str) -> None:
+    q, k, v = _qkv()
+    allowed = torch.rand(2, 1, 5, 7, generator=torch.Generator().manual_seed(1)) > 0.3
+    allowed[..., 0] = True
+    additive = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, -torch.inf)
+    a = attention(q, k, v, mask=allowed, backend=backend)
+    b = attention(q, k, v, mask=additive, backend=backend)
+    assert torch.allclose(a, b, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("where", ["mask", "causal L > S", "S = 0"])
+def test_fully_masked_rows_give_zero_output_and_zero_gradient(backend: str, where: str) -> None:
+    S = 0 if where == "S = 0" else 4
+    q, k, v = (t.requires_grad_(True) for t in _qkv(L=6, S=S))
+    mask = None
+    if where == "mask":
+        mask = torch.ones(2, 1, 6, S, dtype=torch.bool)
+        mask[:, :, [1, 4]] = False  # query rows 1 and 4 see nothing
+        dead = [1, 4]
+    else:
+        dead = [0, 1] if where == "causal L > S" else list(range(6))
+    out = attention(q, k, v, mask=mask, causal=where == "causal L > S", backend=backend)
+    assert not out.isnan().any()
+    assert torch.equal(out[:, :, dead], torch.zeros_like(out[:, :, dead]))
+    out.backward(torch.randn_like(out))
+    for t in (q, k, v):
+        assert t.grad is not None
+        assert not t.grad.isnan().any()
+    assert torch.equal(q.grad[:, :, dead], torch.zeros_like(q.grad[:, :, dead]))
+
+
+def test_fully_masked_rows_have_zero_weights() -> None:
+    q, k, v = _qkv(L=3, S=3)
+    mask = torch.tensor([[True, True, False], [False, False, False], [True, True, True]])
+    out, weights = attention(q, k, v, mask=mask, return_weights=True)
+    assert weights is not None
+    assert out[:, :, 1].abs().sum() == 0
+    assert weights[:, :, 1].abs().sum() == 0
+    assert torch.allclose(weights[:, :, [0, 2]].sum(-1), torch.ones(2, 4, 2, dtype=q.dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["none", "causal", "bool", "float", "gqa-causal"])
+def test_gradcheck_float64(backend: str, kind: str) -> None:
+    Hkv = 1 if kind == "gqa-causal" else 2
+    q, k, v = (t.requires_grad_(True) for t in _qkv(B=1, H=2, Hkv=Hkv, L=4, S=5, Dk=3, Dv=3))
+    mask = None
+    g = torch.Generator().manual_seed(3)
+    if kind == "bool":
+        mask = torch.rand(4, 5, generator=g) > 0.3
+    elif kind == "float":
+        mask = torch.randn(1, 2, 4, 5, generator=g, dtype=torch.float64)
+
+    def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attention(q, k, v, mask=mask, causal="causal" in kind, backend=backend)
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_gradcheck_through_a_float_mask() -> None:
+    q, k, v = (t.requires_grad_(True) for t in _qkv(B=1, H=2, Hkv=2, L=3, S=4, Dk=3, Dv=2))
+    bias = torch.randn(1, 2, 3, 4, dtype=torch.float64, requires_grad=True)
+    assert explain(q, k, v, mask=bias).chosen == "math"  # torch's fused CPU kernel cannot
+    assert torch.autograd.gradcheck(lambda b: attention(q, k, v, mask=b), (bias,))
+
+
+def test_scale_is_used_and_defaults_to_inverse_sqrt_dk() -> None:
+    q, k, v = _qkv(Dk=16)
+    assert torch.allclose(attention(q, k, v), attention(q, k, v, scale=0.25), atol=1e-14)
+    assert torch.allclose(
+        attention(q, k, v, scale=0.7), reference_attention(q, k, v, scale=0.7)[0], atol=1e-12
+    )
+
+
+def test_dv_differs_from_dk_and_l_from_s() -> None:
+    q, k, v = _qkv(L=3, S=11, Dk=24, Dv=28)
+    out = attention(q, k, v)
+    assert out.shape == (2, 4, 3, 28)
+    assert explain(q, k, v).chosen == "math"
+    assert torch.allclose(out, reference_attention(q, k, v)[0], atol=1e-12)
+
+
+def test_grouped_query_heads_map_like_repeat_interleave() -> None:
+    q, k, v = _qkv(H=6, Hkv=2)
+    expanded = attention(q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1))
+    for backend in BACKENDS:
+        assert torch.allclose(attention(q, k, v, backend=backend), expanded, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grouped_query_does_not_repeat_kv(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v = _qkv(H=8, Hkv=1)
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("K/V were repeated per query head")
+
+    monkeypatch.setattr(torch, "repeat_interleave", forbidden)
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", forbidden)
+    monkeypatch.setattr(torch.Tensor, "repeat", forbidden)
+    attention(q, k, v, backend=backend)
+
+
+def test_return_weights_returns_output_and_weights_together() -> None:
+    q, k, v = _qkv()
+    result = attention(q, k, v, return_weights=True)
+    assert isinstance(result, attnkit.AttentionOutput)
+    out, weights = result
+    assert weights is not None
+    assert weights.shape == (2, 4, 5, 7)
+    assert torch.allclose(out, attention(q, k, v), atol=1e-12)
+    assert torch.allclose(weights.sum(-1), torch.ones(2, 4, 5, dtype=q.dtype))
+
+
+def test_dropout_only_when_asked() -> None:
+    q, k, v = _qkv(dtype=torch.float32)
+    assert torch.equal(attention(q, k, v, dropout_p=0.0), attention(q, k, v))
+    assert explain(q, k, v, dropout_p=0.5).chosen == "math"  # the fused CPU kernel has none
+    torch.manual_seed(0)
+    out, dropped = attention(q, k, v, dropout_p=0.5, return_weights=True)
+    _, clean = attention(q, k, v, return_weights=True)
+    assert dropped is not None
+    assert clean is not None
+    kept = dropped != 0
+    assert 0.3 < kept.float().mean().item() < 0.7
+    assert torch.allclose(dropped[kept], clean[kept] / 0.5)  # inverted dropout scaling
+    assert torch.allclose(out, dropped @ v.repeat_interleave(2, dim=1), atol=1e-6)
+
+
+def test_named_backend_that_cannot_serve_raises_instead_of_falling_back() -> None:
+    q, k, v = _qkv(Dk=8, Dv=4)
+    with pytest.raises(AttentionInputError, match="backend 'sdpa' cannot serve") as info:
+        attention(q, k, v, backend="sdpa")
+    assert info.value.argument == "backend"
+    assert "Dv=4 differs from Dk=8" in str(info.value)
+
+
+def test_explain_reports_the_choice_and_each_reason() -> None:
+    q = torch.randn(1, 8, 64, 32)
+    report = explain(q, q, q, return_weights=True)
+    assert report.chosen == "math"
+    assert report.verdicts["math"] is None
+    assert "return the attention weights" in str(report.verdicts["sdpa"])
+    text = str(report)
+    assert "auto takes: math" in text
+    assert "sdpa: cannot serve: fused kernels do not return the attention weights" in text
+    text = str(explain(q, q, q, causal=True))
+    assert "auto takes: sdpa" in text
+    assert "math: can serve, but auto prefers sdpa" in text
+    assert "backend='math' named" in str(explain(q, q, q, backend="math"))
+
+
+def test_explain_validates_like_attention() -> None:
+    q = torch.randn(1, 8, 64, 32)
+    with pytest.raises(AttentionInputError, match=r"^attnkit\.explain: "):
+        explain(q, q[..., :16], q)
+
+
+def test_registry_takes_plain_functions() -> None:
+    calls: list[str] = []
+
+    def run(q, k, v, *, mask, causal, scale, dropout_p, return_weights):
+        calls.append("run")
+        out = attention(q, k, v, mask=mask, causal=causal, scale=scale, backend="math")
+        return out, None
+
+    def check(q, k, v, *, mask, causal, scale, dropout_p, return_weights):
+        return "no weights here" if return_weights else None
+
+    attnkit.register_backend("test-wrapper", run, check, "math, wrapped")
+    try:
+        q, k, v = _qkv()
+        wrapped = attention(q, k, v, backend="test-wrapper")
+        assert torch.equal(wrapped, attention(q, k, v, backend="math"))
+        assert calls == ["run"]
+        assert explain(q, k, v).chosen != "test-wrapper"  # not in auto unless ranked
+        assert "only when named" in str(explain(q, k, v))
+        with pytest.raises(AttentionInputError, match="no weights here"):
+            attention(q, k, v, backend="test-wrapper", return_weights=True)
+        with pytest.raises(ValueError, match="already registered"):
+            attnkit.register_backend("test-wrapper", run, check, "again")
+    finally:
+        attnkit.unregister_backend("test-wrapper")
+    assert "test-wrapper" not in attnkit.available_backends()
+
+
+def test_inverted_causal_mask_of_seed_001_warns() -> None:
+    q, k, v = _qkv(L=6, S=6, Hkv=4)
+    seed_001_mask = torch.ones(6, 6).triu(1).bool()
+    with pytest.warns(attnkit.AttentionMaskWarning, match=r"causal=True.*~mask"):
+        attention(q, k, v, mask=seed_001_mask)
+    attention(q, k, v, mask=~seed_001_mask)  # the fix: no warning (warnings are errors here)
