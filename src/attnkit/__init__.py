@@ -9,6 +9,7 @@ from attnkit.backends import available_backends, register_backend, unregister_ba
 from attnkit.errors import AttentionInputError, AttentionMaskWarning
 from attnkit.functional import AttentionOutput, Explanation, attention, explain
 from attnkit.heads import merge_heads, split_heads
+from attnkit.inspect.trace import Trace, trace
 from attnkit.masks import causal_mask
 from attnkit.modules import CrossAttention, MultiHeadAttention, SelfAttention
 
@@ -22,6 +23,7 @@ __all__ = [
     "Explanation",
     "MultiHeadAttention",
     "SelfAttention",
+    "Trace",
     "attention",
     "available_backends",
     "causal_mask",
@@ -29,5 +31,6 @@ __all__ = [
     "merge_heads",
     "register_backend",
     "split_heads",
+    "trace",
     "unregister_backend",
 ]

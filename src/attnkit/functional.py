@@ -14,6 +14,7 @@ import torch
 
 from attnkit.backends import AUTO_ORDER, Backend, available_backends, get_backend
 from attnkit.errors import AttentionInputError
+from attnkit.inspect.trace import _ACTIVE as _TRACES
 from attnkit.masks import causal_mask
 from attnkit.validate import Dims, validate_attention
 
@@ -248,6 +249,10 @@ def run_attention(
         dropout_p=call.dropout_p,
         return_weights=call.return_weights,
     )
+    if _TRACES:  # attnkit.trace() is active: record shapes (nothing is computed)
+        from attnkit.inspect.trace import record_attention
+
+        record_attention(_TRACES[-1], call.q, call.k, call.v, out, chosen.name, chosen.fused)
     return AttentionOutput(out, weights)
 
 

@@ -66,12 +66,16 @@ class BackendCheck(Protocol):
 
 @dataclass(frozen=True)
 class Backend:
-    """A registered backend: its name, its two functions and a one-line description."""
+    """A registered backend: its name, its two functions and a one-line description.
+
+    ``fused`` says that it never materialises the ``(B, H, L, S)`` scores and weights.
+    """
 
     name: str
     run: BackendRun
     check: BackendCheck
     description: str
+    fused: bool = False
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -87,6 +91,7 @@ def register_backend(
     description: str,
     *,
     auto_rank: int | None = None,
+    fused: bool = False,
 ) -> Backend:
     """Register a backend under ``name``; ``auto_rank`` places it in :data:`AUTO_ORDER`.
 
@@ -94,7 +99,7 @@ def register_backend(
     """
     if name == "auto" or name in _REGISTRY:
         raise ValueError(f"a backend named {name!r} is already registered")
-    backend = Backend(name, run, check, description)
+    backend = Backend(name, run, check, description, fused)
     _REGISTRY[name] = backend
     if auto_rank is not None:
         AUTO_ORDER.insert(auto_rank, name)
@@ -121,7 +126,7 @@ def available_backends() -> list[str]:
 def _register_builtin() -> None:
     from attnkit.backends import math, sdpa
 
-    register_backend("sdpa", sdpa.run, sdpa.check, sdpa.DESCRIPTION, auto_rank=0)
+    register_backend("sdpa", sdpa.run, sdpa.check, sdpa.DESCRIPTION, auto_rank=0, fused=True)
     register_backend("math", math.run, math.check, math.DESCRIPTION, auto_rank=1)
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from attnkit.errors import AttentionInputError, shape_str, warn_user
 from attnkit.functional import AttentionOutput, run_attention
 from attnkit.heads import merge_heads, split_heads
+from attnkit.inspect.trace import active_trace, record_module_end, record_module_start
 
 __all__ = ["CrossAttention", "MultiHeadAttention", "SelfAttention"]
 
@@ -191,10 +192,18 @@ class _Attention(nn.Module):
             )
         if key_padding_mask is not None:
             mask = self._merge_key_padding(query, key_padding_mask, mask, B, S)
-        # (B, L, E) -> (B, H, L, Dk); keys/values -> (B, Hkv, S, D)
-        q = split_heads(self.q_proj(query), self.num_heads)
-        k = split_heads(self.k_proj(key), self.num_kv_heads)
-        v = split_heads(self.v_proj(value), self.num_kv_heads)
+        qp = self.q_proj(query)  # (B, L, H*Dk)
+        kp = self.k_proj(key)  # (B, S, Hkv*Dk)
+        vp = self.v_proj(value)  # (B, S, Hkv*Dv)
+        q = split_heads(qp, self.num_heads)  # (B, H, L, Dk)
+        k = split_heads(kp, self.num_kv_heads)  # (B, Hkv, S, Dk)
+        v = split_heads(vp, self.num_kv_heads)  # (B, Hkv, S, Dv)
+        tr = active_trace()
+        if tr is not None:
+            inputs = [("query", query), ("key", key), ("value", value)]
+            record_module_start(
+                tr, self, inputs, [("q", qp), ("k", kp), ("v", vp)], [("q", q), ("k", k), ("v", v)]
+            )
         out, weights = run_attention(
             q,
             k,
@@ -206,7 +215,10 @@ class _Attention(nn.Module):
             need_weights,
             self.backend,
         )
-        y = self.out_proj(merge_heads(out))  # (B, H, L, Dv) -> (B, L, H*Dv) -> (B, L, E)
+        merged = merge_heads(out)  # (B, H, L, Dv) -> (B, L, H*Dv)
+        y = self.out_proj(merged)  # (B, L, E)
+        if tr is not None:
+            record_module_end(tr, self, merged, y, isinstance(self.out_proj, nn.Linear))
         if not self.batch_first:
             y = y.transpose(0, 1)  # (L, B, E)
         return AttentionOutput(y, weights)
