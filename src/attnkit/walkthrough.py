@@ -39,7 +39,15 @@ class Walkthrough:
 
 
 def life_is_short() -> Walkthrough:
-    """Run the walk-through with the seed's random seeds; return every tensor and a report."""
+    """Run the walk-through with the seed's random seeds; return every tensor and a report.
+
+    The seeds are set inside a forked random state: the caller's random state is untouched.
+    """
+    with torch.random.fork_rng():
+        return _life_is_short()
+
+
+def _life_is_short() -> Walkthrough:
     lines: list[str] = []
 
     def say(text: str) -> None:

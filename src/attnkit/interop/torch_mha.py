@@ -73,7 +73,7 @@ def from_torch(
         out.weight.copy_(m.out_proj.weight)
         if m.out_proj.bias is not None:
             out.bias.copy_(m.out_proj.bias)
-    return mod
+    return mod.train(m.training)
 
 
 def to_torch(mod: MultiHeadAttention) -> nn.MultiheadAttention:
@@ -127,7 +127,7 @@ def to_torch(mod: MultiHeadAttention) -> nn.MultiheadAttention:
         m.out_proj.weight.copy_(out.weight)
         if m.out_proj.bias is not None:
             m.out_proj.bias.copy_(out.bias)
-    return m
+    return m.train(mod.training)
 
 
 def mask_from_torch(

@@ -1,0 +1,76 @@
+"""The ``attnkit`` command line: ``demo``, ``version``, ``--help``, and ``python -m attnkit``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+from typer.testing import CliRunner
+
+import attnkit
+from attnkit.cli import app
+
+runner = CliRunner()
+
+WEIGHTS_LINE = (
+    'weights of the 2nd word "is" over the sentence: '
+    "[0.2912, 0.0106, 0.0982, 0.0625, 0.4917, 0.0458]"
+)
+
+
+def _check_demo_output(text: str) -> None:
+    assert WEIGHTS_LINE in text
+    assert "its context vector starts [-1.5993, 0.0156, 1.2670, 0.0032, ...]" in text
+    assert "(L, E)          (6, 16)" in text
+    assert "(B, H, L, Dk)   (1, 1, 6, 24)" in text
+    assert "(B, Hkv, S, Dv) (1, 1, 6, 28)" in text
+    assert "(B, H, L, S)    (1, 1, 6, 6)" in text
+    assert "(B, H, L, Dv)   (1, 1, 6, 28)" in text
+    assert "equal to the above: True" in text
+    assert "(B, L, H*Dv) (1, 6, 84)" in text
+    assert "(B, L, E) (1, 6, 16)" in text
+
+
+def test_demo() -> None:
+    result = runner.invoke(app, ["demo"])
+    assert result.exit_code == 0, result.output
+    _check_demo_output(result.output)
+    assert result.output.splitlines()[0].startswith('sentence: "Life is short, eat dessert first"')
+
+
+def test_help_lists_commands() -> None:
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0, result.output
+    assert "demo" in result.output
+    assert "version" in result.output
+    assert "Self-attention for PyTorch" in result.output
+
+
+def test_no_arguments_shows_help() -> None:
+    result = runner.invoke(app, [])
+    assert "demo" in result.output
+    assert "Usage" in result.output
+
+
+def test_version() -> None:
+    result = runner.invoke(app, ["version"])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == f"attnkit {attnkit.__version__}, torch {torch.__version__}"
+
+
+def test_unknown_command_fails() -> None:
+    result = runner.invoke(app, ["no-such-command"])
+    assert result.exit_code != 0
+
+
+def test_python_dash_m_attnkit_demo() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "attnkit", "demo"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    _check_demo_output(proc.stdout)
