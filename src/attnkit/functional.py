@@ -14,7 +14,7 @@ import torch
 
 from attnkit.backends import AUTO_ORDER, Backend, available_backends, get_backend
 from attnkit.errors import AttentionInputError
-from attnkit.inspect.trace import _ACTIVE as _TRACES
+from attnkit.inspect.tracing import _ACTIVE as _TRACES
 from attnkit.masks import causal_mask
 from attnkit.validate import Dims, validate_attention
 
@@ -250,7 +250,7 @@ def run_attention(
         return_weights=call.return_weights,
     )
     if _TRACES:  # attnkit.trace() is active: record shapes (nothing is computed)
-        from attnkit.inspect.trace import record_attention
+        from attnkit.inspect.tracing import record_attention
 
         record_attention(_TRACES[-1], call.q, call.k, call.v, out, chosen.name, chosen.fused)
     return AttentionOutput(out, weights)

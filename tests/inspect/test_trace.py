@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import attnkit
-from attnkit.inspect import trace as trace_module
+from attnkit.inspect import tracing as trace_module
 
 
 def _steps(t: attnkit.Trace) -> list[tuple[str, str, str]]:

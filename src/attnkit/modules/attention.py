@@ -19,7 +19,7 @@ from torch import nn
 from attnkit.errors import AttentionInputError, shape_str, warn_user
 from attnkit.functional import AttentionOutput, run_attention
 from attnkit.heads import merge_heads, split_heads
-from attnkit.inspect.trace import active_trace, record_module_end, record_module_start
+from attnkit.inspect.tracing import active_trace, record_module_end, record_module_start
 
 __all__ = ["CrossAttention", "MultiHeadAttention", "SelfAttention"]
 

@@ -1,0 +1,637 @@
+"""Write the attention maps of one sequence to disk: NPZ (data), PNG (all heads), HTML (explorer).
+
+Dimension legend: N layers, H heads, T tokens (every map is T x T: rows are query tokens, columns
+are key tokens), E hidden width.
+
+The writers take plain arrays, so they work for any model: ``attentions (N, H, T, T)`` holds
+softmax weights (each row sums to 1), ``tokens`` the T token strings, ``hidden (T, E)`` the last
+hidden states. numpy arrays and torch tensors are both accepted. matplotlib is imported only when a
+PNG is written.
+
+>>> import tempfile
+>>> import numpy as np
+>>> attentions = np.full((2, 3, 4, 4), 0.25, dtype=np.float32)  # (N=2, H=3, T=4, T=4)
+>>> with tempfile.TemporaryDirectory() as out:
+...     paths = write_all(out, attentions, ["[CLS]", "hi", "there", "[SEP]"], np.zeros((4, 8)))
+...     sorted(p.name for p in paths.values())
+['attention.html', 'attention.npz', 'attention.png']
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from attnkit.errors import AttentionInputError, shape_str
+
+__all__ = ["write_all", "write_html", "write_npz", "write_png"]
+
+Array: TypeAlias = "npt.NDArray[Any] | torch.Tensor"
+Float32: TypeAlias = "npt.NDArray[np.float32]"
+
+ATTENTION_DIMS = ("N", "H", "T", "T")
+HIDDEN_DIMS = ("T", "E")
+FILES = {"html": "attention.html", "png": "attention.png", "npz": "attention.npz"}
+DECIMALS = 5  # weights in the HTML; the NPZ keeps full float32
+PNG_DPI = 90
+PNG_MAP_IN = 1.0  # inches per heatmap in the PNG grid
+PNG_GAP_IN = (0.12, 0.24)  # between heatmaps: (across, down; room for the "L0 H0" titles)
+WEIGHT_SLACK = 1e-3  # float16/bfloat16 softmax can overshoot [0, 1] by a rounding step
+
+
+# ---------------------------------------------------------------------------------------------
+# input checks
+
+
+def _to_float32(where: str, name: str, x: object) -> Float32:
+    if isinstance(x, torch.Tensor):
+        return np.ascontiguousarray(x.detach().cpu().float().numpy())
+    if isinstance(x, np.ndarray):
+        if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
+            raise AttentionInputError(
+                where,
+                name,
+                f"`{name}` has dtype {x.dtype}; it must hold numbers.",
+                got=f"{name}.dtype = {x.dtype}",
+                expected="a floating-point array",
+            )
+        return np.ascontiguousarray(x, dtype=np.float32)
+    raise AttentionInputError(
+        where,
+        name,
+        f"`{name}` is a {type(x).__name__}, not an array.",
+        got=f"{name}: {type(x).__name__}",
+        expected="a numpy array or a torch tensor",
+        fix=f"convert it first, e.g. np.asarray({name}, dtype=np.float32)",
+    )
+
+
+def _check_tokens(where: str, tokens: object) -> list[str]:
+    if isinstance(tokens, str) or not isinstance(tokens, Sequence | np.ndarray):
+        raise AttentionInputError(
+            where,
+            "tokens",
+            f"`tokens` is a {type(tokens).__name__}; it must be a sequence of token strings.",
+            got=f"tokens: {type(tokens).__name__}",
+            expected="a list of T strings, one per position",
+            fix="split the text with the model's tokenizer, e.g. tokenizer.encode(text).tokens",
+        )
+    bad = [(i, t) for i, t in enumerate(tokens) if not isinstance(t, str)]
+    if bad:
+        i, t = bad[0]
+        raise AttentionInputError(
+            where,
+            "tokens",
+            f"`tokens[{i}]` is a {type(t).__name__}, not a string.",
+            got=f"tokens[{i}] = {t!r}",
+            expected="every token a str",
+            fix="pass token strings, not token ids (tokenizer.convert_ids_to_tokens)",
+        )
+    return [str(t) for t in tokens]
+
+
+def _check_attentions(where: str, attentions: object, tokens: object) -> tuple[Float32, list[str]]:
+    att = _to_float32(where, "attentions", attentions)
+    toks = _check_tokens(where, tokens)
+    got = shape_str("attentions", att.shape, ATTENTION_DIMS)
+    if att.ndim != 4:
+        raise AttentionInputError(
+            where,
+            "attentions",
+            f"`attentions` is {att.ndim}-D; it must be 4-D (layers, heads, query, key).",
+            got=got,
+            expected="attentions as (N, H, T, T) for one sequence",
+            fix="for a batch, pick one sequence, e.g. attentions[:, 0]"
+            if att.ndim == 5
+            else "stack the per-layer maps: torch.stack([a[0] for a in per_layer])",
+        )
+    N, H, L, S = att.shape
+    if min(N, H, L) == 0 or L != S:
+        raise AttentionInputError(
+            where,
+            "attentions",
+            "the maps must be square self-attention maps with at least one layer, head and token.",
+            got=got,
+            expected="attentions as (N, H, T, T) with N, H, T >= 1",
+        )
+    if len(toks) != L:
+        raise AttentionInputError(
+            where,
+            "tokens",
+            f"`attentions` has maps for T={L} tokens, but {len(toks)} tokens were given.",
+            got=f"{got}  tokens (len={len(toks)})",
+            expected="len(tokens) == T",
+            fix="pass the tokens of the same sequence, special tokens ([CLS], [SEP]) included",
+        )
+    finite = np.isfinite(att)
+    if not finite.all():
+        first = tuple(int(i) for i in np.argwhere(~finite)[0])
+        raise AttentionInputError(
+            where,
+            "attentions",
+            f"`attentions` holds NaN or inf, first at {first}.",
+            got=got,
+            expected="finite softmax weights",
+            fix="a fully masked row is NaN after a plain softmax; attnkit.attention gives 0 there",
+        )
+    lo, hi = float(att.min()), float(att.max())
+    if lo < -WEIGHT_SLACK or hi > 1 + WEIGHT_SLACK:
+        raise AttentionInputError(
+            where,
+            "attentions",
+            f"`attentions` has values in [{lo:.4g}, {hi:.4g}]; weights lie in [0, 1].",
+            got=got,
+            expected="softmax probabilities (each row sums to 1)",
+            fix="pass the weights after softmax, not the raw scores q @ k^T",
+        )
+    return att, toks
+
+
+def _check_hidden(where: str, hidden: object, T: int) -> Float32:
+    hid = _to_float32(where, "hidden", hidden)
+    if hid.ndim != 2 or hid.shape[0] != T:
+        raise AttentionInputError(
+            where,
+            "hidden",
+            f"`hidden` must be (T, E) with T={T}, one row per token.",
+            got=shape_str("hidden", hid.shape, HIDDEN_DIMS),
+            expected=f"hidden as (T={T}, E)",
+            fix="for a batch, pick one sequence, e.g. hidden[0]" if hid.ndim == 3 else None,
+        )
+    return hid
+
+
+@contextmanager
+def _writing(where: str, argument: str, path: Path) -> Iterator[None]:
+    """Turn an OSError while writing ``path`` into an AttentionInputError naming ``argument``."""
+    try:
+        yield
+    except OSError as e:
+        raise AttentionInputError(
+            where,
+            argument,
+            f"cannot write `{path}`: {e.strerror or e}.",
+            got=f"{argument} = {str(path)!r}",
+            expected="a directory that exists or can be created, and that is writable",
+            fix="choose another output directory",
+        ) from e
+
+
+def _parent_dir(where: str, argument: str, path: Path) -> None:
+    with _writing(where, argument, path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# the three formats, on checked arrays
+
+
+def _npz(path: Path, att: Float32, toks: list[str], hid: Float32) -> None:
+    tokens = np.array(toks, dtype=np.str_)  # fixed-width unicode: loads with allow_pickle=False
+    with path.open("wb") as f:  # a file object, so numpy does not append ".npz" to the name
+        np.savez_compressed(f, attentions=att, tokens=tokens, hidden=hid)
+
+
+def _short(token: str, width: int = 12) -> str:
+    return token if len(token) <= width else token[: width - 1] + "…"
+
+
+def _png(path: Path, att: Float32, toks: list[str], title: str | None) -> None:
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import PowerNorm
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+
+    N, H, T, _ = att.shape
+    # One Axes spans the whole figure and every heatmap is an image placed in it: 72 separate
+    # Axes with tick labels take seconds to build and draw, this takes a fraction of one.
+    # Layout in inches; data units are token cells, `u` of them per inch.
+    room_pt = PNG_MAP_IN * 72 * 0.9  # token labels: a font that fits T of them along one map,
+    font = min(7.0, max(4.0, room_pt / T))  # and every k-th only when even 4 pt would overlap
+    every = 1 if room_pt / T >= 4.0 else math.ceil(T * 4.0 / room_pt)
+    labels = [_short(t) if i % every == 0 else "" for i, t in enumerate(toks)]
+    label_in = 0.1 + max(len(s) for s in labels) * font * 0.62 / 72
+    left, right, top, bottom = label_in + 0.3, 0.9, 0.8, label_in + 0.3
+    step_x, step_y = PNG_MAP_IN + PNG_GAP_IN[0], PNG_MAP_IN + PNG_GAP_IN[1]
+    width = left + H * step_x - PNG_GAP_IN[0] + right
+    height = top + N * step_y - PNG_GAP_IN[1] + bottom
+    u = T / PNG_MAP_IN
+
+    fig = Figure(figsize=(width, height), dpi=PNG_DPI)
+    FigureCanvasAgg(fig)
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_axis_off()
+    ax.set_xlim(-left * u, (width - left) * u)
+    ax.set_ylim((height - top) * u, -top * u)  # y grows downwards, like the rows of a map
+    norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)  # sqrt scale: weak weights stay visible
+    cmap = colormaps["Blues"]
+    smooth = T > PNG_MAP_IN * PNG_DPI  # more tokens than pixels: average instead of dropping
+    for layer in range(N):
+        for head in range(H):
+            x0, y0 = head * step_x * u, layer * step_y * u  # top-left corner of this map
+            ax.imshow(
+                att[layer, head],
+                cmap=cmap,
+                norm=norm,
+                extent=(x0, x0 + T, y0 + T, y0),
+                interpolation="antialiased" if smooth else "nearest",
+            )
+            ax.add_patch(Rectangle((x0, y0), T, T, fill=False, lw=0.5, ec="#9aa4ae"))
+            ax.text(
+                x0 + T / 2, y0 - 0.04 * u, f"L{layer} H{head}", ha="center", va="bottom", fontsize=7
+            )
+    last_row = (N - 1) * step_y * u + T
+    style = {"fontsize": font, "parse_math": False}  # a token like "$x$" is text, not TeX
+    for i, label in enumerate(labels):
+        for layer in range(N if label else 0):
+            y = layer * step_y * u + i + 0.5
+            ax.text(-0.05 * u, y, label, ha="right", va="center", **style)
+        for head in range(H if label else 0):
+            x = head * step_x * u + i + 0.5
+            ax.text(x, last_row + 0.05 * u, label, ha="center", va="top", rotation=90, **style)
+    fig.text(0.5, 0.12 / height, "key token", ha="center", va="bottom", fontsize=8)
+    fig.text(0.1 / width, 0.5, "query token", ha="left", va="center", rotation=90, fontsize=8)
+    heading = title if title is not None else "attention maps"
+    fig.suptitle(
+        f"{heading}\n{N} layers × {H} heads, T={T}   rows: query, columns: key   colour: √weight",
+        fontsize=9,
+        y=1 - 0.08 / height,
+        va="top",
+        parse_math=False,
+    )
+    grid_h = N * step_y - PNG_GAP_IN[1]
+    bar = fig.add_axes(
+        (
+            1 - (right - 0.25) / width,
+            (bottom + grid_h * 0.2) / height,
+            0.12 / width,
+            grid_h * 0.6 / height,
+        )
+    )
+    fig.colorbar(ScalarMappable(norm, cmap), cax=bar, ticks=[0, 0.05, 0.25, 0.5, 1], format="%g")
+    bar.tick_params(labelsize=6)
+    fig.savefig(path, format="png")
+
+
+def _html(path: Path, att: Float32, toks: list[str], title: str | None) -> None:
+    N, H, T, _ = att.shape
+    payload = {
+        "tokens": toks,
+        "layers": N,
+        "heads": H,
+        "decimals": DECIMALS,
+        "attentions": np.round(att.astype(np.float64), DECIMALS).tolist(),
+    }
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    # inside <script> only "</script" could end the data early; escaping every <, >, & is simpler
+    data = data.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    heading = html.escape(title if title is not None else "attention maps")
+    page = (
+        _TEMPLATE.replace("__TITLE__", heading)
+        .replace("__SUBTITLE__", f"{N} layers × {H} heads, {T} tokens")
+        .replace("__DATA__", data)
+    )
+    path.write_text(page, encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------
+# public writers
+
+
+def write_npz(
+    path: str | os.PathLike[str], attentions: Array, tokens: Sequence[str], hidden: Array
+) -> Path:
+    """Save the maps as an ``.npz`` that loads with ``np.load(path, allow_pickle=False)``.
+
+    Arrays in the file: ``attentions`` float32 (N, H, T, T), ``tokens`` unicode (T,), ``hidden``
+    float32 (T, E). Raises :class:`~attnkit.AttentionInputError` for bad shapes or an unwritable
+    path.
+
+    >>> import tempfile
+    >>> import numpy as np
+    >>> with tempfile.TemporaryDirectory() as out:
+    ...     att, hidden = np.eye(2).reshape(1, 1, 2, 2), np.ones((2, 3))  # (N, H, T, T), (T, E)
+    ...     p = write_npz(f"{out}/a.npz", att, ["a", "b"], hidden)
+    ...     np.load(p, allow_pickle=False)["tokens"].tolist()
+    ['a', 'b']
+    """
+    where = "attnkit.inspect.write_npz"
+    att, toks = _check_attentions(where, attentions, tokens)
+    hid = _check_hidden(where, hidden, len(toks))
+    out = Path(path)
+    _parent_dir(where, "path", out)
+    with _writing(where, "path", out):
+        _npz(out, att, toks, hid)
+    return out
+
+
+def write_png(
+    path: str | os.PathLike[str],
+    attentions: Array,
+    tokens: Sequence[str],
+    *,
+    title: str | None = None,
+) -> Path:
+    """Draw every head of every layer as one grid of heatmaps: N rows (layers) x H columns (heads).
+
+    Each heatmap is ``attentions[layer, head]`` (T, T), query tokens down, key tokens across, on
+    one sqrt colour scale from 0 to 1 so heads can be compared. Token labels sit on the first
+    column and the last row. Drawn with matplotlib's Agg canvas; pyplot and the user's backend are
+    left alone.
+
+    >>> import tempfile
+    >>> import numpy as np
+    >>> with tempfile.TemporaryDirectory() as out:
+    ...     write_png(f"{out}/a.png", np.eye(2).reshape(1, 1, 2, 2), ["a", "b"]).stat().st_size > 0
+    True
+    """
+    where = "attnkit.inspect.write_png"
+    att, toks = _check_attentions(where, attentions, tokens)
+    out = Path(path)
+    _parent_dir(where, "path", out)
+    with _writing(where, "path", out):
+        _png(out, att, toks, title)
+    return out
+
+
+def write_html(
+    path: str | os.PathLike[str],
+    attentions: Array,
+    tokens: Sequence[str],
+    *,
+    title: str | None = None,
+) -> Path:
+    """Write one self-contained HTML page to explore the maps; it needs no network or server.
+
+    The page shows one (T, T) heatmap (query rows, key columns) chosen with the ``#layer`` and
+    ``#head`` selects (``head`` also offers ``avg``, the mean over the layer's heads), a readout of
+    query token, key token and weight for the cell under the mouse, and thumbnails of all N x H maps
+    that select on click. Weights are embedded rounded to 5 decimals.
+
+    >>> import tempfile
+    >>> import numpy as np
+    >>> with tempfile.TemporaryDirectory() as out:
+    ...     page = write_html(f"{out}/a.html", np.eye(2).reshape(1, 1, 2, 2), ["<s>", "b"])
+    ...     "<s>" in page.read_text()
+    False
+    """
+    where = "attnkit.inspect.write_html"
+    att, toks = _check_attentions(where, attentions, tokens)
+    out = Path(path)
+    _parent_dir(where, "path", out)
+    with _writing(where, "path", out):
+        _html(out, att, toks, title)
+    return out
+
+
+def write_all(
+    out_dir: str | os.PathLike[str],
+    attentions: Array,
+    tokens: Sequence[str],
+    hidden: Array,
+    *,
+    title: str | None = None,
+) -> dict[str, Path]:
+    """Write ``attention.html``, ``attention.png`` and ``attention.npz`` into ``out_dir``.
+
+    ``attentions (N, H, T, T)``, ``tokens`` (T strings), ``hidden (T, E)``; see the writers for
+    each format. All inputs are checked before anything is written; ``out_dir`` is created when
+    missing. Returns the paths by format: ``{"html": ..., "png": ..., "npz": ...}``. Raises
+    :class:`~attnkit.AttentionInputError` (argument ``out``) when ``out_dir`` cannot be written.
+
+    >>> import tempfile
+    >>> import numpy as np
+    >>> with tempfile.TemporaryDirectory() as out:
+    ...     sorted(write_all(out, np.eye(2).reshape(1, 1, 2, 2), ["a", "b"], np.ones((2, 3))))
+    ['html', 'npz', 'png']
+    """
+    where = "attnkit.inspect.write_all"
+    att, toks = _check_attentions(where, attentions, tokens)
+    hid = _check_hidden(where, hidden, len(toks))
+    directory = Path(out_dir)
+    paths = {kind: directory / name for kind, name in FILES.items()}
+    with _writing(where, "out", directory):
+        directory.mkdir(parents=True, exist_ok=True)
+        _npz(paths["npz"], att, toks, hid)  # the cheap writes first: a bad directory fails fast
+        _html(paths["html"], att, toks, title)
+        _png(paths["png"], att, toks, title)
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# the HTML page: inline CSS and vanilla JS; the data sits in a JSON <script> block
+
+_TEMPLATE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>__TITLE__</title>
+<style>
+:root { --fg: #1f2328; --muted: #59636e; --line: #d1d9e0; --accent: #cf222e; --panel: #f6f8fa; }
+* { box-sizing: border-box; }
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: var(--fg);
+       margin: 20px 28px; background: #fff; }
+h1 { font-size: 19px; margin: 0; }
+h2 { font-size: 14px; margin: 0 0 6px; color: var(--muted); font-weight: 600; }
+.sub { color: var(--muted); margin: 2px 0 14px; }
+.controls { display: flex; gap: 18px; align-items: center; flex-wrap: wrap; margin-bottom: 10px; }
+.controls label { font-weight: 600; }
+select { font: inherit; padding: 2px 6px; margin-left: 4px; }
+#legend { display: flex; align-items: center; gap: 6px; color: var(--muted); font-size: 12px; }
+#readout { font: 13px/1.4 ui-monospace, SFMono-Regular, Menlo, Consolas, monospace;
+           min-height: 2.1em; padding: 5px 10px; background: var(--panel);
+           border: 1px solid var(--line); border-radius: 6px; margin-bottom: 12px;
+           white-space: pre; overflow-x: auto; }
+.layout { display: flex; gap: 40px; align-items: flex-start; flex-wrap: wrap; }
+table.heatmap { border-collapse: collapse; }
+.heatmap th { font: var(--label-px, 12px)/1.1 ui-monospace, SFMono-Regular, Menlo, Consolas,
+              monospace; font-weight: normal; white-space: pre; color: var(--fg); padding: 0; }
+.heatmap thead th.key { writing-mode: vertical-rl; transform: rotate(180deg); text-align: left;
+                        vertical-align: bottom; padding: 0 0 6px; }
+.heatmap tbody th { text-align: right; padding-right: 8px; }
+.heatmap th.axis { color: var(--muted); font: italic 12px system-ui, sans-serif; }
+td.cell { padding: 0; text-align: center; font-size: 10px; border: 1px solid #fff;
+          font-variant-numeric: tabular-nums; cursor: crosshair; }
+td.cell.hover { outline: 2px solid var(--accent); outline-offset: -1px; }
+.heatmap th.hl { color: var(--accent); font-weight: bold; }
+table.overview { border-collapse: collapse; }
+.overview th { font-size: 11px; font-weight: normal; color: var(--muted); padding: 0 3px; }
+.overview td { padding: 1px; }
+canvas.thumb { width: 38px; height: 38px; image-rendering: pixelated; display: block;
+               border: 2px solid transparent; cursor: pointer; }
+canvas.thumb:hover { border-color: #8c959f; }
+canvas.thumb.selected { border-color: var(--accent); }
+</style>
+</head>
+<body>
+<h1>__TITLE__</h1>
+<p class="sub">__SUBTITLE__. Rows are query tokens, columns are key tokens; each row sums to 1.</p>
+<div class="controls">
+  <label>Layer <select id="layer"></select></label>
+  <label>Head <select id="head"></select></label>
+  <span id="legend">0 <canvas id="legend-bar" width="160" height="10"></canvas> 1
+    <span>(colour: √weight)</span></span>
+</div>
+<div id="readout">Hover a cell to read its weight.</div>
+<div class="layout">
+  <section><table class="heatmap" id="heatmap"></table></section>
+  <section><h2>All layers × heads (click to select)</h2>
+    <table class="overview" id="overview"></table></section>
+</div>
+<script type="application/json" id="attn-data">__DATA__</script>
+<script>
+"use strict";
+const DATA = JSON.parse(document.getElementById("attn-data").textContent);
+const TOKENS = DATA.tokens, T = TOKENS.length, NL = DATA.layers, NH = DATA.heads;
+const RAMP = [[247, 251, 255], [222, 235, 247], [198, 219, 239], [158, 202, 225],
+              [107, 174, 214], [66, 146, 198], [33, 113, 181], [8, 81, 156], [8, 48, 107]];
+const CELL_PX = Math.max(6, Math.min(34, Math.floor(600 / T)));
+const SHOW_NUMBERS = CELL_PX >= 28;
+const layerSel = document.getElementById("layer"), headSel = document.getElementById("head");
+const readout = document.getElementById("readout");
+const averages = [];
+let current = null;
+
+function rgb(w) {  // Blues, on a sqrt scale: weak weights stay visible
+  const x = Math.sqrt(Math.min(Math.max(w, 0), 1)) * (RAMP.length - 1);
+  const i = Math.min(Math.floor(x), RAMP.length - 2), f = x - i;
+  return RAMP[i].map((a, c) => Math.round(a + (RAMP[i + 1][c] - a) * f));
+}
+function weight(w) { return w === 0 || w >= 1e-3 ? w.toFixed(4) : w.toExponential(2); }
+function round(w) { return Number(w.toFixed(DATA.decimals)); }
+function short(t) { return t.length <= 14 ? t : t.slice(0, 13) + "\\u2026"; }
+function matrix(layer, head) {  // head is a number or "avg" (mean over the layer's heads)
+  if (head !== "avg") return DATA.attentions[layer][head];
+  if (!averages[layer]) {
+    const heads = DATA.attentions[layer];
+    averages[layer] = heads[0].map((row, q) => row.map((_, k) =>
+      round(heads.reduce((s, m) => s + m[q][k], 0) / NH)));
+  }
+  return averages[layer];
+}
+function option(select, value, text) {
+  const o = document.createElement("option");
+  o.value = String(value); o.textContent = text; select.appendChild(o);
+}
+function header(text, cls) {
+  const th = document.createElement("th");
+  th.textContent = text; if (cls) th.className = cls; return th;
+}
+
+for (let l = 0; l < NL; l++) option(layerSel, l, String(l));
+for (let h = 0; h < NH; h++) option(headSel, h, String(h));
+option(headSel, "avg", "head average");
+
+const table = document.getElementById("heatmap");  // labels shrink with the cells for long inputs
+table.style.setProperty("--label-px", Math.min(12, Math.max(5, CELL_PX - 3)) + "px");
+const keyRow = table.createTHead().insertRow();
+keyRow.appendChild(header("query \\u2193  key \\u2192", "axis"));
+TOKENS.forEach((t) => {
+  const th = header(short(t), "key"); th.title = t; keyRow.appendChild(th);
+});
+const body = table.createTBody(), cells = [];
+TOKENS.forEach((t, q) => {
+  const tr = body.insertRow(), th = header(short(t), "query");
+  th.title = t; tr.appendChild(th);
+  cells.push(TOKENS.map((_, k) => {
+    const td = tr.insertCell();
+    td.className = "cell"; td.dataset.q = String(q); td.dataset.k = String(k);
+    td.style.width = td.style.height = td.style.minWidth = CELL_PX + "px";
+    return td;
+  }));
+});
+
+function describe(q, k, w) {
+  const which = current.head === "avg" ? "head average" : "head " + current.head;
+  return "query " + q + " " + JSON.stringify(TOKENS[q]) + "  \\u2192  key " + k + " " +
+    JSON.stringify(TOKENS[k]) + "\\nweight " + weight(w) + "   (layer " + current.layer +
+    ", " + which + ")";
+}
+function draw() {
+  const layer = Number(layerSel.value);
+  const head = headSel.value === "avg" ? "avg" : Number(headSel.value);
+  current = { layer: layer, head: head };
+  const m = matrix(layer, head);
+  for (let q = 0; q < T; q++) for (let k = 0; k < T; k++) {
+    const td = cells[q][k], w = m[q][k], c = rgb(w);
+    td.dataset.w = String(w);
+    td.style.background = "rgb(" + c.join(",") + ")";
+    td.style.color = Math.sqrt(w) > 0.55 ? "#fff" : "#1f2328";
+    td.textContent = SHOW_NUMBERS ? w.toFixed(2).replace(/^0/, "") : "";
+  }
+  document.querySelectorAll("canvas.thumb").forEach((cv) => {
+    cv.classList.toggle("selected",
+      Number(cv.dataset.layer) === layer && cv.dataset.head === String(head));
+  });
+  readout.textContent = "Hover a cell to read its weight.";
+}
+
+let hovered = null;
+function unhover() {
+  if (!hovered) return;
+  hovered.classList.remove("hover");
+  document.querySelectorAll(".heatmap th.hl").forEach((th) => th.classList.remove("hl"));
+  hovered = null;
+}
+body.addEventListener("mouseover", (ev) => {
+  const td = ev.target.closest("td.cell");
+  if (!td || td === hovered) return;
+  unhover(); hovered = td; td.classList.add("hover");
+  const q = Number(td.dataset.q), k = Number(td.dataset.k);
+  keyRow.cells[k + 1].classList.add("hl"); body.rows[q].cells[0].classList.add("hl");
+  readout.textContent = describe(q, k, Number(td.dataset.w));
+});
+body.addEventListener("mouseleave", unhover);
+
+const overview = document.getElementById("overview");
+const ohead = overview.createTHead().insertRow();
+ohead.appendChild(header("", ""));
+for (let h = 0; h < NH; h++) ohead.appendChild(header("H" + h, ""));
+ohead.appendChild(header("avg", ""));
+const obody = overview.createTBody();
+for (let l = 0; l < NL; l++) {
+  const tr = obody.insertRow();
+  tr.appendChild(header("L" + l, ""));
+  [...Array(NH).keys(), "avg"].forEach((h) => {
+    const cv = document.createElement("canvas");
+    cv.className = "thumb"; cv.width = cv.height = T;
+    cv.dataset.layer = String(l); cv.dataset.head = String(h);
+    cv.title = "layer " + l + (h === "avg" ? ", head average" : ", head " + h);
+    const ctx = cv.getContext("2d"), img = ctx.createImageData(T, T), m = matrix(l, h);
+    for (let q = 0; q < T; q++) for (let k = 0; k < T; k++) {
+      const c = rgb(m[q][k]), i = 4 * (q * T + k);
+      img.data[i] = c[0]; img.data[i + 1] = c[1]; img.data[i + 2] = c[2]; img.data[i + 3] = 255;
+    }
+    ctx.putImageData(img, 0, 0);
+    cv.addEventListener("click", () => {
+      layerSel.value = String(l); headSel.value = String(h); draw();
+    });
+    tr.insertCell().appendChild(cv);
+  });
+}
+
+const bar = document.getElementById("legend-bar"), bctx = bar.getContext("2d");
+for (let x = 0; x < bar.width; x++) {
+  const c = rgb((x / (bar.width - 1)) ** 2);  // linear in sqrt(w), like the cells
+  bctx.fillStyle = "rgb(" + c.join(",") + ")"; bctx.fillRect(x, 0, 1, bar.height);
+}
+layerSel.addEventListener("change", draw);
+headSel.addEventListener("change", draw);
+draw();
+</script>
+</body>
+</html>
+"""

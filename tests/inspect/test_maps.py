@@ -1,0 +1,248 @@
+"""The attention-map writers: NPZ round trip, PNG content, a self-contained HTML page, input checks.
+
+Dimension legend: N layers, H heads, T tokens, E hidden width.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import numpy as np
+import pytest
+import torch
+
+from attnkit import AttentionInputError
+from attnkit.inspect import maps as maps_module
+from attnkit.inspect import write_all, write_html, write_npz, write_png
+
+TOKENS = ["[CLS]", "the", "<b>&", "cat", '"sat"', "on", "</script>", "mat", "[SEP]", "$x$"]
+
+
+def softmax_maps(N: int, H: int, T: int, seed: int = 0) -> np.ndarray:
+    """(N, H, T, T) float32 rows that sum to 1, some sharp and some flat, like a real model's."""
+    rng = np.random.default_rng(seed)
+    scores = rng.normal(size=(N, H, T, T)) * rng.uniform(0.5, 5.0, size=(N, H, 1, 1))
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    maps: np.ndarray = (weights / weights.sum(-1, keepdims=True)).astype(np.float32)
+    return maps
+
+
+@pytest.fixture(scope="module")
+def minilm_sized(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Path], np.ndarray]:
+    """write_all on MiniLM's shape: 6 layers x 12 heads, T=10, width 384."""
+    att = softmax_maps(6, 12, len(TOKENS))
+    hidden = np.random.default_rng(1).normal(size=(len(TOKENS), 384)).astype(np.float32)
+    out = tmp_path_factory.mktemp("maps") / "new" / "dir"  # created by write_all
+    return write_all(out, att, TOKENS, hidden, title="MiniLM <test> & co"), att
+
+
+def embedded_data(page: str) -> dict[str, object]:
+    match = re.search(r'<script type="application/json" id="attn-data">(.*?)</script>', page, re.S)
+    assert match is not None, "the page has no JSON data block"
+    data: dict[str, object] = json.loads(match.group(1))
+    return data
+
+
+# ---------------------------------------------------------------------------------------------
+# NPZ
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_npz_round_trip(tmp_path: Path, kind: str) -> None:
+    att = softmax_maps(2, 3, 5)
+    hidden = np.random.default_rng(2).normal(size=(5, 8))  # float64 in, float32 out
+    tokens = ["[CLS]", "é", "<b>&", "", "[SEP]"]
+    att_in: np.ndarray | torch.Tensor = att
+    hidden_in: np.ndarray | torch.Tensor = hidden
+    if kind == "torch":
+        att_in = torch.tensor(att, requires_grad=True)
+        hidden_in = torch.tensor(hidden, dtype=torch.float64)
+    path = write_npz(tmp_path / "attention.npz", att_in, tokens, hidden_in)
+    with np.load(path, allow_pickle=False) as f:
+        assert sorted(f.files) == ["attentions", "hidden", "tokens"]
+        assert f["attentions"].dtype == np.float32
+        assert f["attentions"].shape == (2, 3, 5, 5)
+        assert f["hidden"].dtype == np.float32
+        assert f["hidden"].shape == (5, 8)
+        assert f["tokens"].dtype.kind == "U"
+        assert f["tokens"].tolist() == tokens
+        np.testing.assert_array_equal(f["attentions"], att)
+        np.testing.assert_array_equal(f["hidden"], hidden.astype(np.float32))
+
+
+def test_npz_is_written_under_the_exact_name(tmp_path: Path) -> None:
+    path = write_npz(tmp_path / "maps.data", softmax_maps(1, 1, 2), ["a", "b"], np.zeros((2, 3)))
+    assert path == tmp_path / "maps.data"
+    assert [p.name for p in tmp_path.iterdir()] == ["maps.data"]  # numpy did not add ".npz"
+
+
+def test_write_all_files(minilm_sized: tuple[dict[str, Path], np.ndarray]) -> None:
+    paths, att = minilm_sized
+    assert {k: p.name for k, p in paths.items()} == {
+        "html": "attention.html",
+        "png": "attention.png",
+        "npz": "attention.npz",
+    }
+    with np.load(paths["npz"], allow_pickle=False) as f:
+        np.testing.assert_array_equal(f["attentions"], att)
+        assert f["tokens"].tolist() == TOKENS
+
+
+# ---------------------------------------------------------------------------------------------
+# PNG
+
+
+def test_png_is_a_matplotlib_grid(minilm_sized: tuple[dict[str, Path], np.ndarray]) -> None:
+    paths, _ = minilm_sized
+    raw = paths["png"].read_bytes()
+    assert raw.startswith(b"\x89PNG\r\n\x1a\n")
+    assert b"Matplotlib" in raw  # the Software tEXt chunk that matplotlib writes
+    image = matplotlib.image.imread(paths["png"])
+    height, width, channels = image.shape
+    assert channels in (3, 4)
+    assert 900 < width < 2000, image.shape  # 12 heads across
+    assert 500 < height < 1200, image.shape  # 6 layers down
+    assert width > height
+    rgb = image[..., :3]
+    assert rgb.std() > 0.05, "the image is blank"
+    dark_blue = (rgb[..., 2] > 0.3) & (rgb[..., 0] < 0.15)  # high weights in the Blues colormap
+    assert dark_blue.mean() > 0.001
+
+
+def test_png_accepts_torch_and_a_single_map(tmp_path: Path) -> None:
+    att = torch.tensor(softmax_maps(1, 1, 3))
+    path = write_png(tmp_path / "one.png", att, ["a", "$b$", "c"], title="$not tex$")
+    assert matplotlib.image.imread(path).shape[2] in (3, 4)
+
+
+def test_import_does_not_load_matplotlib() -> None:
+    code = "import sys, attnkit.inspect; print('matplotlib' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------------------------------------
+# HTML
+
+
+def test_html_is_self_contained(minilm_sized: tuple[dict[str, Path], np.ndarray]) -> None:
+    paths, _ = minilm_sized
+    page = paths["html"].read_text(encoding="utf-8")
+    assert page.startswith("<!DOCTYPE html>")
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", page, re.I)
+    assert not re.search(r"<script[^>]*\bsrc\s*=", page, re.I)
+    assert not re.search(r"<link\b", page, re.I)
+    assert not re.search(r"@import|url\(|https?://", page, re.I)
+    for stable_id in ('id="layer"', 'id="head"', 'id="readout"', 'id="heatmap"', 'id="overview"'):
+        assert stable_id in page
+
+
+def test_html_embeds_rounded_weights(minilm_sized: tuple[dict[str, Path], np.ndarray]) -> None:
+    paths, att = minilm_sized
+    data = embedded_data(paths["html"].read_text(encoding="utf-8"))
+    assert (data["layers"], data["heads"], data["tokens"]) == (6, 12, TOKENS)
+    embedded = np.array(data["attentions"])
+    assert embedded.shape == att.shape
+    np.testing.assert_allclose(embedded, att, rtol=0, atol=0.5e-5 + 1e-7)
+    assert len(paths["html"].read_bytes()) < 200_000  # 7,200 weights: rounding keeps it small
+
+
+def test_html_escapes_tokens_and_title(tmp_path: Path) -> None:
+    tokens = ["<b>&", "</script><script>alert(1)</script>", "'q'", '"qq"', "<!--"]
+    path = write_html(tmp_path / "a.html", softmax_maps(1, 2, 5), tokens, title="<i>A & B</i>")
+    page = path.read_text(encoding="utf-8")
+    for raw in ("<b>", "<script>alert", "</script><script>", "<i>", "<!--"):
+        assert raw not in page
+    assert "&lt;i&gt;A &amp; B&lt;/i&gt;" in page
+    assert embedded_data(page)["tokens"] == tokens  # the escaped JSON decodes to the same text
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input: every case reads the message
+
+
+GOOD_ATT = softmax_maps(2, 3, 4)
+GOOD_TOKENS = ["a", "b", "c", "d"]
+GOOD_HIDDEN = np.zeros((4, 8), dtype=np.float32)
+NAN_ATT = GOOD_ATT.copy()
+NAN_ATT[1, 2, 3, 0] = np.nan
+
+BAD_INPUTS = [
+    pytest.param(GOOD_ATT[0], GOOD_TOKENS, GOOD_HIDDEN, "attentions", "is 3-D", id="3-D"),
+    pytest.param(
+        GOOD_ATT[:, None], GOOD_TOKENS, GOOD_HIDDEN, "attentions", "attentions[:, 0]", id="batch"
+    ),
+    pytest.param(GOOD_ATT[..., :3], GOOD_TOKENS, GOOD_HIDDEN, "attentions", "square", id="L!=S"),
+    pytest.param(GOOD_ATT, GOOD_TOKENS[:3], GOOD_HIDDEN, "tokens", "T=4 tokens, but 3", id="len"),
+    pytest.param(GOOD_ATT, "abcd", GOOD_HIDDEN, "tokens", "sequence of token strings", id="str"),
+    pytest.param(GOOD_ATT, [1, 2, 3, 4], GOOD_HIDDEN, "tokens", "convert_ids_to_tokens", id="ids"),
+    pytest.param(GOOD_ATT.tolist(), GOOD_TOKENS, GOOD_HIDDEN, "attentions", "a list", id="list"),
+    pytest.param(NAN_ATT, GOOD_TOKENS, GOOD_HIDDEN, "attentions", "(1, 2, 3, 0)", id="nan"),
+    pytest.param(GOOD_ATT * 5 - 2, GOOD_TOKENS, GOOD_HIDDEN, "attentions", "not the raw", id="raw"),
+    pytest.param(GOOD_ATT, GOOD_TOKENS, GOOD_HIDDEN[:3], "hidden", "(T=4, E)", id="hidden-T"),
+    pytest.param(GOOD_ATT, GOOD_TOKENS, GOOD_HIDDEN[None], "hidden", "hidden[0]", id="hidden-3D"),
+]
+
+
+@pytest.mark.parametrize(("att", "tokens", "hidden", "argument", "phrase"), BAD_INPUTS)
+def test_bad_input_is_named(
+    tmp_path: Path, att: object, tokens: object, hidden: object, argument: str, phrase: str
+) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(AttentionInputError) as info:
+        write_all(out, att, tokens, hidden)  # type: ignore[arg-type]
+    err = info.value
+    assert err.argument == argument
+    assert phrase in str(err), str(err)
+    assert str(err).startswith("attnkit.inspect.write_all: ")
+    assert not out.exists(), "inputs are checked before anything is written"
+
+
+@pytest.mark.parametrize("writer", [write_png, write_html])
+def test_each_writer_checks_its_inputs(tmp_path: Path, writer: object) -> None:
+    with pytest.raises(AttentionInputError, match=r"got:\s+attentions \(3-D: 3, 4, 4\)"):
+        writer(tmp_path / "x", GOOD_ATT[0], GOOD_TOKENS)  # type: ignore[operator]
+
+
+def test_out_dir_under_a_file(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(AttentionInputError) as info:
+        write_all(blocker / "maps", GOOD_ATT, GOOD_TOKENS, GOOD_HIDDEN)
+    assert info.value.argument == "out"
+    assert "cannot write" in str(info.value)
+    assert "choose another output directory" in str(info.value)
+
+
+def test_out_dir_is_a_file(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(AttentionInputError, match="cannot write") as info:
+        write_all(blocker, GOOD_ATT, GOOD_TOKENS, GOOD_HIDDEN)
+    assert info.value.argument == "out"
+
+
+def test_read_only_out_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # chmod cannot stop root, who runs these tests in CI; a refused open is what a read-only
+    # directory gives any other user
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(maps_module, "_npz", refuse)
+    with pytest.raises(AttentionInputError, match="Permission denied") as info:
+        write_all(tmp_path, GOOD_ATT, GOOD_TOKENS, GOOD_HIDDEN)
+    assert info.value.argument == "out"
+    assert isinstance(info.value.__cause__, PermissionError)
+
+
+def test_single_writer_path_under_a_file(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(AttentionInputError, match="cannot write") as info:
+        write_npz(blocker / "a.npz", GOOD_ATT, GOOD_TOKENS, GOOD_HIDDEN)
+    assert info.value.argument == "path"
