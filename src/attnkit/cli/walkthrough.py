@@ -1,15 +1,10 @@
-"""The ``attnkit`` command line: ``attnkit demo`` (more commands join as they land)."""
+"""``attnkit demo`` and ``attnkit version``."""
 
 from __future__ import annotations
 
 import typer
 
-app = typer.Typer(
-    name="attnkit",
-    help="Self-attention for PyTorch: correct, fast, and easy to look inside.",
-    no_args_is_help=True,
-    add_completion=False,
-)
+from attnkit.cli.app import app
 
 
 @app.command()
@@ -29,8 +24,3 @@ def version() -> None:
     import attnkit
 
     typer.echo(f"attnkit {attnkit.__version__}, torch {torch.__version__}")
-
-
-def main() -> None:
-    """Console-script entry point."""
-    app()
