@@ -15,7 +15,8 @@ import torch
 from attnkit.backends import AUTO_ORDER, Backend, available_backends, get_backend
 from attnkit.errors import AttentionInputError
 from attnkit.inspect.tracing import _ACTIVE as _TRACES
-from attnkit.masks import causal_mask
+from attnkit.masks import MaskSpec, causal_mask
+from attnkit.masks import causal as causal_spec
 from attnkit.validate import Dims, validate_attention
 
 __all__ = ["AttentionOutput", "Explanation", "attention", "explain"]
@@ -41,19 +42,30 @@ class _Call:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    mask: torch.Tensor | None
+    mask: torch.Tensor | MaskSpec | None
     causal: bool
     scale: float
     dropout_p: float
     return_weights: bool
     dims: Dims
+    _dense: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, backend: Backend) -> torch.Tensor | MaskSpec | None:
+        """The mask as ``backend`` takes it: a spec, or the spec materialised once."""
+        if not isinstance(self.mask, MaskSpec) or backend.takes_specs:
+            return self.mask
+        if "dense" not in self._dense:
+            self._dense["dense"] = self.mask.to_dense(
+                self.dims.L, self.dims.S, device=self.q.device
+            )
+        return self._dense["dense"]
 
     def check(self, backend: Backend) -> str | None:
         return backend.check(
             self.q,
             self.k,
             self.v,
-            mask=self.mask,
+            mask=self.mask_for(backend),
             causal=self.causal,
             scale=self.scale,
             dropout_p=self.dropout_p,
@@ -65,7 +77,7 @@ def _prepare(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor | None,
+    mask: torch.Tensor | MaskSpec | None,
     causal: bool,
     scale: float | None,
     dropout_p: float,
@@ -73,12 +85,20 @@ def _prepare(
     where: str,
 ) -> _Call:
     dims = validate_attention(q, k, v, mask, causal, scale, dropout_p, return_weights, where=where)
+    if isinstance(mask, MaskSpec):  # a spec absorbs the causal flag; causal() alone is the flag
+        if causal:
+            mask = mask & causal_spec()
+        elif type(mask) is type(causal_spec()):
+            mask, causal = None, True
+        causal = causal and mask is None
     # Backends get the causal rule alone, or one mask: causal + mask (which torch refuses) and
     # causal with L > S (whose first L - S rows see nothing) become one end-aligned mask.
     if causal and (mask is not None or dims.L > dims.S):
         allowed = causal_mask(dims.L, dims.S, device=q.device)  # (L, S)
         if mask is None:
             mask = allowed
+        elif isinstance(mask, MaskSpec):
+            raise AssertionError("unreachable: specs absorbed the causal flag above")
         elif mask.dtype == torch.bool:
             mask = mask & allowed
         else:
@@ -140,7 +160,7 @@ def attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    mask: torch.Tensor | None = ...,
+    mask: torch.Tensor | MaskSpec | None = ...,
     causal: bool = ...,
     scale: float | None = ...,
     dropout_p: float = ...,
@@ -155,7 +175,7 @@ def attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    mask: torch.Tensor | None = ...,
+    mask: torch.Tensor | MaskSpec | None = ...,
     causal: bool = ...,
     scale: float | None = ...,
     dropout_p: float = ...,
@@ -169,7 +189,7 @@ def attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    mask: torch.Tensor | None = None,
+    mask: torch.Tensor | MaskSpec | None = None,
     causal: bool = False,
     scale: float | None = None,
     dropout_p: float = 0.0,
@@ -185,7 +205,9 @@ def attention(
         v: values ``(B, Hkv, S, Dv)``; ``Dv`` may differ from ``Dk``.
         mask: broadcastable to ``(B, H, L, S)``. Bool: **True = may attend** (as in
             ``F.scaled_dot_product_attention``; the opposite of ``nn.MultiheadAttention``'s
-            masks). Float (q's dtype): added to the scaled scores, ``-inf`` blocks.
+            masks). Float (q's dtype): added to the scaled scores, ``-inf`` blocks. Or a spec
+            from :mod:`attnkit.masks` (``causal() & sliding_window(256)``, ``padding(lengths)``,
+            ...), which block-sparse backends evaluate per block and the others materialise.
         causal: query ``i`` attends to keys ``j <= i + S - L``, aligned to the *end* when
             ``L != S`` (what KV-cache decoding needs). With ``L = 2, S = 4``::
 
@@ -228,7 +250,7 @@ def run_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor | None,
+    mask: torch.Tensor | MaskSpec | None,
     causal: bool,
     scale: float | None,
     dropout_p: float,
@@ -243,7 +265,7 @@ def run_attention(
         call.q,
         call.k,
         call.v,
-        mask=call.mask,
+        mask=call.mask_for(chosen),
         causal=call.causal,
         scale=call.scale,
         dropout_p=call.dropout_p,
@@ -302,7 +324,7 @@ def explain(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    mask: torch.Tensor | None = None,
+    mask: torch.Tensor | MaskSpec | None = None,
     causal: bool = False,
     scale: float | None = None,
     dropout_p: float = 0.0,
@@ -327,6 +349,8 @@ def explain(
     d = call.dims
     if mask is None:
         mask_str = "none"
+    elif isinstance(mask, MaskSpec):
+        mask_str = f"spec {mask!r}"
     else:
         mask_str = f"{'bool' if mask.dtype == torch.bool else 'float'} {tuple(mask.shape)}"
     summary = (

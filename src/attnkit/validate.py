@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from attnkit.errors import AttentionInputError, shape_str, warn_user
+from attnkit.masks import MaskSpec
 
 __all__ = ["Dims", "mask_dims_str", "validate_attention"]
 
@@ -78,7 +79,7 @@ def validate_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor | None,
+    mask: torch.Tensor | MaskSpec | None,
     causal: bool,
     scale: float | None,
     dropout_p: float,
@@ -234,14 +235,40 @@ def validate_attention(
     return dims
 
 
+def _validate_spec(mask: MaskSpec, q: torch.Tensor, dims: Dims, where: str) -> None:
+    if mask.batch is not None and mask.batch != dims.B:
+        raise AttentionInputError(
+            where,
+            "mask",
+            f"the mask spec is built for a batch of {mask.batch} but q has B={dims.B}.",
+            got=f"mask={mask!r}  q (B={dims.B}, H={dims.H}, L={dims.L}, Dk={dims.Dk})",
+            expected=f"lengths / ids / keep tensors with {dims.B} rows",
+            fix="build the spec from this batch's lengths or document ids",
+        )
+    device = mask.device
+    if device is not None and device != q.device:
+        raise AttentionInputError(
+            where,
+            "mask",
+            f"the mask spec's tensors are on {device} but q is on {q.device}.",
+            got=f"mask={mask!r}",
+            expected="the spec's tensors on q's device",
+            fix=f"build it from tensors on {str(q.device)!r}",
+        )
+
+
 def _validate_mask(mask: object, q: torch.Tensor, dims: Dims, where: str) -> None:
+    if isinstance(mask, MaskSpec):
+        _validate_spec(mask, q, dims, where)
+        return
     if not isinstance(mask, torch.Tensor):
         raise AttentionInputError(
             where,
             "mask",
             f"`mask` is a {type(mask).__name__}, not a tensor.",
             got=f"mask: {type(mask).__name__}",
-            expected="a bool tensor (True = may attend) or a float tensor added to the scores",
+            expected="a bool tensor (True = may attend), a float tensor added to the scores, "
+            "or a spec from attnkit.masks",
             fix="torch.as_tensor(mask, dtype=torch.bool)",
         )
     if mask.dtype != torch.bool and not mask.is_floating_point():

@@ -8,8 +8,10 @@ A backend is two functions with the same keyword signature::
 ``check`` returns ``None`` when the backend can serve the call, and otherwise the reason it
 cannot, in words that :func:`attnkit.explain` shows. Backends receive validated, prepared input
 (see :func:`attnkit.functional.attention`): ``mask`` is ``None``, a bool mask (True = may attend)
-or a float mask (added to the scores), broadcastable to ``(B, H, L, S)``; ``causal`` is the
-end-aligned causal rule and never comes together with a mask; ``scale`` is a float. A backend
+or a float mask (added to the scores), broadcastable to ``(B, H, L, S)``, or, for a backend
+registered with ``takes_specs=True``, a :class:`~attnkit.masks.MaskSpec` (the others get the
+spec materialised); ``causal`` is the end-aligned causal rule and never comes together with a
+mask; ``scale`` is a float. A backend
 never validates again and never falls back to another one.
 
 ``auto`` walks :data:`AUTO_ORDER` and takes the first backend whose ``check`` passes.
@@ -22,11 +24,17 @@ from typing import Protocol
 
 import torch
 
+from attnkit.masks import MaskSpec
+
+#: what a backend's ``mask`` argument may be
+Mask = torch.Tensor | MaskSpec | None
+
 __all__ = [
     "AUTO_ORDER",
     "Backend",
     "BackendCheck",
     "BackendRun",
+    "Mask",
     "available_backends",
     "get_backend",
     "register_backend",
@@ -41,7 +49,7 @@ class BackendRun(Protocol):
         k: torch.Tensor,
         v: torch.Tensor,
         *,
-        mask: torch.Tensor | None,
+        mask: Mask,
         causal: bool,
         scale: float,
         dropout_p: float,
@@ -56,7 +64,7 @@ class BackendCheck(Protocol):
         k: torch.Tensor,
         v: torch.Tensor,
         *,
-        mask: torch.Tensor | None,
+        mask: Mask,
         causal: bool,
         scale: float,
         dropout_p: float,
@@ -68,7 +76,8 @@ class BackendCheck(Protocol):
 class Backend:
     """A registered backend: its name, its two functions and a one-line description.
 
-    ``fused`` says that it never materialises the ``(B, H, L, S)`` scores and weights.
+    ``fused`` says that it never materialises the ``(B, H, L, S)`` scores and weights;
+    ``takes_specs`` that it evaluates :mod:`attnkit.masks` specs itself (block by block).
     """
 
     name: str
@@ -76,6 +85,7 @@ class Backend:
     check: BackendCheck
     description: str
     fused: bool = False
+    takes_specs: bool = False
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -92,6 +102,7 @@ def register_backend(
     *,
     auto_rank: int | None = None,
     fused: bool = False,
+    takes_specs: bool = False,
 ) -> Backend:
     """Register a backend under ``name``; ``auto_rank`` places it in :data:`AUTO_ORDER`.
 
@@ -99,7 +110,7 @@ def register_backend(
     """
     if name == "auto" or name in _REGISTRY:
         raise ValueError(f"a backend named {name!r} is already registered")
-    backend = Backend(name, run, check, description, fused)
+    backend = Backend(name, run, check, description, fused, takes_specs)
     _REGISTRY[name] = backend
     if auto_rank is not None:
         AUTO_ORDER.insert(auto_rank, name)

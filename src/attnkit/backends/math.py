@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attnkit.masks import causal_mask
+from attnkit.backends import Mask
+from attnkit.masks import MaskSpec, causal_mask
 
 DESCRIPTION = "reference: matmul, softmax, matmul in plain PyTorch (returns weights)"
 
@@ -23,12 +24,14 @@ def run(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    mask: torch.Tensor | None,
+    mask: Mask,
     causal: bool,
     scale: float,
     dropout_p: float,
     return_weights: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if isinstance(mask, MaskSpec):
+        raise TypeError("this backend takes dense masks; attnkit.attention materialises specs")
     B, H, L, Dk = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = H // Hkv
@@ -58,10 +61,12 @@ def check(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    mask: torch.Tensor | None,
+    mask: Mask,
     causal: bool,
     scale: float,
     dropout_p: float,
     return_weights: bool,
 ) -> str | None:
+    if isinstance(mask, MaskSpec):
+        raise TypeError("this backend takes dense masks; attnkit.attention materialises specs")
     return None

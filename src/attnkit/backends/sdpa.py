@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attnkit.masks import causal_mask
+from attnkit.backends import Mask
+from attnkit.masks import MaskSpec, causal_mask
 
 DESCRIPTION = "torch's fused kernels (F.scaled_dot_product_attention), never its math path"
 
@@ -29,12 +30,14 @@ def run(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    mask: torch.Tensor | None,
+    mask: Mask,
     causal: bool,
     scale: float,
     dropout_p: float,
     return_weights: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if isinstance(mask, MaskSpec):
+        raise TypeError("this backend takes dense masks; attnkit.attention materialises specs")
     L, S = q.shape[2], k.shape[2]
     # torch's is_causal is aligned to the top-left; attnkit's causal rule to the end.
     if causal and L != S:
@@ -57,12 +60,14 @@ def check(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    mask: torch.Tensor | None,
+    mask: Mask,
     causal: bool,
     scale: float,
     dropout_p: float,
     return_weights: bool,
 ) -> str | None:
+    if isinstance(mask, MaskSpec):
+        raise TypeError("this backend takes dense masks; attnkit.attention materialises specs")
     if return_weights:
         return "fused kernels do not return the attention weights (return_weights=True)"
     device = q.device.type

@@ -20,6 +20,7 @@ from attnkit.errors import AttentionInputError, shape_str, warn_user
 from attnkit.functional import AttentionOutput, run_attention
 from attnkit.heads import merge_heads, split_heads
 from attnkit.inspect.tracing import active_trace, record_module_end, record_module_start
+from attnkit.masks import MaskSpec, key_mask
 
 __all__ = ["CrossAttention", "MultiHeadAttention", "SelfAttention"]
 
@@ -158,7 +159,7 @@ class _Attention(nn.Module):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | MaskSpec | None,
         key_padding_mask: torch.Tensor | None,
         need_weights: bool,
     ) -> AttentionOutput:
@@ -227,10 +228,10 @@ class _Attention(nn.Module):
         self,
         query: torch.Tensor,
         kpm: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | MaskSpec | None,
         B: int,
         S: int,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | MaskSpec:
         where = self._where
         if not isinstance(kpm, torch.Tensor) or kpm.dtype != torch.bool:
             raise AttentionInputError(
@@ -264,6 +265,8 @@ class _Attention(nn.Module):
                 "~key_padding_mask, or convert it with attnkit.interop.mask_from_torch."
             )
         keep = kpm[:, None, None, :]  # (B, 1, 1, S)
+        if isinstance(mask, MaskSpec):
+            return mask & key_mask(kpm)
         if mask is None:
             return keep
         if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
@@ -311,7 +314,7 @@ class MultiHeadAttention(_Attention):
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
         *,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | MaskSpec | None = None,
         key_padding_mask: torch.Tensor | None = None,
         need_weights: bool = False,
     ) -> AttentionOutput:
@@ -376,7 +379,7 @@ class SelfAttention(_Attention):
         self,
         x: torch.Tensor,
         *,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | MaskSpec | None = None,
         key_padding_mask: torch.Tensor | None = None,
         need_weights: bool = False,
     ) -> AttentionOutput:
@@ -432,7 +435,7 @@ class CrossAttention(_Attention):
         x: torch.Tensor,
         context: torch.Tensor,
         *,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | MaskSpec | None = None,
         key_padding_mask: torch.Tensor | None = None,
         need_weights: bool = False,
     ) -> AttentionOutput:

@@ -1,0 +1,202 @@
+"""Mask specs: predicates, dense forms, block maps, and attention with a spec."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit import functional, masks
+from attnkit.masks import EMPTY, FULL, PARTIAL
+from oracle import reference_attention
+
+
+def _lengths(draw: st.DrawFn, B: int, S: int) -> torch.Tensor:
+    return torch.tensor(draw(st.lists(st.integers(0, S), min_size=B, max_size=B)))
+
+
+@st.composite
+def atoms(draw: st.DrawFn, B: int, S: int) -> masks.MaskSpec:
+    kind = draw(st.sampled_from(["causal", "window", "padding", "keys", "document", "prefix"]))
+    if kind == "causal":
+        return masks.causal()
+    if kind == "window":
+        return masks.sliding_window(draw(st.integers(1, S + 2)))
+    if kind == "padding":
+        q_lengths = _lengths(draw, B, S) if draw(st.booleans()) else None
+        return masks.padding(_lengths(draw, B, S), q_lengths)
+    if kind == "keys":
+        bits = draw(st.lists(st.booleans(), min_size=B * S, max_size=B * S))
+        return masks.key_mask(torch.tensor(bits).view(B, S))
+    if kind == "document":
+        cuts = sorted(draw(st.lists(st.integers(0, S), max_size=4)))
+        ids = torch.zeros(S, dtype=torch.long)
+        for c in cuts:
+            ids[c:] += 1
+        return masks.document(ids.expand(B, S).clone() if draw(st.booleans()) else ids)
+    return masks.prefix_lm(draw(st.integers(0, S)))
+
+
+@st.composite
+def specs(draw: st.DrawFn, B: int, S: int, depth: int = 2) -> masks.MaskSpec:
+    if depth == 0 or draw(st.booleans()):
+        return draw(atoms(B, S))
+    op = draw(st.sampled_from(["and", "or", "not"]))
+    a = draw(specs(B, S, depth - 1))
+    if op == "not":
+        return ~a
+    b = draw(specs(B, S, depth - 1))
+    return a & b if op == "and" else a | b
+
+
+@settings(max_examples=150)
+@given(data=st.data())
+def test_block_map_never_overclaims(data: st.DataObject) -> None:
+    B = data.draw(st.integers(1, 3))
+    L = data.draw(st.integers(1, 40))
+    S = data.draw(st.integers(1, 40))
+    spec = data.draw(specs(B, S))
+    bq, bk = data.draw(st.integers(1, 9)), data.draw(st.integers(1, 9))
+    dense = spec.to_dense(L, S).expand(B, 1, L, S)
+    state = spec.block_map(L, S, bq, bk).state.expand(B, 1, -1, -1)
+    for i in range(state.shape[2]):
+        for j in range(state.shape[3]):
+            block = dense[:, 0, i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]  # (B, bq, bk)
+            s = state[:, 0, i, j]
+            assert not block[s == EMPTY].any(), f"block ({i}, {j}) called empty: {spec!r}"
+            assert block[s == FULL].all(), f"block ({i}, {j}) called full: {spec!r}"
+
+
+@settings(max_examples=100)
+@given(data=st.data())
+def test_block_maps_of_the_built_in_specs_are_exact(data: st.DataObject) -> None:
+    B = data.draw(st.integers(1, 2))
+    L = data.draw(st.integers(1, 40))
+    S = data.draw(st.integers(1, 40))
+    spec = data.draw(atoms(B, S))
+    bq, bk = data.draw(st.integers(1, 9)), data.draw(st.integers(1, 9))
+    dense = spec.to_dense(L, S).expand(B, 1, L, S)
+    state = spec.block_map(L, S, bq, bk).state.expand(B, 1, -1, -1)
+    for i in range(state.shape[2]):
+        for j in range(state.shape[3]):
+            block = dense[:, 0, i * bq : (i + 1) * bq, j * bk : (j + 1) * bk].flatten(1)
+            want = torch.where(block.all(1), FULL, torch.where(block.any(1), PARTIAL, EMPTY)).to(
+                torch.uint8
+            )
+            assert torch.equal(state[:, 0, i, j], want), (spec, i, j)
+
+
+@pytest.mark.parametrize(("L", "S"), [(5, 5), (3, 7), (7, 3)])
+def test_dense_forms_follow_their_formulas(L: int, S: int) -> None:
+    i = torch.arange(L)[:, None] + (S - L)  # end-aligned query positions
+    j = torch.arange(S)[None, :]
+    assert torch.equal(masks.causal().to_dense(L, S)[0, 0], attnkit.causal_mask(L, S))
+    assert torch.equal(masks.sliding_window(2).to_dense(L, S)[0, 0], (i - j).abs() < 2)
+    assert torch.equal(masks.prefix_lm(2).to_dense(L, S)[0, 0], (j < 2) | (j <= i))
+    lengths = torch.tensor([2, S])
+    assert torch.equal(
+        masks.padding(lengths).to_dense(L, S)[:, 0], (j < lengths[:, None, None]).expand(2, L, S)
+    )
+    ids = torch.arange(S) // 3
+    assert torch.equal(masks.document(ids).to_dense(L, S)[0, 0], ids[i.clamp(0)] == ids[j])
+
+
+def test_query_padding_rows_see_nothing() -> None:
+    dense = masks.padding(torch.tensor([4]), q_lengths=torch.tensor([2])).to_dense(3, 5)[0, 0]
+    assert dense.tolist() == [[True] * 4 + [False], [True] * 4 + [False], [False] * 5]
+
+
+def test_specs_draw_themselves() -> None:
+    text = str(masks.causal() & masks.sliding_window(3))
+    lines = text.splitlines()
+    assert lines[0] == "causal() & sliding_window(3), drawn for L = S = 8 (1 = may attend):"
+    assert lines[1:4] == ["1 . . . . . . .", "1 1 . . . . . .", "1 1 1 . . . . ."]
+    assert lines[8] == ". . . . . 1 1 1"
+    bm = str(masks.causal().block_map(256, 256, 128, 128))
+    assert bm.splitlines() == [
+        "BlockMap(L=256, S=256, blocks 128x128: 1 full, 2 partial, 1 empty)",
+        "p .",
+        "# p",
+    ]
+
+
+def test_block_map_of_a_long_window_is_cheap_and_sparse() -> None:
+    spec = masks.causal() & masks.sliding_window(256)
+    bm = spec.block_map(65536, 65536, 128, 128)  # never builds 65536 x 65536
+    assert bm.state.shape == (1, 1, 512, 512)
+    assert bm.counts()["full"] == 511  # the block just below the diagonal
+    assert bm.density < 0.006
+
+
+@pytest.mark.parametrize("backend", attnkit.available_backends())
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: masks.causal() & masks.sliding_window(3),
+        lambda: masks.padding(torch.tensor([3, 0])),
+        lambda: masks.document(torch.tensor([0, 0, 1, 1, 1, 2, 2])) & masks.causal(),
+        lambda: masks.prefix_lm(torch.tensor([2, 5])),
+        lambda: ~masks.causal(),
+    ],
+    ids=["window", "padding", "documents", "prefix", "anti-causal"],
+)
+def test_attention_with_a_spec_equals_the_dense_mask(backend: str, make) -> None:  # type: ignore[no-untyped-def]
+    spec = make()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 7, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 2, 7, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 2, 7, 8, generator=g, dtype=torch.float64)
+    dense = spec.to_dense(7, 7)
+    out = attnkit.attention(q, k, v, mask=spec, backend=backend)
+    assert torch.allclose(out, reference_attention(q, k, v, mask=dense)[0], atol=1e-12)
+
+
+def test_causal_flag_and_spec_combine_and_causal_spec_is_the_fast_path() -> None:
+    q = torch.randn(1, 2, 6, 8)
+    spec = masks.sliding_window(2)
+    a = attnkit.attention(q, q, q, mask=spec, causal=True)
+    b = attnkit.attention(q, q, q, mask=masks.causal() & spec)
+    assert torch.allclose(a, b, atol=1e-6)
+    assert attnkit.explain(q, q, q, mask=masks.causal()).chosen == "sdpa"
+    call = functional._prepare(q, q, q, masks.causal(), False, None, 0.0, False, "test")
+    assert call.mask is None  # causal() alone becomes torch's is_causal: no mask at all
+    assert call.causal is True
+
+
+def test_modules_take_specs_with_key_padding() -> None:
+    mha = attnkit.MultiHeadAttention(16, 4, causal=True).double()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    kpm = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    got = mha(x, mask=masks.sliding_window(3), key_padding_mask=kpm).output
+    dense = masks.sliding_window(3).to_dense(6, 6) & kpm[:, None, None, :]
+    want = mha(x, mask=dense).output
+    assert torch.allclose(got, want, atol=1e-12)
+
+
+def test_spec_for_another_batch_size_is_refused() -> None:
+    q = torch.randn(3, 2, 5, 8)
+    with pytest.raises(attnkit.AttentionInputError, match="batch of 2 but q has B=3") as info:
+        attnkit.attention(q, q, q, mask=masks.padding(torch.tensor([1, 2])))
+    assert info.value.argument == "mask"
+    assert "lengths / ids / keep tensors with 3 rows" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: masks.sliding_window(0), "sliding_window"),
+        (lambda: masks.padding(torch.tensor([1.5])), "integer tensor"),
+        (lambda: masks.key_mask(torch.ones(3)), "bool \\(B, S\\)"),
+        (lambda: masks.prefix_lm(-1), "prefix_lm"),
+        (lambda: masks.causal() & torch.ones(2), "combine with mask specs"),
+        (
+            lambda: masks.padding(torch.tensor([1, 2])) & masks.padding(torch.tensor([1])),
+            "different batch sizes",
+        ),
+    ],
+)
+def test_bad_spec_arguments(make, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises((ValueError, TypeError), match=message):
+        make()
