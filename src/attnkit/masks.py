@@ -123,6 +123,20 @@ class MaskSpec:
 
     #: the batch size the spec's tensors imply (None: it does not depend on the batch)
     batch: int | None = None
+    #: True when the spec also adds a bias to the scores (ALiBi); see :meth:`bias`
+    has_bias: bool = False
+    #: the number of heads a head-dependent spec is built for (None: any)
+    heads: int | None = None
+
+    def bias(
+        self, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, off: int
+    ) -> torch.Tensor | None:
+        """A float added to the scaled scores of allowed pairs (None: no bias).
+
+        A spec with a bias (``has_bias``) materialises as a float mask; a block-sparse backend
+        adds it on every visited block, full ones included.
+        """
+        return None
 
     def allowed(
         self, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, off: int
@@ -191,6 +205,8 @@ class MaskSpec:
     def __str__(self) -> str:
         n = 8
         dense = self.to_dense(n, n)[0, 0]
+        if dense.is_floating_point():
+            dense = dense > float("-inf")
         rows = [" ".join("1" if x else "." for x in row) for row in dense.tolist()]
         return "\n".join([f"{self!r}, drawn for L = S = {n} (1 = may attend):", *rows])
 
@@ -205,6 +221,13 @@ def _check_batch(*specs: MaskSpec) -> int | None:
     sizes = {s.batch for s in specs if s.batch is not None}
     if len(sizes) > 1:
         raise ValueError(f"mask specs for different batch sizes combined: {sorted(sizes)}")
+    return sizes.pop() if sizes else None
+
+
+def _check_heads(*specs: MaskSpec) -> int | None:
+    sizes = {s.heads for s in specs if s.heads is not None}
+    if len(sizes) > 1:
+        raise ValueError(f"mask specs for different head counts combined: {sorted(sizes)}")
     return sizes.pop() if sizes else None
 
 
@@ -390,6 +413,16 @@ class _And(MaskSpec):
     def __init__(self, a: MaskSpec, b: MaskSpec) -> None:
         self.a, self.b = a, b
         self.batch = _check_batch(a, b)
+        self.heads = _check_heads(a, b)
+        self.has_bias = a.has_bias or b.has_bias
+
+    def bias(self, b, h, q, kv, off):  # type: ignore[no-untyped-def]
+        total: torch.Tensor | None = None
+        for spec in (self.a, self.b):
+            part = spec.bias(b, h, q, kv, off) if spec.has_bias else None
+            if part is not None:
+                total = part if total is None else total + part
+        return total
 
     def tensors(self) -> list[torch.Tensor]:
         return self.a.tensors() + self.b.tensors()
@@ -408,8 +441,11 @@ class _And(MaskSpec):
 
 class _Or(MaskSpec):
     def __init__(self, a: MaskSpec, b: MaskSpec) -> None:
+        if a.has_bias or b.has_bias:
+            raise ValueError("a spec with a score bias (ALiBi) combines with & only")
         self.a, self.b = a, b
         self.batch = _check_batch(a, b)
+        self.heads = _check_heads(a, b)
 
     def tensors(self) -> list[torch.Tensor]:
         return self.a.tensors() + self.b.tensors()
@@ -428,8 +464,11 @@ class _Or(MaskSpec):
 
 class _Not(MaskSpec):
     def __init__(self, a: MaskSpec) -> None:
+        if a.has_bias:
+            raise ValueError("a spec with a score bias (ALiBi) cannot be inverted")
         self.a = a
         self.batch = a.batch
+        self.heads = a.heads
 
     def tensors(self) -> list[torch.Tensor]:
         return self.a.tensors()

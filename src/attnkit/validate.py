@@ -245,6 +245,15 @@ def _validate_spec(mask: MaskSpec, q: torch.Tensor, dims: Dims, where: str) -> N
             expected=f"lengths / ids / keep tensors with {dims.B} rows",
             fix="build the spec from this batch's lengths or document ids",
         )
+    if mask.heads is not None and mask.heads != dims.H:
+        raise AttentionInputError(
+            where,
+            "mask",
+            f"the mask spec is built for {mask.heads} heads but q has H={dims.H}.",
+            got=f"mask={mask!r}  q (B={dims.B}, H={dims.H}, L={dims.L}, Dk={dims.Dk})",
+            expected=f"a spec for {dims.H} heads",
+            fix="build it with the model's number of query heads",
+        )
     device = mask.device
     if device is not None and device != q.device:
         raise AttentionInputError(
