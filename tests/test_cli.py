@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 from typer.testing import CliRunner
@@ -32,8 +33,8 @@ def _check_demo_output(text: str) -> None:
     assert "(B, L, E) (1, 6, 16)" in text
 
 
-def test_demo() -> None:
-    result = runner.invoke(app, ["demo"])
+def test_demo(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["demo", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     _check_demo_output(result.output)
     assert result.output.splitlines()[0].startswith('sentence: "Life is short, eat dessert first"')
@@ -64,9 +65,9 @@ def test_unknown_command_fails() -> None:
     assert result.exit_code != 0
 
 
-def test_python_dash_m_attnkit_demo() -> None:
+def test_python_dash_m_attnkit_demo(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "attnkit", "demo"],
+        [sys.executable, "-m", "attnkit", "demo", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,

