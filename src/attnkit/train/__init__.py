@@ -1,0 +1,72 @@
+"""Train a small attnkit transformer end to end on a task that needs attention (``attnkit train``).
+
+- :mod:`~attnkit.train.tasks`: the tasks (``reverse``, ``sort``, ``kv_recall``), their seeded data
+  and a held-out split that is disjoint from training by construction.
+- :mod:`~attnkit.train.model`: embeddings + :class:`attnkit.modules.TransformerStack` + a head.
+- :mod:`~attnkit.train.loop`: AdamW, evaluation, early stop, resume.
+- :mod:`~attnkit.train.ddp`: ``--ddp N``, DistributedDataParallel over gloo.
+- :mod:`~attnkit.train.checkpoint`: safetensors checkpoints of the model and the optimizer.
+- :mod:`~attnkit.train.maps`: the trained model's attention maps and the alignment they show.
+"""
+
+from attnkit.train.checkpoint import (
+    CHECKPOINT_NAME,
+    CheckpointInfo,
+    load_checkpoint,
+    save_checkpoint,
+)
+from attnkit.train.ddp import DistributedTrainingError
+from attnkit.train.loop import (
+    FitSummary,
+    Progress,
+    TrainConfig,
+    TrainResult,
+    build,
+    check_run,
+    evaluate,
+    fit,
+    resume_config,
+    train,
+)
+from attnkit.train.maps import (
+    HeadAlignment,
+    MapsReport,
+    alignment_scores,
+    layer_scores,
+    write_maps,
+)
+from attnkit.train.model import ModelConfig, ModelOutput, TaskModel
+from attnkit.train.tasks import TASKS, Accuracy, KVRecall, Reverse, Sort, Task, make_task
+
+__all__ = [
+    "CHECKPOINT_NAME",
+    "TASKS",
+    "Accuracy",
+    "CheckpointInfo",
+    "DistributedTrainingError",
+    "FitSummary",
+    "HeadAlignment",
+    "KVRecall",
+    "MapsReport",
+    "ModelConfig",
+    "ModelOutput",
+    "Progress",
+    "Reverse",
+    "Sort",
+    "Task",
+    "TaskModel",
+    "TrainConfig",
+    "TrainResult",
+    "alignment_scores",
+    "build",
+    "check_run",
+    "evaluate",
+    "fit",
+    "layer_scores",
+    "load_checkpoint",
+    "make_task",
+    "resume_config",
+    "save_checkpoint",
+    "train",
+    "write_maps",
+]
