@@ -12,6 +12,7 @@ from attnkit.heads import merge_heads, split_heads
 from attnkit.inspect.tracing import Trace, trace
 from attnkit.masks import causal_mask
 from attnkit.modules import CrossAttention, MultiHeadAttention, SelfAttention
+from attnkit.modules.kv_cache import KVCache
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,7 @@ __all__ = [
     "AttentionOutput",
     "CrossAttention",
     "Explanation",
+    "KVCache",
     "MultiHeadAttention",
     "SelfAttention",
     "Trace",

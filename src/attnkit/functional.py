@@ -56,7 +56,7 @@ class _Call:
             return self.mask
         if "dense" not in self._dense:
             self._dense["dense"] = self.mask.to_dense(
-                self.dims.L, self.dims.S, device=self.q.device
+                self.dims.L, self.dims.S, device=self.q.device, dtype=self.q.dtype
             )
         return self._dense["dense"]
 

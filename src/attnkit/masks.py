@@ -160,15 +160,31 @@ class MaskSpec:
         """The tensors the spec holds (for device and batch checks)."""
         return []
 
-    def to_dense(self, L: int, S: int, *, device: torch.device | str | None = None) -> torch.Tensor:
-        """The mask as a bool tensor ``(B', 1, L, S)`` (``B' = 1`` unless batch-dependent)."""
+    def to_dense(
+        self,
+        L: int,
+        S: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """The mask as a bool tensor ``(B', 1, L, S)`` (``B' = 1`` unless batch-dependent).
+
+        A spec with a score bias (``has_bias``) gives a float mask ``(B', H', L, S)`` of
+        ``dtype`` instead (``H'`` = ``heads``, or 1): the bias where allowed, ``-inf`` elsewhere.
+        """
         dev = torch.device(device) if device is not None else self.device
         B = self.batch or 1
+        H = (self.heads or 1) if self.has_bias else 1
         b = torch.arange(B, device=dev).view(B, 1, 1, 1)
-        h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev)
+        h = torch.arange(H, device=dev).view(1, H, 1, 1)
         q = torch.arange(L, device=dev).view(1, 1, L, 1)
         kv = torch.arange(S, device=dev).view(1, 1, 1, S)
-        return self.allowed(b, h, q, kv, S - L).expand(B, 1, L, S)
+        allowed = self.allowed(b, h, q, kv, S - L).expand(B, H, L, S)
+        bias = self.bias(b, h, q, kv, S - L) if self.has_bias else None
+        if bias is None:
+            return allowed
+        return torch.where(allowed, bias.to(dtype), float("-inf")).expand(B, H, L, S)
 
     def block_map(self, L: int, S: int, block_q: int = 128, block_k: int = 128) -> BlockMap:
         """Empty / partial / full per (query block, key block), without building ``L x S``."""

@@ -1,5 +1,7 @@
-"""Ways in from other libraries: ``torch.nn.MultiheadAttention`` (weights and masks)."""
+"""Ways in from other libraries: ``torch.nn.MultiheadAttention`` (weights and masks), and
+Hugging Face ``transformers`` models (:func:`from_hf`; transformers is never imported here)."""
 
+from attnkit.interop.hf import from_hf
 from attnkit.interop.torch_mha import mask_from_torch
 
-__all__ = ["mask_from_torch"]
+__all__ = ["from_hf", "mask_from_torch"]

@@ -90,6 +90,8 @@ def to_torch(mod: MultiHeadAttention) -> nn.MultiheadAttention:
         problems.append("no output projection")
     if mod.causal:
         problems.append("causal=True (torch's module has no causal setting)")
+    if mod.rope is not None:
+        problems.append("rope (torch's module has no rotary embedding)")
     if problems:
         raise AttentionInputError(
             where,

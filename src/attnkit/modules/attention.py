@@ -21,6 +21,8 @@ from attnkit.functional import AttentionOutput, run_attention
 from attnkit.heads import merge_heads, split_heads
 from attnkit.inspect.tracing import active_trace, record_module_end, record_module_start
 from attnkit.masks import MaskSpec, key_mask
+from attnkit.modules.kv_cache import KVCache
+from attnkit.modules.positions import RotaryEmbedding
 
 __all__ = ["CrossAttention", "MultiHeadAttention", "SelfAttention"]
 
@@ -56,6 +58,7 @@ class _Attention(nn.Module):
         causal: bool = False,
         backend: str = "auto",
         output_projection: bool = True,
+        rope: RotaryEmbedding | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -110,6 +113,16 @@ class _Attention(nn.Module):
         self.batch_first = batch_first
         self.causal = causal
         self.backend = backend
+        if rope is not None and (not isinstance(rope, RotaryEmbedding) or rope.dim > Dk):
+            raise AttentionInputError(
+                where,
+                "rope",
+                "`rope` must be a RotaryEmbedding that rotates at most the head dim.",
+                got=f"rope={rope!r}  head_dim={Dk}",
+                expected=f"RotaryEmbedding(dim <= {Dk})",
+                fix=f"RotaryEmbedding({Dk - Dk % 2})",
+            )
+        self.rope = rope
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(E, H * Dk, bias=bias, **factory)
         self.k_proj = nn.Linear(self.kdim, Hkv * Dk, bias=bias, **factory)
@@ -162,8 +175,11 @@ class _Attention(nn.Module):
         mask: torch.Tensor | MaskSpec | None,
         key_padding_mask: torch.Tensor | None,
         need_weights: bool,
+        kv_cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
     ) -> AttentionOutput:
         where = self._where
+        self_attention = key is query and value is query
         self._check_input("query", query, self.embed_dim, "embed_dim")
         self._check_input("key", key, self.kdim, "kdim")
         self._check_input("value", value, self.vdim, "vdim")
@@ -205,12 +221,17 @@ class _Attention(nn.Module):
             record_module_start(
                 tr, self, inputs, [("q", qp), ("k", kp), ("v", vp)], [("q", q), ("k", k), ("v", v)]
             )
+        causal = self.causal
+        if self.rope is not None or positions is not None or kv_cache is not None:
+            q, k, v, mask, causal = self._rope_and_cache(
+                q, k, v, mask, self_attention, key_padding_mask, kv_cache, positions
+            )
         out, weights = run_attention(
             q,
             k,
             v,
             mask,
-            self.causal,
+            causal,
             None,
             self.dropout if self.training else 0.0,
             need_weights,
@@ -223,6 +244,71 @@ class _Attention(nn.Module):
         if not self.batch_first:
             y = y.transpose(0, 1)  # (L, B, E)
         return AttentionOutput(y, weights)
+
+    def _rope_and_cache(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | MaskSpec | None,
+        self_attention: bool,
+        key_padding_mask: torch.Tensor | None,
+        kv_cache: KVCache | None,
+        positions: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | MaskSpec | None, bool]:
+        """RoPE on the new q and k at their positions, then the new k and v into the cache.
+
+        With a cache, the new tokens start at ``kv_cache.next_pos()`` and attend to every
+        cached key by the end-aligned causal rule (per sequence in a ragged batch).
+        """
+        where = self._where
+        if (kv_cache is not None or self.rope is not None) and not self_attention:
+            raise AttentionInputError(
+                where,
+                "key",
+                "RoPE and the KV cache serve self-attention; a separate key was given.",
+                got="key is not query",
+                expected="key=None and value=None (self-attention)",
+            )
+        if kv_cache is not None and key_padding_mask is not None:
+            raise AttentionInputError(
+                where,
+                "key_padding_mask",
+                "with a kv_cache, padding is the cache's per-sequence lengths.",
+                got="kv_cache and key_padding_mask both given",
+                expected="key_padding_mask=None",
+                fix="write right-padded sequences, then kv_cache.truncate(real lengths)",
+            )
+        if positions is not None and self.rope is None:
+            raise AttentionInputError(
+                where,
+                "positions",
+                "`positions` is given but this module has no rotary embedding to use it.",
+                got="positions given, rope=None",
+                expected="positions=None, or a module built with rope=RotaryEmbedding(...)",
+            )
+        L = q.shape[2]
+        start = kv_cache.next_pos() if kv_cache is not None else 0
+        if self.rope is not None:
+            if positions is None:
+                steps = torch.arange(L, device=q.device)  # (L,)
+                positions = (
+                    start[:, None] + steps if isinstance(start, torch.Tensor) else steps + start
+                )
+            q, k = self.rope(q, positions), self.rope(k, positions)  # (B, H|Hkv, L, Dk)
+        causal = self.causal
+        if kv_cache is None:
+            return q, k, v, mask, causal
+        k, v = kv_cache.update(start, k, v)  # (B, Hkv, S, Dk), (B, Hkv, S, Dv)
+        rule = kv_cache.rule(L, causal=causal)
+        if rule is None:  # one new token sees every cached key: causal needs no mask then
+            return q, k, v, mask, causal and L > 1
+        if mask is None or isinstance(mask, MaskSpec):
+            return q, k, v, rule if mask is None else mask & rule, False
+        allowed = rule.to_dense(L, k.shape[2], device=q.device)  # (B, 1, L, S)
+        if mask.dtype == torch.bool:
+            return q, k, v, mask & allowed, False
+        return q, k, v, mask.masked_fill(~allowed, float("-inf")), False
 
     def _merge_key_padding(
         self,
@@ -295,13 +381,22 @@ class MultiHeadAttention(_Attention):
         backend: passed to :func:`attnkit.attention`.
         output_projection: ``False`` drops the output projection (the output is then
             ``(B, L, H * Dv)``).
+        rope: a :class:`~attnkit.modules.positions.RotaryEmbedding` applied to the queries
+            and keys of self-attention (``rope.dim <= Dk``), or ``None``.
 
     ``forward(query, key=None, value=None, *, mask=None, key_padding_mask=None,
-    need_weights=False)``: ``query (B, L, E)``, ``key (B, S, kdim)`` (default: the query),
-    ``value (B, S, vdim)`` (default: the key). ``mask`` follows attnkit's convention
-    (bool, True = may attend, or float added; broadcastable to ``(B, H, L, S)``);
-    ``key_padding_mask`` is bool ``(B, S)``, True = a real key. Returns
+    need_weights=False, kv_cache=None, positions=None)``: ``query (B, L, E)``, ``key (B, S,
+    kdim)`` (default: the query), ``value (B, S, vdim)`` (default: the key). ``mask`` follows
+    attnkit's convention (bool, True = may attend, or float added; broadcastable to
+    ``(B, H, L, S)``); ``key_padding_mask`` is bool ``(B, S)``, True = a real key. Returns
     :class:`~attnkit.AttentionOutput` ``(output (B, L, E), weights (B, H, L, S) or None)``.
+
+    Decoding (self-attention only): with ``kv_cache`` (a :class:`~attnkit.KVCache`), the
+    ``L`` new tokens' keys and values are written at ``kv_cache.next_pos()`` and the queries
+    attend to all ``S`` cached keys by the end-aligned causal rule (``causal=True``; per
+    sequence in a ragged batch); ``mask``, if given, then spans ``(L, S)``. RoPE positions
+    default to ``0 .. L-1`` after the cached tokens; ``positions (L,)`` or ``(B, L)``
+    overrides them.
 
     >>> mha = MultiHeadAttention(64, 8, num_kv_heads=2)
     >>> mha(torch.randn(2, 10, 64)).output.shape
@@ -317,10 +412,14 @@ class MultiHeadAttention(_Attention):
         mask: torch.Tensor | MaskSpec | None = None,
         key_padding_mask: torch.Tensor | None = None,
         need_weights: bool = False,
+        kv_cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
     ) -> AttentionOutput:
         key = query if key is None else key
         value = key if value is None else value
-        return self._attend(query, key, value, mask, key_padding_mask, need_weights)
+        return self._attend(
+            query, key, value, mask, key_padding_mask, need_weights, kv_cache, positions
+        )
 
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention, *, backend: str = "auto") -> MultiHeadAttention:

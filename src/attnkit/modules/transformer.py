@@ -16,7 +16,7 @@ Every attention call goes through :class:`attnkit.MultiHeadAttention` /
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -24,7 +24,9 @@ import torch
 from torch import nn
 
 from attnkit.errors import AttentionInputError
+from attnkit.masks import MaskSpec
 from attnkit.modules.attention import CrossAttention, MultiHeadAttention
+from attnkit.modules.kv_cache import KVCache
 
 __all__ = [
     "MLP",
@@ -159,13 +161,16 @@ class TransformerLayer(nn.Module):
     - ``key_padding_mask`` bool ``(B, L)``, **True = a real token** (padded keys are not
       attended to; padded query rows still get an output, as in BERT).
     - ``mask``: an extra self-attention mask in attnkit's convention (bool, True = may
-      attend, or float added), broadcastable to ``(B, H, L, L)``; combined with
-      ``config.causal``.
+      attend, or float added), broadcastable to ``(B, H, L, L)``, or a mask spec such as
+      ``alibi(H)``; combined with ``config.causal``.
     - ``context (B, S, context_dim)`` and ``context_padding_mask`` bool ``(B, S)`` (True = a
       real token): the cross-attention input; required exactly when
       ``config.cross_attention``.
     - ``need_weights``: also return the attention weights (``(B, H, L, L)`` and, with
       cross-attention, ``(B, H, L, S)``).
+    - ``kv_cache``: a :class:`~attnkit.KVCache` for incremental decoding; ``x`` holds the new
+      tokens only and self-attention sees every cached token (see
+      :class:`~attnkit.MultiHeadAttention`; the weights are then ``(B, H, L, S)``).
 
     Returns a :class:`LayerOutput` ``(hidden (B, L, E), weights, cross_weights)``.
 
@@ -209,10 +214,11 @@ class TransformerLayer(nn.Module):
         x: torch.Tensor,
         *,
         key_padding_mask: torch.Tensor | None = None,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | MaskSpec | None = None,
         context: torch.Tensor | None = None,
         context_padding_mask: torch.Tensor | None = None,
         need_weights: bool = False,
+        kv_cache: KVCache | None = None,
     ) -> LayerOutput:
         self._check_context(context, context_padding_mask)
         a = self.attn(
@@ -220,6 +226,7 @@ class TransformerLayer(nn.Module):
             mask=mask,
             key_padding_mask=key_padding_mask,
             need_weights=need_weights,
+            kv_cache=kv_cache,
         )
         h = self._add(x, a.output, self.attn_norm)  # (B, L, E)
         cross_weights = None
@@ -275,8 +282,9 @@ class TransformerStack(nn.Module):
     :class:`TransformerLayer` go to every layer.
 
     ``forward(x, *, key_padding_mask=None, mask=None, context=None, context_padding_mask=None,
-    need_weights=False, output_hidden_states=False)`` returns a :class:`TransformerOutput`
-    ``(last_hidden_state (B, L, E), hidden_states, attentions)``.
+    need_weights=False, output_hidden_states=False, kv_cache=None)`` returns a
+    :class:`TransformerOutput` ``(last_hidden_state (B, L, E), hidden_states, attentions)``;
+    ``kv_cache`` is one :class:`~attnkit.KVCache` per layer.
 
     >>> stack = TransformerStack(TransformerConfig(dim=16, num_heads=4), num_layers=3)
     >>> out = stack(torch.randn(2, 5, 16), need_weights=True, output_hidden_states=True)
@@ -307,15 +315,24 @@ class TransformerStack(nn.Module):
         x: torch.Tensor,
         *,
         key_padding_mask: torch.Tensor | None = None,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | MaskSpec | None = None,
         context: torch.Tensor | None = None,
         context_padding_mask: torch.Tensor | None = None,
         need_weights: bool = False,
         output_hidden_states: bool = False,
+        kv_cache: Sequence[KVCache] | None = None,
     ) -> TransformerOutput:
+        if kv_cache is not None and len(kv_cache) != len(self.layers):
+            raise AttentionInputError(
+                "attnkit.TransformerStack",
+                "kv_cache",
+                "`kv_cache` needs one KVCache per layer.",
+                got=f"{len(kv_cache)} caches for {len(self.layers)} layers",
+                expected=f"a sequence of {len(self.layers)} KVCache",
+            )
         hidden_states = [x]
         attentions = []
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x, weights, _ = layer(
                 x,
                 key_padding_mask=key_padding_mask,
@@ -323,6 +340,7 @@ class TransformerStack(nn.Module):
                 context=context,
                 context_padding_mask=context_padding_mask,
                 need_weights=need_weights,
+                kv_cache=None if kv_cache is None else kv_cache[i],
             )
             hidden_states.append(x)
             if weights is not None:

@@ -1,0 +1,394 @@
+"""A GPT-2-style decoder built from attnkit's one transformer layer, with KV-cache generation.
+
+Dimension legend: B batch, T tokens (of this call), E model width, H heads, V vocabulary size,
+P max positions, N new tokens.
+
+The model is token + learned position embeddings, a pre-norm causal
+:class:`~attnkit.modules.transformer.TransformerStack` (GELU-tanh MLP; the stack ends with the
+final LayerNorm), and an LM head, tied to the token embeddings by default. Every attention call
+goes through :func:`attnkit.attention`. :func:`attnkit.interop.from_hf` loads a Hugging Face
+``GPT2LMHeadModel``'s weights into it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from attnkit.errors import AttentionInputError, shape_str
+from attnkit.modules.kv_cache import KVCache
+from attnkit.modules.positions import LearnedPositions
+from attnkit.modules.transformer import Activation, TransformerConfig, TransformerStack
+
+__all__ = ["GPT", "GPTConfig"]
+
+WHERE = "attnkit.models.GPT"
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """The shape of a :class:`GPT`. The defaults are a small model (51M parameters, tied) with
+    GPT-2's vocabulary and head size, at 2/3 of its width and depth.
+
+    >>> GPTConfig().transformer_config().norm_first
+    True
+    """
+
+    vocab_size: int = 50257  # V, GPT-2's BPE vocabulary
+    max_positions: int = 1024  # P, the longest sequence (prompt + generated tokens)
+    dim: int = 512  # E, model width
+    num_layers: int = 8  # transformer layers
+    num_heads: int = 8  # H (dim % num_heads == 0); head dim 64, as GPT-2's
+    ffn_dim: int | None = None  # MLP hidden width; None = 4 * dim
+    activation: Activation = "gelu_tanh"  # GPT-2's "gelu_new"
+    norm_eps: float = 1e-5  # LayerNorm epsilon
+    embed_dropout: float = 0.0  # on the embeddings, in training mode
+    dropout: float = 0.0  # on each residual branch, in training mode
+    attn_dropout: float = 0.0  # on the attention weights, in training mode
+    tie_embeddings: bool = True  # the LM head shares the token embedding matrix
+    backend: str = "auto"  # passed to attnkit.attention
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "max_positions", "num_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise AttentionInputError(
+                    "attnkit.models.GPTConfig",
+                    name,
+                    f"`{name}` must be a positive int.",
+                    got=f"{name}={value!r}",
+                    expected="an int >= 1",
+                )
+        self.transformer_config()  # validates the layer's fields
+
+    def transformer_config(self) -> TransformerConfig:
+        """One decoder layer: pre-norm, causal, biases everywhere."""
+        return TransformerConfig(
+            dim=self.dim,
+            num_heads=self.num_heads,
+            ffn_dim=self.ffn_dim,
+            activation=self.activation,
+            norm_eps=self.norm_eps,
+            norm_first=True,
+            dropout=self.dropout,
+            attn_dropout=self.attn_dropout,
+            causal=True,
+            backend=self.backend,
+        )
+
+
+class GPT(nn.Module):
+    """A GPT-2-style language model: ``input_ids (B, T) -> logits (B, T, V)``.
+
+    ``forward(input_ids, *, attention_mask=None, kv_cache=None)``:
+
+    - ``input_ids (B, T)`` integer token ids.
+    - ``attention_mask (B, T)`` bool or 0/1, **1/True = a real token** (Hugging Face's
+      convention). Without a cache, padding may be on the left or the right: padded keys are
+      not attended to and positions count real tokens only (``cumsum - 1``, as Hugging Face's
+      ``generate``). With a cache it must be right padding (each row ``1..1 0..0``): the
+      cache then keeps each sequence's real tokens only.
+    - ``kv_cache``: one :class:`~attnkit.KVCache` per layer (:meth:`new_cache`). ``input_ids``
+      are then the *new* tokens; each sequence continues at its cached length.
+
+    :meth:`generate` decodes greedily by default, with the cache.
+
+    >>> model = GPT(GPTConfig(vocab_size=100, max_positions=32, dim=32, num_layers=2,
+    ...                       num_heads=4)).eval()
+    >>> model(torch.tensor([[1, 2, 3]])).shape
+    torch.Size([1, 3, 100])
+    >>> model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4).shape
+    torch.Size([1, 7])
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        E = config.dim
+        self.tok_emb = nn.Embedding(config.vocab_size, E)
+        self.pos_emb = LearnedPositions(config.max_positions, E)
+        self.drop = nn.Dropout(config.embed_dropout)
+        self.stack = TransformerStack(config.transformer_config(), config.num_layers)
+        self.lm_head = nn.Linear(E, config.vocab_size, bias=False)
+        self.apply(_init_weights)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def new_cache(self, batch_size: int, max_len: int | None = None) -> list[KVCache]:
+        """One empty :class:`~attnkit.KVCache` per layer, on the model's dtype and device.
+
+        ``max_len`` defaults to ``max_positions``.
+        """
+        c = self.config
+        w = self.tok_emb.weight
+        return [
+            KVCache(
+                batch_size,
+                c.num_heads,
+                c.max_positions if max_len is None else max_len,
+                c.dim // c.num_heads,
+                dtype=w.dtype,
+                device=w.device,
+            )
+            for _ in range(c.num_layers)
+        ]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        kv_cache: Sequence[KVCache] | None = None,
+    ) -> torch.Tensor:
+        h = self.hidden(input_ids, attention_mask=attention_mask, kv_cache=kv_cache)
+        logits: torch.Tensor = self.lm_head(h)  # (B, T, V)
+        return logits
+
+    def hidden(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        kv_cache: Sequence[KVCache] | None = None,
+    ) -> torch.Tensor:
+        """The final hidden states ``(B, T, E)`` (after the last LayerNorm, before the head)."""
+        real = self._check(input_ids, attention_mask, kv_cache)  # (B, T) bool or None
+        T = input_ids.shape[1]
+        steps = torch.arange(T, device=input_ids.device)  # (T,)
+        key_padding_mask = None
+        start: int | torch.Tensor = 0
+        if kv_cache is None:
+            positions = steps[None] if real is None else (real.long().cumsum(1) - 1).clamp(min=0)
+            key_padding_mask = real
+        else:
+            start = kv_cache[0].next_pos()  # int, or (B,) for a ragged batch
+            positions = (
+                start[:, None] + steps if isinstance(start, torch.Tensor) else steps[None] + start
+            )
+        x = self.drop(self.tok_emb(input_ids) + self.pos_emb(positions))  # (B, T, E)
+        h: torch.Tensor = self.stack(
+            x, key_padding_mask=key_padding_mask, kv_cache=kv_cache
+        ).last_hidden_state  # (B, T, E)
+        if kv_cache is not None and real is not None:  # keep each sequence's real tokens
+            for cache in kv_cache:
+                cache.truncate(start + real.sum(dim=1))
+        return h
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        use_cache: bool = True,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Append ``max_new_tokens`` tokens to each prompt: ``(B, T) -> (B, T + N)``.
+
+        Greedy (``temperature=0``) by default; ``temperature > 0`` samples from
+        ``softmax(logits / temperature)``, restricted to the ``top_k`` likeliest tokens when
+        given (``generator`` seeds the sampling). ``use_cache=True`` feeds each new token
+        alone against a :class:`~attnkit.KVCache`; ``False`` recomputes the whole sequence at
+        every step (same tokens, slower). Call ``.eval()`` first: dropout is not switched off.
+
+        Prompts of different lengths: pass ``attention_mask (B, T)`` (1/True = a real token)
+        with **left or right padding**; each sequence continues right after its own last real
+        token. The result is ``input_ids`` as given (padding where it was) followed by the
+        ``N`` new tokens of each sequence.
+        """
+        where = f"{WHERE}.generate"
+        _check_generate_args(where, max_new_tokens, temperature, top_k)
+        real = self._check(input_ids, attention_mask, None, where=where)
+        B, T = input_ids.shape
+        N = max_new_tokens
+        dev = input_ids.device
+        if real is None:
+            real = torch.ones(B, T, dtype=torch.bool, device=dev)
+        n = real.sum(dim=1)  # (B,) prompt lengths
+        first = real.long().argmax(dim=1)  # (B,) where each prompt starts
+        steps = torch.arange(T, device=dev)
+        inside = (steps >= first[:, None]) & (steps < (first + n)[:, None])  # (B, T)
+        if bool((n == 0).any()) or not torch.equal(inside, real):
+            raise AttentionInputError(
+                where,
+                "attention_mask",
+                "each prompt must be one run of real tokens, padded on the left or the right.",
+                got=f"attention_mask rows {real.int().tolist()[:4]}",
+                expected="rows like 0 0 1 1 1 (left padding) or 1 1 1 0 0 (right padding), "
+                "with at least one 1",
+            )
+        longest = int(n.max())
+        if longest + N - 1 > self.config.max_positions:
+            raise AttentionInputError(
+                where,
+                "max_new_tokens",
+                f"a prompt of {longest} tokens and {N} new tokens need "
+                f"{longest + N - 1} positions; the model has {self.config.max_positions}.",
+                got=f"{shape_str('input_ids', input_ids, ('B', 'T'))}  max_new_tokens={N}",
+                expected=f"longest prompt + max_new_tokens - 1 <= {self.config.max_positions}",
+                fix="shorten the prompt or ask for fewer tokens",
+            )
+        new = torch.zeros(B, N, dtype=torch.long, device=dev)
+        if N == 0:
+            return torch.cat([input_ids, new], dim=1)
+        # each prompt moved to the start of its row (right padding): (B, T + N)
+        tokens = torch.zeros(B, T + N, dtype=torch.long, device=dev)
+        moved = input_ids.gather(1, (first[:, None] + steps).clamp(max=T - 1))  # (B, T)
+        tokens[:, :T] = torch.where(steps < n[:, None], moved, 0)
+        rows = torch.arange(B, device=dev)
+        ragged = bool((n != longest).any())
+        if use_cache:
+            cache = self.new_cache(B, max_len=longest + N - 1)
+            right = steps[:longest] < n[:, None] if ragged else None  # (B, longest)
+            prompts = tokens[:, :longest]  # (B, longest): right-padded prompts
+            h = self.hidden(prompts, attention_mask=right, kv_cache=cache)  # (B, longest, E)
+            last = h[rows, n - 1]  # (B, E): each prompt's last real token
+            for i in range(N):
+                new[:, i] = _pick(self.lm_head(last), temperature, top_k, generator)  # (B,)
+                if i < N - 1:
+                    last = self.hidden(new[:, i : i + 1], kv_cache=cache)[:, -1]  # (B, E)
+        else:
+            length = n.clone()  # (B,)
+            for i in range(N):
+                width = int(length.max())
+                right = torch.arange(width, device=dev) < length[:, None]  # (B, width)
+                h = self.hidden(tokens[:, :width], attention_mask=right if ragged else None)
+                new[:, i] = _pick(self.lm_head(h[rows, length - 1]), temperature, top_k, generator)
+                tokens[rows, length] = new[:, i]
+                length += 1
+        return torch.cat([input_ids, new], dim=1)
+
+    def _check(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        kv_cache: Sequence[KVCache] | None,
+        where: str = WHERE,
+    ) -> torch.Tensor | None:
+        """Validate; return the mask as bool ``(B, T)`` (True = real) or ``None``."""
+        V = self.config.vocab_size
+        if (
+            not isinstance(input_ids, torch.Tensor)
+            or input_ids.dim() != 2
+            or input_ids.is_floating_point()
+            or input_ids.dtype == torch.bool
+        ):
+            got = (
+                f"{shape_str('input_ids', input_ids, ('B', 'T'))} dtype={input_ids.dtype}"
+                if isinstance(input_ids, torch.Tensor)
+                else f"input_ids: {type(input_ids).__name__}"
+            )
+            raise AttentionInputError(
+                where,
+                "input_ids",
+                "`input_ids` must be a 2-D tensor of integer token ids.",
+                got=got,
+                expected="input_ids (B, T), int64",
+                fix="add a batch dim with input_ids.unsqueeze(0)",
+            )
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= V):
+            raise AttentionInputError(
+                where,
+                "input_ids",
+                f"token ids must be in [0, {V}).",
+                got=f"ids from {int(input_ids.min())} to {int(input_ids.max())}",
+                expected=f"0 <= id < vocab_size = {V}",
+            )
+        if attention_mask is None:
+            return None
+        if (
+            not isinstance(attention_mask, torch.Tensor)
+            or attention_mask.shape != input_ids.shape
+            or attention_mask.is_floating_point()
+        ):
+            got = (
+                f"{shape_str('attention_mask', attention_mask, ('B', 'T'))} "
+                f"dtype={attention_mask.dtype}"
+                if isinstance(attention_mask, torch.Tensor)
+                else f"attention_mask: {type(attention_mask).__name__}"
+            )
+            raise AttentionInputError(
+                where,
+                "attention_mask",
+                "`attention_mask` must be bool or 0/1 integers shaped like input_ids.",
+                got=f"{got}  {shape_str('input_ids', input_ids, ('B', 'T'))}",
+                expected="attention_mask (B, T), 1/True = a real token",
+            )
+        real = attention_mask != 0
+        if kv_cache is not None:
+            n = real.sum(dim=1, keepdim=True)
+            if not torch.equal(real, torch.arange(real.shape[1], device=real.device) < n):
+                raise AttentionInputError(
+                    where,
+                    "attention_mask",
+                    "with a kv_cache, the new tokens must be right-padded (1..1 0..0).",
+                    got=f"attention_mask rows {real.int().tolist()[:4]}",
+                    expected="each row: its real tokens first, then padding",
+                    fix="generate() accepts left padding and re-aligns it",
+                )
+        return real
+
+
+def _check_generate_args(
+    where: str, max_new_tokens: int, temperature: float, top_k: int | None
+) -> None:
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 0
+    ):
+        raise AttentionInputError(
+            where,
+            "max_new_tokens",
+            "`max_new_tokens` must be an int >= 0.",
+            got=f"max_new_tokens={max_new_tokens!r}",
+            expected="an int >= 0",
+        )
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or temperature < 0
+    ):
+        raise AttentionInputError(
+            where,
+            "temperature",
+            "`temperature` must be >= 0 (0 is greedy).",
+            got=f"temperature={temperature!r}",
+            expected="0 (greedy) or a float > 0 (sampling)",
+        )
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise AttentionInputError(
+            where,
+            "top_k",
+            "`top_k` must be None or an int >= 1.",
+            got=f"top_k={top_k!r}",
+            expected="None (every token) or an int >= 1",
+        )
+
+
+def _pick(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> torch.Tensor:
+    """The next token per sequence from ``logits (B, V)``: argmax, or a sample."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)  # (B,)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)  # (B, V)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def _init_weights(module: nn.Module) -> None:
+    """GPT-2's initialisation: normal(0, 0.02) weights, zero biases, unit LayerNorms."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)

@@ -1,0 +1,289 @@
+"""The KV cache: preallocated key/value buffers that incremental decoding appends to.
+
+Dimension legend: B batch, Hkv key/value heads, T new tokens, N ``max_len`` (the buffers'
+length), S cached length after the update, Dk key head dim, Dv value head dim.
+
+A :class:`KVCache` holds ``k (B, Hkv, N, Dk)`` and ``v (B, Hkv, N, Dv)`` and each sequence's
+length. ``update(pos, k, v)`` writes ``T`` new keys/values at ``pos`` and returns everything
+cached so far. Attention of the ``T`` new queries against the cache is then the end-aligned
+causal rule of :func:`attnkit.attention` (query ``i`` of ``T`` sees keys ``j <= i + S - T``),
+per sequence when the sequences have different lengths (:meth:`KVCache.rule`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attnkit.errors import AttentionInputError, shape_str
+from attnkit.masks import MaskSpec, padding
+
+__all__ = ["KVCache"]
+
+WHERE = "attnkit.KVCache"
+
+
+class _SequenceCausal(MaskSpec):
+    """The end-aligned causal rule per sequence: the last of the ``new`` queries of sequence
+    ``b`` stands at its last cached key, ``lengths[b] - 1``; keys past it are not seen."""
+
+    def __init__(self, lengths: torch.Tensor, new: int) -> None:
+        self.lengths = lengths  # (B,)
+        self.new = new
+        self.batch = lengths.shape[0]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.lengths]
+
+    def allowed(self, b, h, q, kv, off):  # type: ignore[no-untyped-def]
+        return kv <= q + (self.lengths[b] - self.new)
+
+    def block_bounds(self, q_lo, q_hi, k_lo, k_hi, off):  # type: ignore[no-untyped-def]
+        start = (self.lengths - self.new).view(-1, 1, 1, 1)  # (B, 1, 1, 1): query 0's position
+        return k_lo <= q_hi + start, k_hi <= q_lo + start
+
+    def __repr__(self) -> str:
+        return f"sequence_causal(lengths={self.lengths.tolist()}, new={self.new})"
+
+
+class KVCache(nn.Module):
+    """Preallocated key/value buffers for incremental decoding, one per attention layer.
+
+    Args:
+        batch_size: ``B``, the sequences decoded together.
+        num_kv_heads: ``Hkv``.
+        max_len: ``N``, the most tokens a sequence can hold; writing past it raises.
+        head_dim: ``Dk``.
+        v_head_dim: ``Dv`` (default ``Dk``).
+        dtype, device: of the buffers (and of the keys/values written to them).
+
+    Buffers (not saved in a ``state_dict``): ``k (B, Hkv, N, Dk)``, ``v (B, Hkv, N, Dv)`` and
+    ``lengths (B,)``, the number of tokens each sequence holds.
+
+    ``update(pos, k, v)`` writes ``k (B, Hkv, T, Dk)`` and ``v (B, Hkv, T, Dv)`` at positions
+    ``pos .. pos + T - 1`` and returns ``(k_all, v_all)``, ``(B, Hkv, S, D)`` views of the
+    buffers with ``S = max(lengths)``. ``pos`` is an int (every sequence at the same place) or
+    a ``(B,)`` tensor (sequences of different lengths, a ragged batch); it may not leave a gap
+    after a sequence's cached tokens, and may be smaller (to overwrite, rewinding). Afterwards
+    ``lengths = pos + T``. :meth:`next_pos` is where the next update goes; :meth:`rule` is the
+    mask for the new queries; :meth:`truncate` shortens sequences (for a right-padded batch);
+    :meth:`reset` empties the cache.
+
+    >>> cache = KVCache(2, 4, max_len=16, head_dim=8)
+    >>> k_all, v_all = cache.update(0, torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8))
+    >>> k_all.shape, cache.next_pos()
+    (torch.Size([2, 4, 5, 8]), 5)
+    >>> import attnkit
+    >>> q = torch.randn(2, 4, 1, 8)
+    >>> k_all, v_all = cache.update(5, torch.randn(2, 4, 1, 8), torch.randn(2, 4, 1, 8))
+    >>> attnkit.attention(q, k_all, v_all, causal=True).shape   # 1 query, 6 keys
+    torch.Size([2, 4, 1, 8])
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    lengths: torch.Tensor
+
+    def __init__(
+        self,
+        batch_size: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        v_head_dim: int | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        Dv = head_dim if v_head_dim is None else v_head_dim
+        for name, value in (
+            ("batch_size", batch_size),
+            ("num_kv_heads", num_kv_heads),
+            ("max_len", max_len),
+            ("head_dim", head_dim),
+            ("v_head_dim", Dv),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise AttentionInputError(
+                    WHERE,
+                    name,
+                    f"`{name}` must be a positive int.",
+                    got=f"{name}={value!r}",
+                    expected="an int >= 1",
+                )
+        B, Hkv, N = batch_size, num_kv_heads, max_len
+        self.max_len = N
+        self.register_buffer(
+            "k", torch.zeros(B, Hkv, N, head_dim, dtype=dtype, device=device), persistent=False
+        )
+        self.register_buffer(
+            "v", torch.zeros(B, Hkv, N, Dv, dtype=dtype, device=device), persistent=False
+        )
+        self.register_buffer(
+            "lengths", torch.zeros(B, dtype=torch.long, device=device), persistent=False
+        )
+        self._uniform: int | None = 0  # the common length while every sequence has one
+
+    def extra_repr(self) -> str:
+        B, Hkv, N, Dk = self.k.shape
+        return (
+            f"batch={B}, kv_heads={Hkv}, max_len={N}, head_dim={Dk}, v_head_dim={self.v.shape[-1]}"
+        )
+
+    def next_pos(self) -> int | torch.Tensor:
+        """Where the next :meth:`update` goes: an int while every sequence has the same length,
+        else each sequence's length ``(B,)``."""
+        return self._uniform if self._uniform is not None else self.lengths.clone()
+
+    def update(
+        self, pos: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``T`` new keys/values at ``pos``; return all cached ``(B, Hkv, S, D)``."""
+        self._check_kv(k, v)
+        T = k.shape[2]
+        if isinstance(pos, torch.Tensor):
+            pos = self._check_pos_tensor(pos)
+            if bool((pos == pos[0]).all()):
+                pos = int(pos[0])
+        if isinstance(pos, int):
+            self._check_range(pos, pos, T)
+            self.k[:, :, pos : pos + T] = k
+            self.v[:, :, pos : pos + T] = v
+            self.lengths.fill_(pos + T)
+            self._uniform = pos + T
+            S = pos + T
+        else:
+            lo, hi = int(pos.min()), int(pos.max())
+            self._check_range(lo, hi, T, pos)
+            idx = pos[:, None] + torch.arange(T, device=pos.device)  # (B, T)
+            B, Hkv, _, _ = k.shape
+            self.k.scatter_(2, idx[:, None, :, None].expand(B, Hkv, T, k.shape[3]), k)
+            self.v.scatter_(2, idx[:, None, :, None].expand(B, Hkv, T, v.shape[3]), v)
+            self.lengths.copy_(pos + T)
+            self._uniform = None
+            S = hi + T
+        return self.k[:, :, :S], self.v[:, :, :S]
+
+    def rule(self, new: int, *, causal: bool = True) -> MaskSpec | None:
+        """The mask for the ``new`` queries just written, against the keys of :meth:`update`.
+
+        ``None`` while every sequence has the same length: ``attention(q, k_all, v_all,
+        causal=causal)`` is then exact (the end-aligned rule). In a ragged batch, a spec:
+        the end-aligned causal rule per sequence (``causal``), or each sequence's keys only.
+        """
+        if self._uniform is not None:
+            return None
+        lengths = self.lengths.clone()
+        return _SequenceCausal(lengths, new) if causal else padding(lengths)
+
+    def truncate(self, lengths: int | torch.Tensor) -> None:
+        """Shorten sequences to ``lengths`` (int or ``(B,)``, at most the current lengths).
+
+        After a right-padded batch was written whole, this drops each sequence's padding, so
+        that the next token of sequence ``b`` goes right after its last real one.
+        """
+        new = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device)
+        new = new.expand_as(self.lengths)
+        if bool((new < 0).any()) or bool((new > self.lengths).any()):
+            raise AttentionInputError(
+                f"{WHERE}.truncate",
+                "lengths",
+                "a cache can only be shortened.",
+                got=f"lengths={new.tolist()}  cached={self.lengths.tolist()}",
+                expected="0 <= lengths <= the cached lengths",
+            )
+        self.lengths.copy_(new)
+        self._uniform = int(new[0]) if bool((new == new[0]).all()) else None
+
+    def reset(self) -> None:
+        """Empty the cache (the buffers stay allocated)."""
+        self.lengths.zero_()
+        self._uniform = 0
+
+    def _check_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        B, Hkv, _, Dk = self.k.shape
+        Dv = self.v.shape[-1]
+        dims = ("B", "Hkv", "T", "D")
+        ok = (
+            isinstance(k, torch.Tensor)
+            and isinstance(v, torch.Tensor)
+            and k.dim() == v.dim() == 4
+            and tuple(k.shape[:2]) == tuple(v.shape[:2]) == (B, Hkv)
+            and k.shape[2] == v.shape[2]
+            and k.shape[3] == Dk
+            and v.shape[3] == Dv
+        )
+        if not ok:
+            got = "  ".join(
+                shape_str(n, t, dims) if isinstance(t, torch.Tensor) else f"{n}: {type(t).__name__}"
+                for n, t in (("k", k), ("v", v))
+            )
+            raise AttentionInputError(
+                f"{WHERE}.update",
+                "k",
+                "the new keys/values do not fit the cache.",
+                got=got,
+                expected=f"k (B={B}, Hkv={Hkv}, T, Dk={Dk})  v (B={B}, Hkv={Hkv}, T, Dv={Dv})",
+                fix="build the cache with the model's batch size, key/value heads and head dims",
+            )
+        if k.dtype != self.k.dtype or v.dtype != self.v.dtype or k.device != self.k.device:
+            raise AttentionInputError(
+                f"{WHERE}.update",
+                "k",
+                "the new keys/values have another dtype or device than the cache.",
+                got=f"k {k.dtype} on {k.device}, v {v.dtype}; cache {self.k.dtype} on "
+                f"{self.k.device}",
+                expected=f"{self.k.dtype} on {self.k.device}",
+                fix="build the cache with the model's dtype and device "
+                "(KVCache(..., dtype=..., device=...))",
+            )
+
+    def _check_pos_tensor(self, pos: torch.Tensor) -> torch.Tensor:
+        B = self.k.shape[0]
+        if (
+            pos.is_floating_point()
+            or pos.dtype == torch.bool
+            or tuple(pos.shape) != (B,)
+            or pos.device != self.lengths.device
+        ):
+            raise AttentionInputError(
+                f"{WHERE}.update",
+                "pos",
+                "`pos` must be an int or one integer start position per sequence.",
+                got=f"{shape_str('pos', pos, ('B',))} dtype={pos.dtype} on {pos.device}",
+                expected=f"an int, or an integer tensor (B={B},) on {self.lengths.device}",
+            )
+        return pos.long()
+
+    def _check_range(self, lo: int, hi: int, T: int, pos: torch.Tensor | None = None) -> None:
+        where = f"{WHERE}.update"
+        shown = f"pos={pos.tolist() if pos is not None else lo}"
+        if lo < 0:
+            raise AttentionInputError(
+                where, "pos", "`pos` must be >= 0.", got=shown, expected="pos >= 0"
+            )
+        if hi + T > self.max_len:
+            raise AttentionInputError(
+                where,
+                "pos",
+                f"writing {T} token(s) at position {hi} would overflow the cache: "
+                f"{hi + T} > max_len={self.max_len}.",
+                got=f"{shown}  new tokens T={T}  max_len={self.max_len}",
+                expected=f"pos + T <= max_len = {self.max_len}",
+                fix=f"build the cache with max_len >= {hi + T} (prompt + new tokens), "
+                "or reset() it to start over",
+            )
+        if pos is None and self._uniform is not None:
+            gap = lo > self._uniform
+        else:
+            gap = bool(((pos if pos is not None else lo) > self.lengths).any())
+        if gap:
+            raise AttentionInputError(
+                where,
+                "pos",
+                "`pos` would leave a gap after a sequence's cached tokens.",
+                got=f"{shown}  cached lengths={self.lengths.tolist()}",
+                expected="pos <= each sequence's cached length (next_pos())",
+                fix="pass cache.next_pos()",
+            )
