@@ -72,6 +72,35 @@ class _Call:
             return_weights=self.return_weights,
         )
 
+    def rule(self, backend: Backend) -> tuple[bool, str]:
+        """``(fires, why)`` of the backend's auto rule; a backend without one always fires."""
+        if backend.rule is None:
+            return True, f"the first in auto's order ({' > '.join(AUTO_ORDER)}) that can serve"
+        return backend.rule(
+            self.q,
+            self.k,
+            self.v,
+            mask=self.mask_for(backend),
+            causal=self.causal,
+            scale=self.scale,
+            dropout_p=self.dropout_p,
+            return_weights=self.return_weights,
+        )
+
+    def note(self, backend: Backend) -> str | None:
+        if backend.note is None:
+            return None
+        return backend.note(
+            self.q,
+            self.k,
+            self.v,
+            mask=self.mask_for(backend),
+            causal=self.causal,
+            scale=self.scale,
+            dropout_p=self.dropout_p,
+            return_weights=self.return_weights,
+        )
+
 
 def _prepare(
     q: torch.Tensor,
@@ -121,7 +150,7 @@ def _choose(call: _Call, backend: str, where: str) -> Backend:
     if backend == "auto":
         for name in AUTO_ORDER:
             chosen = get_backend(name)
-            if call.check(chosen) is None:
+            if (chosen.rule is None or call.rule(chosen)[0]) and call.check(chosen) is None:
                 return chosen
         raise AttentionInputError(  # unreachable while `math` serves every call
             where,
@@ -283,7 +312,9 @@ class Explanation:
     """What :func:`explain` found: the backend chosen and each backend's verdict.
 
     ``verdicts`` maps each registered backend to ``None`` (it can serve the call) or the reason
-    it cannot. ``str()`` renders the report.
+    it cannot. ``rules`` maps each backend with an auto rule to ``(fires, why)``; ``rule`` is
+    the line that decided auto's choice; ``notes`` holds what backends add (a plan, a compile
+    state). ``str()`` renders the report.
     """
 
     chosen: str
@@ -291,27 +322,40 @@ class Explanation:
     dims: Dims
     summary: str
     verdicts: dict[str, str | None] = field(default_factory=dict)
+    rules: dict[str, tuple[bool, str]] = field(default_factory=dict)
+    rule: str = ""
+    notes: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"attnkit.explain: {self.summary}"]
         if self.requested == "auto":
             lines.append(f"  auto takes: {self.chosen} ({get_backend(self.chosen).description})")
+            lines.append(f"  auto's rule: {self.rule}")
+            if self.chosen in self.notes:
+                lines.append(f"  {self.chosen}: {self.notes[self.chosen]}")
             lines.append("  passed over:")
             rank = {n: i for i, n in enumerate(AUTO_ORDER)}
             for name, reason in self.verdicts.items():
                 if name == self.chosen:
                     continue
+                fires, why = self.rules.get(name, (True, ""))
                 if reason is not None:
                     lines.append(f"    {name}: cannot serve: {reason}")
                 elif name not in rank:
                     lines.append(f"    {name}: can serve, but auto uses it only when named")
+                elif not fires:
+                    lines.append(f"    {name}: can serve, but its auto rule does not fire: {why}")
                 else:
                     lines.append(
                         f"    {name}: can serve, but auto prefers {self.chosen} "
                         f"(order: {' > '.join(AUTO_ORDER)})"
                     )
+                if name in self.notes and reason is None:
+                    lines.append(f"      {self.notes[name]}")
         else:
             lines.append(f"  backend={self.requested!r} named; it can serve the call")
+            if self.chosen in self.notes:
+                lines.append(f"  {self.chosen}: {self.notes[self.chosen]}")
             for name, reason in self.verdicts.items():
                 verdict = "can serve" if reason is None else f"cannot serve: {reason}"
                 if name != self.chosen:
@@ -339,13 +383,25 @@ def explain(
     >>> print(explain(q, q, q, return_weights=True))  # doctest: +ELLIPSIS
     attnkit.explain: q (B=1, H=8, L=128, Dk=64) ...
       auto takes: math (...)
+      auto's rule: the first in auto's order (...) that can serve
       passed over:
         sdpa: cannot serve: fused kernels do not return the attention weights ...
+    ...
     """
     where = "attnkit.explain"
     call = _prepare(q, k, v, mask, causal, scale, dropout_p, return_weights, where)
     chosen = _choose(call, backend, where)
     verdicts = {name: call.check(get_backend(name)) for name in available_backends()}
+    rules = {
+        name: call.rule(get_backend(name))
+        for name in available_backends()
+        if get_backend(name).rule is not None
+    }
+    notes = {
+        name: note
+        for name in available_backends()
+        if verdicts[name] is None and (note := call.note(get_backend(name))) is not None
+    }
     d = call.dims
     if mask is None:
         mask_str = "none"
@@ -359,4 +415,5 @@ def explain(
         f"scale: {call.scale:.4g}; dropout_p: {call.dropout_p}; "
         f"return_weights: {call.return_weights}"
     )
-    return Explanation(chosen.name, backend, d, summary, verdicts)
+    rule = call.rule(chosen)[1]
+    return Explanation(chosen.name, backend, d, summary, verdicts, rules, rule, notes)

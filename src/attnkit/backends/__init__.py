@@ -14,7 +14,12 @@ spec materialised); ``causal`` is the end-aligned causal rule and never comes to
 mask; ``scale`` is a float. A backend
 never validates again and never falls back to another one.
 
-``auto`` walks :data:`AUTO_ORDER` and takes the first backend whose ``check`` passes.
+``auto`` walks :data:`AUTO_ORDER` and takes the first backend whose ``check`` passes and, for
+a backend registered with a ``rule``, whose rule fires. A rule has the same keyword signature and
+returns ``(fires, why)``: ``blocked``'s fires for a mask spec on a large enough problem, so that
+``auto`` sends structured masks there and everything else on down the order (sdpa, then math).
+:func:`attnkit.explain` prints the rule that decided. A backend may also register a ``note``
+(same signature, returns a line) that ``explain`` prints: its plan, or its compile state.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ __all__ = [
     "AUTO_ORDER",
     "Backend",
     "BackendCheck",
+    "BackendNote",
+    "BackendRule",
     "BackendRun",
     "Mask",
     "available_backends",
@@ -72,12 +79,44 @@ class BackendCheck(Protocol):
     ) -> str | None: ...
 
 
+class BackendRule(Protocol):
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask: Mask,
+        causal: bool,
+        scale: float,
+        dropout_p: float,
+        return_weights: bool,
+    ) -> tuple[bool, str]: ...
+
+
+class BackendNote(Protocol):
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask: Mask,
+        causal: bool,
+        scale: float,
+        dropout_p: float,
+        return_weights: bool,
+    ) -> str: ...
+
+
 @dataclass(frozen=True)
 class Backend:
     """A registered backend: its name, its two functions and a one-line description.
 
     ``fused`` says that it never materialises the ``(B, H, L, S)`` scores and weights;
     ``takes_specs`` that it evaluates :mod:`attnkit.masks` specs itself (block by block).
+    ``rule`` (optional) says when ``auto`` takes it, ``note`` (optional) adds a line to
+    :func:`attnkit.explain`.
     """
 
     name: str
@@ -86,6 +125,8 @@ class Backend:
     description: str
     fused: bool = False
     takes_specs: bool = False
+    rule: BackendRule | None = None
+    note: BackendNote | None = None
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -103,14 +144,17 @@ def register_backend(
     auto_rank: int | None = None,
     fused: bool = False,
     takes_specs: bool = False,
+    rule: BackendRule | None = None,
+    note: BackendNote | None = None,
 ) -> Backend:
     """Register a backend under ``name``; ``auto_rank`` places it in :data:`AUTO_ORDER`.
 
-    ``auto_rank=None`` keeps it out of ``auto`` (it is used only when named).
+    ``auto_rank=None`` keeps it out of ``auto`` (it is used only when named). With a ``rule``,
+    ``auto`` takes it only where the rule fires (and ``check`` passes).
     """
     if name == "auto" or name in _REGISTRY:
         raise ValueError(f"a backend named {name!r} is already registered")
-    backend = Backend(name, run, check, description, fused, takes_specs)
+    backend = Backend(name, run, check, description, fused, takes_specs, rule, note)
     _REGISTRY[name] = backend
     if auto_rank is not None:
         AUTO_ORDER.insert(auto_rank, name)
@@ -135,10 +179,24 @@ def available_backends() -> list[str]:
 
 
 def _register_builtin() -> None:
-    from attnkit.backends import math, sdpa
+    from attnkit.backends import blocked, flex, math, sdpa
 
     register_backend("sdpa", sdpa.run, sdpa.check, sdpa.DESCRIPTION, auto_rank=0, fused=True)
     register_backend("math", math.run, math.check, math.DESCRIPTION, auto_rank=1)
+    register_backend(
+        "blocked",
+        blocked.run,
+        blocked.check,
+        blocked.DESCRIPTION,
+        auto_rank=0,
+        fused=True,
+        takes_specs=True,
+        rule=blocked.rule,
+        note=blocked.note,
+    )
+    register_backend(
+        "flex", flex.run, flex.check, flex.DESCRIPTION, fused=True, takes_specs=True, note=flex.note
+    )
 
 
 _register_builtin()

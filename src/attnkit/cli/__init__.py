@@ -9,6 +9,7 @@ starts fast and never loads matplotlib or transformers.
 
 from __future__ import annotations
 
+import attnkit.cli.bench  # registers `attnkit bench`
 import attnkit.cli.train  # noqa: F401  (registers `attnkit train`)
 from attnkit.cli import inspect, walkthrough  # noqa: F401  (registers their commands)
 from attnkit.cli.app import app

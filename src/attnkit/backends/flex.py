@@ -1,0 +1,225 @@
+"""The ``flex`` backend: torch's ``flex_attention``, compiled, driven by attnkit's mask specs.
+
+Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
+Dk query/key head dim, Dv value head dim.
+
+A spec's ``allowed`` predicate becomes flex's ``mask_mod`` (evaluated at raw indices with the
+end-aligned offset ``S - L``); its block mask is built from attnkit's own 128 x 128 block map
+(``BlockMask.from_kv_blocks``: full blocks skip the predicate, empty blocks are never visited),
+so the L x S mask is never materialised. ``flex_attention`` is compiled once
+(``torch.compile(dynamic=False)``: torch's dynamic-shape CPU kernels do not build here), and
+torch compiles one kernel per shape and mask; the block masks are cached per (spec, shape,
+dtype), so after the first call of a kind the per-call cost is the kernel alone. The first
+call's time (the compile) is kept per cache entry and reported by :func:`attnkit.explain`.
+
+On CPU, this torch's compiled ``flex_attention`` runs inference only (no backward), in float32,
+bfloat16 and float16; :func:`check` says so instead of failing inside the compiler.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from attnkit.backends import Mask
+from attnkit.backends.blocked_plan import block_states, spec_key
+from attnkit.masks import FULL, PARTIAL, MaskSpec
+from attnkit.masks import causal as causal_spec
+
+__all__ = ["BLOCK", "DESCRIPTION", "check", "note", "run"]
+
+DESCRIPTION = "torch's flex_attention, compiled once per mask and shape (inference only on CPU)"
+
+BLOCK = 128  #: flex_attention's block size
+CACHE_SIZE = 16
+_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class _Entry:
+    block_mask: Any
+    seconds: float | None = None  # the first call's time, compile included
+    calls: int = 0
+
+
+_CACHE: OrderedDict[Hashable, _Entry] = OrderedDict()
+_COMPILED: list[Callable[..., torch.Tensor]] = []
+
+
+def unavailable() -> str | None:
+    """Why flex cannot run in this torch, or ``None`` (without importing it: that takes
+    seconds, and is left to the first call)."""
+    if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:  # torch < 2.5
+        return f"torch {torch.__version__} has no torch.nn.attention.flex_attention"
+    return None
+
+
+def _compiled() -> Callable[..., torch.Tensor]:
+    if not _COMPILED:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED.append(torch.compile(flex_attention, dynamic=False))
+    return _COMPILED[0]
+
+
+def _spec(mask: Mask, causal: bool) -> MaskSpec | None:
+    if isinstance(mask, MaskSpec):
+        return mask
+    return causal_spec() if causal else None
+
+
+def _key(spec: MaskSpec | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Hashable:
+    skey = spec_key(spec) if spec is not None else ()
+    # a spec attnkit cannot key by value is keyed by identity (the entry keeps it alive)
+    ident = skey if skey is not None else ("id", id(spec))
+    return (ident, tuple(q.shape), tuple(k.shape), v.shape[-1], q.dtype, q.device)
+
+
+def _block_mask(spec: MaskSpec, B: int, H: int, L: int, S: int, device: torch.device) -> Any:
+    """flex's BlockMask from attnkit's block map: partial blocks run the spec's predicate."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    off = S - L
+    state = block_states(spec, L, S, BLOCK, 0, 0, off, device)  # (B', 1, nq, nk)
+
+    def lists(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num = sel.sum(-1).to(torch.int32)  # (B', 1, nq)
+        idx = torch.argsort((~sel).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return num, idx  # the selected key blocks first, in order
+
+    partial_num, partial_idx = lists(state == PARTIAL)
+    full_num, full_idx = lists(state == FULL)
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> Any:
+        return spec.allowed(b, h, q, kv, off)
+
+    return BlockMask.from_kv_blocks(
+        partial_num,
+        partial_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=BLOCK,
+        mask_mod=mask_mod,
+        seq_lengths=(L, S),
+    )
+
+
+def _entry(spec: MaskSpec | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> _Entry:
+    key = _key(spec, q, k, v)
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key]
+    B, H, L, _ = q.shape
+    S = k.shape[2]
+    bm = None if spec is None else _block_mask(spec, B, H, L, S, q.device)
+    entry = _Entry(bm)
+    _CACHE[key] = entry
+    while len(_CACHE) > CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return entry
+
+
+def run(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Mask,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    return_weights: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    spec = _spec(mask, causal)
+    entry = _entry(spec, q, k, v)
+    fn = _compiled()
+    t0 = time.perf_counter()
+    # one kernel per shape and mask: let dynamo keep them all, and fail loudly rather than
+    # fall back to eager flex if it ever cannot
+    with torch._dynamo.config.patch(recompile_limit=256, fail_on_recompile_limit_hit=True):
+        out = fn(
+            q,
+            k,
+            v,
+            block_mask=entry.block_mask,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+    if entry.seconds is None:
+        entry.seconds = time.perf_counter() - t0
+    entry.calls += 1
+    return out, None
+
+
+def check(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Mask,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    return_weights: bool,
+) -> str | None:
+    reason = unavailable()
+    if reason is not None:
+        return reason
+    if return_weights:
+        return "flex_attention does not return the attention weights (return_weights=True)"
+    if dropout_p > 0.0:
+        return "flex_attention has no dropout (dropout_p > 0)"
+    if isinstance(mask, torch.Tensor):
+        return (
+            "it takes mask specs (attnkit.masks), which flex evaluates block by block; a dense "
+            "mask tensor gives it nothing to skip (sdpa or blocked serve it)"
+        )
+    if isinstance(mask, MaskSpec) and mask.has_bias:
+        return "score biases (has_bias) are not wired into flex's score_mod; blocked adds them"
+    if q.device.type == "cpu":
+        if q.dtype not in _CPU_DTYPES:
+            return f"flex_attention on CPU compiles float32, bfloat16 and float16, not {q.dtype}"
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return (
+                f"torch {torch.__version__}'s flex_attention has no backward on CPU (a gradient "
+                "is needed); blocked trains with mask specs"
+            )
+    L, S = q.shape[2], k.shape[2]
+    if L <= BLOCK and S <= BLOCK:
+        return (
+            f"L = {L} and S = {S} fit in one {BLOCK} x {BLOCK} block: flex has nothing to skip, "
+            "and would compile a kernel for this shape (seconds); sdpa or blocked serve it"
+        )
+    return None
+
+
+def note(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Mask,
+    causal: bool,
+    scale: float,
+    dropout_p: float,
+    return_weights: bool,
+) -> str:
+    """Whether the kernel for this call is compiled, and what its compile took."""
+    if isinstance(mask, torch.Tensor):
+        return "no kernel (dense mask)"
+    entry = _CACHE.get(_key(_spec(mask, causal), q, k, v))
+    if entry is None or entry.seconds is None:
+        return (
+            "not compiled for this shape and mask yet: the first call compiles "
+            "(tens of seconds on a 2-core CPU), later calls run the cached kernel"
+        )
+    return (
+        f"compiled and cached for this shape and mask (the first call took "
+        f"{entry.seconds:.1f} s, compile included); {entry.calls} calls since"
+    )

@@ -1,0 +1,285 @@
+"""The contenders of ``attnkit bench``: torch's own ways to compute each workload, and attnkit's.
+
+Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
+D head dim, E model width.
+
+Peers (what people write without attnkit):
+
+* ``naive``: the seed tutorials' code: ``q @ k^T``, ``masked_fill`` with a dense mask,
+  ``softmax``, ``@ v`` (K/V repeated for grouped-query heads);
+* ``sdpa``: ``F.scaled_dot_product_attention`` with the dense bool mask, or ``is_causal=True``
+  where the mask is exactly causal;
+* ``flex``: ``flex_attention`` under ``torch.compile`` with ``create_block_mask`` from the same
+  predicate; its compile is timed apart (the first call) and left out of the per-call time;
+* ``torch-mha``: ``nn.MultiheadAttention`` (module rows).
+
+attnkit: ``attnkit`` (``backend="auto"``), ``attnkit-<name>`` for each registered backend, and
+``attnkit-mha`` (:class:`attnkit.MultiHeadAttention`, module rows).
+
+A peer that cannot run a case says why (:meth:`Peer.skip`): no backward, a dtype it lacks, or
+the memory its dense tensors would take over the run's cap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from attnkit.bench.workloads import Inputs, Workload
+
+__all__ = ["PEERS", "Peer", "peer_names"]
+
+GiB = 1 << 30
+
+Fn = Callable[[], torch.Tensor]
+
+
+def _dense(inputs: Inputs, L: int, S: int) -> torch.Tensor | None:
+    """The spec as a dense bool mask ``(B', 1, L, S)`` (True = may attend)."""
+    if inputs.spec is None:
+        return None
+    return inputs.spec.to_dense(L, S)
+
+
+def _mask_batch(inputs: Inputs) -> int:
+    return 1 if inputs.spec is None or inputs.spec.batch is None else inputs.spec.batch
+
+
+class Peer:
+    """A way to compute a workload: ``skip`` says why not, ``setup`` returns the call."""
+
+    def __init__(self, name: str, description: str) -> None:
+        self.name = name
+        self.description = description
+
+    def skip(
+        self, wl: Workload, L: int, dtype: torch.dtype, backward: bool, cap: float
+    ) -> str | None:
+        return None
+
+    def setup(self, wl: Workload, inputs: Inputs) -> Fn:
+        raise NotImplementedError
+
+
+class _Naive(Peer):
+    def skip(
+        self, wl: Workload, L: int, dtype: torch.dtype, backward: bool, cap: float
+    ) -> str | None:
+        if wl.module:
+            return "module rows compare modules"
+        Lq, S = wl.sizes(L)
+        need = wl.B * wl.H * Lq * S * (4 if dtype == torch.float32 else 2) * (5 if backward else 3)
+        if need > cap:
+            return f"needs ~{need / GiB:.0f} GiB for its (B, H, L, S) scores (cap {cap / GiB:.0f})"
+        return None
+
+    def setup(self, wl: Workload, inputs: Inputs) -> Fn:
+        q, k, v = inputs.q, inputs.k, inputs.v
+        mask = _dense(inputs, q.shape[2], k.shape[2])
+        G = q.shape[1] // k.shape[1]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+
+        def run() -> torch.Tensor:
+            kr = k.repeat_interleave(G, dim=1) if G > 1 else k
+            vr = v.repeat_interleave(G, dim=1) if G > 1 else v
+            scores = q @ kr.transpose(-2, -1) * scale
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            return torch.softmax(scores, dim=-1) @ vr
+
+        return run
+
+
+class _Sdpa(Peer):
+    def skip(
+        self, wl: Workload, L: int, dtype: torch.dtype, backward: bool, cap: float
+    ) -> str | None:
+        if wl.module:
+            return "module rows compare modules"
+        Lq, S = wl.sizes(L)
+        spec, causal = wl.spec(Lq, S)
+        if spec is not None and not causal:
+            need = Lq * S * (1 if spec.batch is None else spec.batch) * (1 + 2 * 4)
+            if need > cap:
+                return f"its dense mask needs ~{need / GiB:.0f} GiB (cap {cap / GiB:.0f})"
+        return None
+
+    def setup(self, wl: Workload, inputs: Inputs) -> Fn:
+        import torch.nn.functional as F
+
+        q, k, v = inputs.q, inputs.k, inputs.v
+        causal = inputs.causal and q.shape[2] == k.shape[2]
+        mask = None if causal else _dense(inputs, q.shape[2], k.shape[2])
+        gqa = q.shape[1] != k.shape[1]
+
+        def run() -> torch.Tensor:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa
+            )
+
+        return run
+
+
+class _Flex(Peer):
+    def skip(
+        self, wl: Workload, L: int, dtype: torch.dtype, backward: bool, cap: float
+    ) -> str | None:
+        from attnkit.backends import flex
+
+        if wl.module:
+            return "module rows compare modules"
+        if flex.unavailable():
+            return str(flex.unavailable())
+        if backward:
+            return f"flex_attention has no backward on CPU in torch {torch.__version__}"
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"flex_attention on CPU has no {dtype}"
+        Lq, S = wl.sizes(L)
+        if Lq <= 128 and S <= 128:
+            return "one 128 x 128 block: nothing for flex to skip"
+        if wl.B * Lq * S * 8 > cap:
+            return "create_block_mask evaluates the whole L x S mask"
+        return None
+
+    def setup(self, wl: Workload, inputs: Inputs) -> Fn:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        q, k, v = inputs.q, inputs.k, inputs.v
+        L, S = q.shape[2], k.shape[2]
+        spec = inputs.spec
+        block_mask = None
+        if spec is not None:
+            off = S - L
+            predicate = spec
+
+            def mask_mod(
+                b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, kv: torch.Tensor
+            ) -> torch.Tensor:
+                return predicate.allowed(b, h, qi, kv, off)
+
+            B = None if spec.batch is None else spec.batch
+            block_mask = create_block_mask(mask_mod, B, None, L, S, device=q.device)
+        compiled = torch.compile(flex_attention, dynamic=False)
+        gqa = q.shape[1] != k.shape[1]
+
+        def run() -> torch.Tensor:
+            out = compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+            assert isinstance(out, torch.Tensor)
+            return out
+
+        return run
+
+
+class _TorchMha(Peer):
+    def skip(
+        self, wl: Workload, L: int, dtype: torch.dtype, backward: bool, cap: float
+    ) -> str | None:
+        return None if wl.module else "module rows only"
+
+    def setup(self, wl: Workload, inputs: Inputs) -> Fn:
+        assert inputs.x is not None
+        x = inputs.x
+        E, L = x.shape[-1], x.shape[1]
+        m = torch.nn.MultiheadAttention(E, wl.H, batch_first=True, dtype=x.dtype)
+        future = torch.ones(L, L, dtype=torch.bool).triu(1)  # torch: True = may NOT attend
+
+        def run() -> torch.Tensor:
+            out: torch.Tensor = m(x, x, x, attn_mask=future, need_weights=False, is_causal=True)[0]
+            return out
+
+        return run
+
+
+class _Attnkit(Peer):
+    """``attnkit.attention`` with ``backend`` (``auto`` for the peer named ``attnkit``)."""
+
+    def __init__(self, name: str, description: str, backend: str) -> None:
+        super().__init__(name, description)
+        self.backend = backend
+
+    def skip(
+        self, wl: Workload, L: int, dtype: torch.dtype, backward: bool, cap: float
+    ) -> str | None:
+        backend = self.backend
+        if wl.module:
+            return "module rows compare modules"
+        if backend == "math":
+            Lq, S = wl.sizes(L)
+            need = wl.B * wl.H * Lq * S * 4 * (5 if backward else 3)
+            if need > cap:
+                return f"needs ~{need / GiB:.0f} GiB for its (B, H, L, S) weights"
+        if backend == "sdpa":
+            Lq, S = wl.sizes(L)
+            spec, causal = wl.spec(Lq, S)
+            if spec is not None and not causal and Lq * S * 9 > cap:
+                return "the spec materialised as a dense mask exceeds the cap"
+        if backend == "flex":
+            return _Flex("flex", "").skip(wl, L, dtype, backward, cap)
+        return None
+
+    def setup(self, wl: Workload, inputs: Inputs) -> Fn:
+        import attnkit
+
+        backend = self.backend
+        q, k, v = inputs.q, inputs.k, inputs.v
+        mask = None if inputs.causal else inputs.spec
+        causal = inputs.causal
+        reason = attnkit.explain(q, k, v, mask=mask, causal=causal).verdicts.get(backend)
+        if backend != "auto" and reason is not None:
+            raise RuntimeError(f"cannot serve: {reason}")
+
+        def run() -> torch.Tensor:
+            return attnkit.attention(q, k, v, mask=mask, causal=causal, backend=backend)
+
+        return run
+
+
+class _AttnkitMha(Peer):
+    def skip(
+        self, wl: Workload, L: int, dtype: torch.dtype, backward: bool, cap: float
+    ) -> str | None:
+        return None if wl.module else "module rows only"
+
+    def setup(self, wl: Workload, inputs: Inputs) -> Fn:
+        import attnkit
+
+        assert inputs.x is not None
+        x = inputs.x
+        m = attnkit.MultiHeadAttention(x.shape[-1], wl.H, causal=True, dtype=x.dtype)
+
+        def run() -> torch.Tensor:
+            out: torch.Tensor = m(x).output
+            return out
+
+        return run
+
+
+def _peers() -> dict[str, Peer]:
+    from attnkit.backends import available_backends
+
+    found: list[Peer] = [
+        _Naive("naive", "seed-style matmul, masked_fill with a dense mask, softmax, matmul"),
+        _Sdpa("sdpa", "F.scaled_dot_product_attention, dense bool mask or is_causal"),
+        _Flex("flex", "flex_attention compiled, create_block_mask (compile timed apart)"),
+        _TorchMha("torch-mha", "nn.MultiheadAttention (module rows)"),
+        _Attnkit("attnkit", "attnkit.attention, backend='auto'", "auto"),
+    ]
+    found += [
+        _Attnkit(f"attnkit-{name}", f"attnkit.attention, backend={name!r}", name)
+        for name in available_backends()
+    ]
+    found.append(_AttnkitMha("attnkit-mha", "attnkit.MultiHeadAttention (module rows)"))
+    return {p.name: p for p in found}
+
+
+PEERS: dict[str, Peer] = _peers()
+
+#: the peers that are not attnkit: "ratio to the best peer" compares against these
+OUTSIDE = ("naive", "sdpa", "flex", "torch-mha")
+
+
+def peer_names() -> list[str]:
+    """Every peer's name, torch's first."""
+    return list(PEERS)

@@ -1,0 +1,284 @@
+"""What ``attnkit bench`` shows: a terminal table, JSON, markdown and a plot, and the issue's
+acceptance checks computed from the rows that ran."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from attnkit.bench.runner import BenchResult, Entry, Row
+
+__all__ = [
+    "Check",
+    "acceptance",
+    "machine_line",
+    "print_table",
+    "to_markdown",
+    "winners",
+    "write_json",
+    "write_markdown",
+    "write_plot",
+]
+
+MiB = 1 << 20
+
+
+@dataclass
+class Check:
+    """One acceptance criterion: the measured value against its bar (``None``: not run)."""
+
+    what: str
+    row: str
+    value: float | None
+    bar: str
+    passed: bool | None
+
+
+def _find(result: BenchResult, workload: str, L: int, dtype: str, mode: str) -> Row | None:
+    return next(
+        (
+            r
+            for r in result.rows
+            if (r.workload, r.L, r.dtype, r.mode) == (workload, L, dtype, mode)
+        ),
+        None,
+    )
+
+
+def _ratio(row: Row | None, num: str, den: str) -> float | None:
+    if row is None:
+        return None
+    a, b = row.entry(num), row.entry(den)
+    if a is None or b is None or a.ms is None or b.ms is None:
+        return None
+    return a.ms / b.ms
+
+
+def acceptance(result: BenchResult) -> list[Check]:
+    """The issue's acceptance rows, each with its measured value (where the run has it)."""
+    checks: list[Check] = []
+
+    def add(what: str, row: Row | None, value: float | None, bar: str, ok: bool | None) -> None:
+        label = row.label if row is not None else "(row not run)"
+        checks.append(Check(what, label, value, bar, ok if value is not None else None))
+
+    for wl in ("dense", "causal"):
+        row = _find(result, wl, 4096, "float32", "fwd")
+        r = _ratio(row, "attnkit", "sdpa")
+        add(f"{wl} L=4096: auto time / SDPA time", row, r, "<= 1.05", r is not None and r <= 1.05)
+    row = _find(result, "window", 16384, "float32", "fwd")
+    r = _ratio(row, "sdpa", "attnkit")
+    add(
+        "window 256, L=16384 fwd: SDPA (dense mask) / auto",
+        row,
+        r,
+        ">= 10",
+        r is not None and r >= 10,
+    )
+    r = _ratio(row, "flex", "attnkit")
+    add("window 256, L=16384 fwd: flex (warm) / auto", row, r, ">= 1.5", r is not None and r >= 1.5)
+    auto = row.entry("attnkit") if row is not None else None
+    frac = auto.gemm_fraction if auto is not None else None
+    add(
+        "window 256, L=16384 fwd: auto useful GFLOP/s / GEMM",
+        row,
+        frac,
+        ">= 0.5",
+        frac is not None and frac >= 0.5,
+    )
+    row = _find(result, "window", 16384, "float32", "fwd+bwd")
+    r = _ratio(row, "sdpa", "attnkit")
+    add(
+        "window 256, L=16384 fwd+bwd: SDPA (dense mask) / auto",
+        row,
+        r,
+        ">= 10",
+        r is not None and r >= 10,
+    )
+    auto = row.entry("attnkit") if row is not None else None
+    peak = auto.peak_mib / 1024 if auto is not None and auto.peak_mib is not None else None
+    add(
+        "window 256, L=16384 fwd+bwd: auto peak memory above inputs (GiB)",
+        row,
+        peak,
+        "<= 1.5",
+        peak is not None and peak <= 1.5,
+    )
+    row = _find(result, "document", 16384, "float32", "fwd")
+    r = _ratio(row, "sdpa", "attnkit")
+    add(
+        "8 documents, L=16384 fwd: SDPA (dense mask) / auto",
+        row,
+        r,
+        ">= 4",
+        r is not None and r >= 4,
+    )
+    row = _find(result, "padding", 8192, "float32", "fwd")
+    r = _ratio(row, "sdpa", "attnkit")
+    add(
+        "25% key padding, L=8192 fwd: SDPA (dense mask) / auto",
+        row,
+        r,
+        ">= 1.2",
+        r is not None and r >= 1.2,
+    )
+    row = _find(result, "window", 65536, "float32", "fwd+bwd")
+    auto = row.entry("attnkit") if row is not None else None
+    peak = auto.peak_mib / 1024 if auto is not None and auto.peak_mib is not None else None
+    add(
+        "window 256, L=65536 fwd+bwd runs: auto peak memory above inputs (GiB)",
+        row,
+        peak,
+        "fits in RAM",
+        peak is not None,
+    )
+    return checks
+
+
+def winners(result: BenchResult) -> list[tuple[str, str, str]]:
+    """Per row: the fastest of all, and the fastest peer that is not attnkit."""
+    from attnkit.bench.peers import OUTSIDE
+
+    out = []
+    for row in result.rows:
+        ran = [e for e in row.entries if e.ms is not None]
+        if not ran:
+            continue
+        best = min(ran, key=lambda e: e.ms or 0.0)
+        outside = [e for e in ran if e.peer in OUTSIDE]
+        peer = min(outside, key=lambda e: e.ms or 0.0).peer if outside else "-"
+        out.append((row.label, best.peer, peer))
+    return out
+
+
+def machine_line(result: BenchResult) -> str:
+    m = result.machine
+    return (
+        f"{m.get('cpu')}, {m.get('cores')} cores ({m.get('capability')}), "
+        f"{m.get('memory_gib')} GiB; torch {m.get('torch')} with {m.get('threads')} threads; "
+        f"fp32 GEMM {result.gemm_gflops:.1f} GFLOP/s; load {m.get('load_at_start')} -> "
+        f"{m.get('load_at_end')}; {m.get('date')}; median of {result.reps} interleaved calls"
+    )
+
+
+def _cells(e: Entry) -> list[str]:
+    if e.ms is None:
+        why = e.skipped or e.error or "-"
+        return [e.peer, "-", "-", "-", "-", "-", why]
+    first = f"first call {e.first_call_s:.1f} s" if e.first_call_s and e.first_call_s > 2 else ""
+    return [
+        e.peer,
+        f"{e.ms:,.1f}",
+        f"{e.gflops:.1f}" if e.gflops is not None else "-",
+        f"{100 * e.gemm_fraction:.0f}%" if e.gemm_fraction is not None else "-",
+        f"{e.peak_mib:,.0f}" if e.peak_mib is not None else "-",
+        f"{e.x_best_peer:.3g}x" if e.x_best_peer is not None else "-",
+        first,
+    ]
+
+
+HEADER = ["peer", "ms", "GFLOP/s", "of GEMM", "peak MiB", "vs best peer", "note"]
+
+
+def print_table(result: BenchResult) -> None:
+    """The results as rich tables, one per row, then the acceptance checks."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]attnkit bench[/bold]: {machine_line(result)}")
+    for row in result.rows:
+        table = Table(
+            title=f"{row.label}  ({row.flops / 1e9:.2f} useful GFLOP)", title_justify="left"
+        )
+        for h in HEADER:
+            table.add_column(h, justify="left" if h in ("peer", "note") else "right")
+        for e in row.entries:
+            table.add_row(*_cells(e))
+        console.print(table)
+    ran = [c for c in acceptance(result) if c.passed is not None]
+    if not ran:
+        return
+    checks = Table(
+        title="acceptance (the rows of this run that the issue names)", title_justify="left"
+    )
+    for h in ("criterion", "measured", "bar", "verdict"):
+        checks.add_column(h)
+    for c in ran:
+        verdict = "not run" if c.passed is None else ("PASS" if c.passed else "FAIL")
+        value = "-" if c.value is None else f"{c.value:.3g}"
+        checks.add_row(c.what, value, c.bar, verdict)
+    console.print(checks)
+
+
+def to_markdown(result: BenchResult) -> str:
+    """A markdown report: the machine, one table of every row, who wins, the acceptance."""
+    lines = [
+        "**Machine:** " + machine_line(result),
+        "",
+        "Times are medians; `vs best peer` is the time over the fastest non-attnkit peer's "
+        "(below 1: faster). GFLOP/s count allowed pairs only; `of GEMM` is that over the "
+        "machine's fp32 GEMM; `peak MiB` is the peak resident memory of one call above the "
+        "inputs, each case in a fresh process.",
+        "",
+        "| row | " + " | ".join(HEADER) + " |",
+        "|---|" + "---|" * len(HEADER),
+    ]
+    for row in result.rows:
+        for e in row.entries:
+            lines.append(f"| {row.label} | " + " | ".join(_cells(e)) + " |")
+    lines += ["", "### Who wins where", "", "| row | fastest | fastest outside attnkit |"]
+    lines.append("|---|---|---|")
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in winners(result)]
+    ran = [c for c in acceptance(result) if c.passed is not None]
+    if not ran:
+        return "\n".join(lines) + "\n"
+    lines += ["", "### Acceptance", "", "| criterion | row | measured | bar | verdict |"]
+    lines.append("|---|---|---|---|---|")
+    for c in ran:
+        verdict = "not run" if c.passed is None else ("PASS" if c.passed else "**FAIL**")
+        value = "-" if c.value is None else f"{c.value:.3g}"
+        lines.append(f"| {c.what} | {c.row} | {value} | {c.bar} | {verdict} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_json(result: BenchResult, path: Path) -> None:
+    path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+
+
+def write_markdown(result: BenchResult, path: Path) -> None:
+    path.write_text(to_markdown(result))
+
+
+def write_plot(result: BenchResult, path: Path) -> None:
+    """Time against the best non-attnkit peer, per row and peer (log scale), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result.rows if any(e.x_best_peer for e in r.entries)]
+    peers = sorted({e.peer for r in rows for e in r.entries if e.x_best_peer})
+    fig, ax = plt.subplots(figsize=(11, 1.8 + 0.22 * len(rows) * max(1, len(peers))))
+    height = 0.8 / max(1, len(peers))
+    for j, peer in enumerate(peers):
+        ys, xs = [], []
+        for i, row in enumerate(rows):
+            e = row.entry(peer)
+            if e is not None and e.x_best_peer is not None:
+                ys.append(i + j * height)
+                xs.append(e.x_best_peer)
+        ax.barh(ys, xs, height=height, label=peer)
+    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(rows))], [r.label for r in rows])
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("time / best non-attnkit peer's (log; left of 1 is faster)")
+    ax.set_title("attnkit bench: " + machine_line(result)[:110], fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,305 @@
+"""Run ``attnkit bench``: rows of (workload, L, dtype, mode), each peer timed and measured.
+
+Every row's peers are timed together in one fresh process (interleaved, median of ``reps``);
+every (row, peer) gets one more fresh process for its peak memory. The machine's fp32 GEMM
+throughput is measured first, so each row can say which fraction of it the useful FLOPs reach.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from attnkit.bench.peers import OUTSIDE, PEERS
+from attnkit.bench.workloads import WORKLOADS, get_workload
+
+__all__ = [
+    "ACCEPTANCE_ROWS",
+    "BenchResult",
+    "Entry",
+    "Row",
+    "machine",
+    "measure_gemm",
+    "plan_rows",
+    "run",
+]
+
+GiB = 1 << 30
+
+#: the rows of the default run: the issue's acceptance rows and a few more
+ACCEPTANCE_ROWS: list[tuple[str, int, str, str]] = [
+    ("dense", 4096, "float32", "fwd"),
+    ("causal", 4096, "float32", "fwd"),
+    ("window", 16384, "float32", "fwd"),
+    ("window", 16384, "float32", "fwd+bwd"),
+    ("document", 16384, "float32", "fwd"),
+    ("padding", 8192, "float32", "fwd"),
+    ("prefix", 4096, "float32", "fwd"),
+    ("gqa", 4096, "float32", "fwd"),
+    ("decode", 65536, "float32", "fwd"),
+    ("window", 4096, "bfloat16", "fwd"),
+    ("window", 65536, "float32", "fwd+bwd"),
+]
+DEFAULT_PEERS = ["naive", "sdpa", "flex", "attnkit", "attnkit-blocked"]
+FULL_LENGTHS = [1024, 4096, 16384, 65536]
+QUICK_ROWS: list[tuple[str, int, str, str]] = [
+    ("dense", 512, "float32", "fwd"),
+    ("window", 2048, "float32", "fwd"),
+    ("window", 2048, "float32", "fwd+bwd"),
+]
+QUICK_PEERS = ["naive", "sdpa", "attnkit", "attnkit-blocked"]
+
+
+@dataclass
+class Entry:
+    """One peer on one row: median time, useful GFLOP/s, memory, or why it did not run."""
+
+    peer: str
+    ms: float | None = None
+    times_ms: list[float] = field(default_factory=list)
+    gflops: float | None = None
+    gemm_fraction: float | None = None
+    peak_mib: float | None = None
+    first_call_s: float | None = None
+    x_best_peer: float | None = None  #: time over the best non-attnkit peer's (< 1: faster)
+    skipped: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Row:
+    workload: str
+    L: int
+    dtype: str
+    mode: str
+    flops: float
+    entries: list[Entry] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.workload} L={self.L} {self.dtype} {self.mode}"
+
+    def entry(self, peer: str) -> Entry | None:
+        return next((e for e in self.entries if e.peer == peer and e.ms is not None), None)
+
+
+@dataclass
+class BenchResult:
+    """What a run measured; :mod:`attnkit.bench.report` renders it."""
+
+    machine: dict[str, Any]
+    gemm_gflops: float
+    rows: list[Row]
+    reps: int
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        from attnkit.bench.report import acceptance
+
+        return {
+            "machine": self.machine,
+            "gemm_gflops": self.gemm_gflops,
+            "reps": self.reps,
+            "seconds": self.seconds,
+            "rows": [asdict(r) | {"label": r.label} for r in self.rows],
+            "acceptance": [asdict(c) for c in acceptance(self)],
+        }
+
+
+def machine() -> dict[str, Any]:
+    """The machine line: CPU, cores, memory, torch and its threads, load."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(f.readline().split()[1]) * 1024 / GiB
+    except (OSError, ValueError, IndexError):
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem, 1) if mem else None,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "python": platform.python_version(),
+        "load_at_start": round(load, 2) if load is not None else None,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+
+
+def measure_gemm(n: int = 4096, reps: int = 5) -> float:
+    """The machine's fp32 GEMM throughput, GFLOP/s: median of ``reps`` ``n x n`` matmuls."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+    a @ b
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2.0 * n**3 / statistics.median(times) / 1e9
+
+
+def plan_rows(
+    rows: Iterable[tuple[str, int, str, str]] | None = None,
+    *,
+    workloads: list[str] | None = None,
+    lengths: list[int] | None = None,
+    dtypes: list[str] | None = None,
+    modes: list[str] | None = None,
+    full: bool = False,
+    quick: bool = False,
+) -> list[tuple[str, int, str, str]]:
+    """The rows to run: given ones, the acceptance rows (default), the quick smoke rows, or the
+    product of the selections (``full``: every workload, length, dtype and mode)."""
+    if rows is not None:
+        return list(rows)
+    if full or workloads or lengths:
+        base = list(
+            itertools.product(
+                workloads or list(WORKLOADS),
+                lengths or FULL_LENGTHS,
+                dtypes or ["float32", "bfloat16"],
+                modes or ["fwd", "fwd+bwd"],
+            )
+        )
+    else:
+        base = QUICK_ROWS if quick else ACCEPTANCE_ROWS
+    return [
+        r
+        for r in base
+        if (not workloads or r[0] in workloads)
+        and (not lengths or r[1] in lengths)
+        and (not dtypes or r[2] in dtypes)
+        and (not modes or r[3] in modes)
+    ]
+
+
+def _worker(job: dict[str, Any], timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "attnkit.bench.worker", json.dumps(job)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return {"error": f"worker failed (exit {done.returncode}): {tail[:200]}"}
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def run(
+    rows: Iterable[tuple[str, int, str, str]] | None = None,
+    *,
+    peers: list[str] | None = None,
+    reps: int = 5,
+    memory: bool = True,
+    cap_gib: float = 12.0,
+    timeout: float = 1800.0,
+    progress: Callable[[str, int, int], None] | None = None,
+    gemm: float | None = None,
+) -> BenchResult:
+    """Run the benchmark and return what it measured.
+
+    Args:
+        rows: ``(workload, L, dtype, mode)`` tuples (see :func:`plan_rows`); default: the
+            acceptance rows.
+        peers: names from :data:`attnkit.bench.peers.PEERS`; default: naive, sdpa, flex,
+            attnkit (auto) and attnkit-blocked (module rows always take torch-mha and
+            attnkit-mha).
+        reps: timed calls per peer (median reported; at least 5 for published numbers).
+        memory: measure each case's peak memory in a fresh process.
+        cap_gib: a peer whose dense tensors would take more is skipped, with the reason.
+        timeout: seconds for one worker process.
+        progress: called as ``progress(label, done, total)`` before each step (the CLI draws a
+            progress bar from it).
+        gemm: the GEMM throughput to use (GFLOP/s) instead of measuring it.
+
+    >>> result = run([("dense", 256, "float32", "fwd")], peers=["sdpa", "attnkit"],
+    ...              memory=False)  # doctest: +SKIP
+    """
+    start = time.perf_counter()
+    chosen = list(rows) if rows is not None else ACCEPTANCE_ROWS
+    names = peers or DEFAULT_PEERS
+    unknown = [p for p in names if p not in PEERS]
+    if unknown:
+        raise ValueError(f"unknown peers {unknown}; choose from {list(PEERS)}")
+    cap = cap_gib * GiB
+    info = machine()
+    plans: list[tuple[Row, list[str]]] = []
+    for workload, L, dtype, mode in chosen:
+        wl = get_workload(workload)
+        backward = mode == "fwd+bwd"
+        row = Row(workload, L, dtype, mode, wl.flops(L, backward))
+        todo = []
+        for name in ["torch-mha", "attnkit-mha"] if wl.module else names:
+            why = PEERS[name].skip(wl, L, getattr(torch, dtype), backward, cap)
+            if why is None:
+                todo.append(name)
+            else:
+                row.entries.append(Entry(name, skipped=why))
+        plans.append((row, todo))
+    total = 1 + sum(1 + (len(todo) if memory else 0) for _, todo in plans)
+    step = 0
+
+    def tick(label: str) -> None:
+        nonlocal step
+        if progress:
+            progress(label, step, total)
+        step += 1
+
+    tick("fp32 GEMM throughput")
+    gemm_gflops = gemm if gemm is not None else measure_gemm()
+    for row, todo in plans:
+        job = {
+            "workload": row.workload,
+            "L": row.L,
+            "dtype": row.dtype,
+            "backward": row.mode == "fwd+bwd",
+            "reps": reps,
+        }
+        tick(f"{row.label}: timing {len(todo)} peers")
+        timed = _worker({**job, "kind": "time", "peers": todo}, timeout) if todo else {}
+        for name in todo:
+            got = timed.get(name, {"error": timed.get("error", "no result")})
+            e = Entry(name, error=got.get("error"), first_call_s=got.get("first_call_s"))
+            if got.get("times"):
+                e.times_ms = [t * 1e3 for t in got["times"]]
+                e.ms = statistics.median(e.times_ms)
+                e.gflops = row.flops / (e.ms / 1e3) / 1e9
+                e.gemm_fraction = e.gflops / gemm_gflops
+            if memory:
+                tick(f"{row.label}: memory of {name}")
+                if e.ms is not None:
+                    mem = _worker({**job, "kind": "memory", "peers": [name]}, timeout)
+                    e.peak_mib = mem.get("peak_mib")
+            row.entries.append(e)
+        outside = [e.ms for e in row.entries if e.peer in OUTSIDE and e.ms is not None]
+        if outside:
+            for e in row.entries:
+                if e.ms is not None:
+                    e.x_best_peer = e.ms / min(outside)
+    if progress:
+        progress("done", total, total)
+    info["load_at_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+    return BenchResult(info, gemm_gflops, [r for r, _ in plans], reps, time.perf_counter() - start)

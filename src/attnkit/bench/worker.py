@@ -1,0 +1,125 @@
+"""One job of ``attnkit bench``, run in a fresh process: ``python -m attnkit.bench.worker JOB``.
+
+``JOB`` is JSON: ``{"kind": "time" | "memory", "workload", "L", "dtype", "backward", "peers",
+"reps"}``; the result is one line of JSON on stdout.
+
+* ``time``: every peer of one row in one process, timed *interleaved* (one call of each peer in
+  turn, ``reps`` rounds) so that the noise of a shared machine hits all of them alike. The first
+  call of each peer (flex compiles there) is timed apart and not counted.
+* ``memory``: one peer in a process of its own: peak resident memory during one call above what
+  the inputs take (``VmHWM`` from ``/proc/self/status``). A peer that compiles (flex) runs once
+  first; the peak is then reset (``/proc/self/clear_refs``), so the compile is not counted.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from attnkit.bench.peers import PEERS
+from attnkit.bench.workloads import Inputs, get_workload
+
+__all__ = ["main", "run_job"]
+
+MiB = 1 << 20
+
+
+def _status(field: str) -> int | None:
+    """A ``/proc/self/status`` field in bytes (``None`` off Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _step(
+    fn: Callable[[], torch.Tensor], inputs: Inputs, backward: bool, params: list[Any]
+) -> None:
+    if not backward:
+        with torch.no_grad():
+            fn()
+        return
+    for t in (inputs.q, inputs.k, inputs.v, *params):
+        t.grad = None
+    out = fn()
+    out.backward(torch.ones_like(out))  # type: ignore[no-untyped-call]
+
+
+def _params(fn: Callable[[], torch.Tensor]) -> list[Any]:
+    """The parameters of a module a peer's call closes over (module rows train them too)."""
+    found: list[Any] = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        obj = cell.cell_contents
+        if isinstance(obj, torch.nn.Module):
+            found += list(obj.parameters())
+    return found
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    wl = get_workload(job["workload"])
+    dtype = getattr(torch, job["dtype"])
+    backward = bool(job["backward"])
+    L = int(job["L"])
+    if job["kind"] == "memory":
+        (name,) = job["peers"]
+        before = _status("VmRSS")
+        inputs = wl.inputs(L, dtype, grad=backward)
+        base = _status("VmRSS")
+        fn = PEERS[name].setup(wl, inputs)
+        params = _params(fn)
+        if name in ("flex", "attnkit-flex"):
+            _step(fn, inputs, backward, params)  # compile
+            _reset_peak()
+        _step(fn, inputs, backward, params)
+        peak = _status("VmHWM")
+        if peak is None or base is None or before is None:
+            return {"peak_mib": None, "inputs_mib": None}
+        return {"peak_mib": (peak - base) / MiB, "inputs_mib": (base - before) / MiB}
+    inputs = wl.inputs(L, dtype, grad=backward)
+    fns: dict[str, Callable[[], torch.Tensor]] = {}
+    result: dict[str, Any] = {}
+    for name in job["peers"]:
+        try:
+            fns[name] = PEERS[name].setup(wl, inputs)
+            t0 = time.perf_counter()
+            _step(fns[name], inputs, backward, _params(fns[name]))
+            result[name] = {"first_call_s": time.perf_counter() - t0, "times": []}
+            _step(fns[name], inputs, backward, _params(fns[name]))
+        except Exception as e:  # a peer that breaks is reported, the others still run
+            fns.pop(name, None)
+            result[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    for _ in range(int(job["reps"])):
+        for name, fn in fns.items():
+            params = _params(fn)
+            t0 = time.perf_counter()
+            _step(fn, inputs, backward, params)
+            result[name]["times"].append(time.perf_counter() - t0)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    out = run_job(json.loads(args[0]))
+    sys.stdout.write(json.dumps(out) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""The workloads of ``attnkit bench``: what is attended, at which sizes, and its useful FLOPs.
+
+Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
+D head dim (Dk = Dv), E model width (module rows).
+
+Each workload builds its inputs for a length ``L`` (seeded, so every subprocess of a run sees
+the same tensors) and says which pairs are allowed: as a mask spec for attnkit and flex, as the
+causal flag where torch has one, and as a dense mask for the peers that need one. FLOPs count
+allowed pairs only (``4 * D`` per pair and head forward: ``q.k`` and ``p.v``; the backward is
+``2.5x`` the forward: five matmuls to two), counted exactly from the block map, so a skipped
+block is never credited as work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnkit import masks
+from attnkit.masks import EMPTY, FULL, MaskSpec
+
+__all__ = ["WORKLOADS", "Inputs", "Workload", "allowed_pairs", "get_workload"]
+
+#: forward + backward FLOPs over forward FLOPs (flash attention: 2 matmuls, then 5)
+BACKWARD_FACTOR = 3.5
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The tensors of one case: q, k, v as ``(B, H, L, D)``, ``(B, Hkv, S, D)``, and the mask
+    as a spec (``None``: nothing masked) with ``causal`` set where the mask is exactly the causal
+    rule (torch's ``is_causal`` applies); ``x (B, L, E)`` for module rows."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    spec: MaskSpec | None
+    causal: bool
+    x: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One kind of attention problem; :meth:`inputs` builds it for a length."""
+
+    name: str
+    description: str
+    B: int = 1
+    H: int = 8
+    Hkv: int = 8
+    D: int = 64
+    module: bool = False  #: a module row: nn.MultiheadAttention against attnkit's module
+
+    def sizes(self, L: int) -> tuple[int, int]:
+        """``(L, S)``: query and key lengths for the length ``L`` of the run."""
+        return (1, L) if self.name == "decode" else (L, L)
+
+    def spec(self, L: int, S: int) -> tuple[MaskSpec | None, bool]:
+        """The mask as a spec, and whether it is exactly the (end-aligned) causal rule."""
+        g = torch.Generator().manual_seed(L)
+        if self.name in ("dense", "decode"):
+            return None, False
+        if self.name in ("causal", "gqa", "module"):
+            return masks.causal(), True
+        if self.name == "window":
+            return masks.causal() & masks.sliding_window(256), False
+        if self.name == "padding":  # the second sequence is half padding: 25% of all keys
+            return masks.padding(torch.tensor([S, S // 2])), False
+        if self.name == "document":  # 8 packed documents of random lengths, causal in each
+            cuts = torch.randperm(S - 1, generator=g)[:7].add(1).sort().values
+            ids = torch.zeros(S, dtype=torch.long)
+            for c in cuts.tolist():
+                ids[c:] += 1
+            return masks.document(ids) & masks.causal(), False
+        if self.name == "prefix":
+            return masks.prefix_lm(S // 4), False
+        raise ValueError(f"unknown workload {self.name!r}")
+
+    def inputs(self, L: int, dtype: torch.dtype, *, grad: bool = False) -> Inputs:
+        Lq, S = self.sizes(L)
+        g = torch.Generator().manual_seed(1000 + L)
+        spec, causal = self.spec(Lq, S)
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=g).to(dtype).requires_grad_(grad)
+
+        if self.module:
+            x = rand(self.B, Lq, self.H * self.D)
+            return Inputs(x, x, x, spec, causal, x)
+        q = rand(self.B, self.H, Lq, self.D)
+        k = rand(self.B, self.Hkv, S, self.D)
+        v = rand(self.B, self.Hkv, S, self.D)
+        return Inputs(q, k, v, spec, causal)
+
+    def flops(self, L: int, backward: bool) -> float:
+        """Useful FLOPs: allowed pairs only (and the projections of a module row)."""
+        Lq, S = self.sizes(L)
+        spec, _ = self.spec(Lq, S)
+        pairs = allowed_pairs(spec, Lq, S, self.B)
+        fwd = 4.0 * self.D * self.H * pairs
+        if self.module:
+            E = self.H * self.D
+            fwd += 4 * 2.0 * self.B * Lq * E * E  # q, k, v and output projections
+        return fwd * (BACKWARD_FACTOR if backward else 1.0)
+
+
+def allowed_pairs(spec: MaskSpec | None, L: int, S: int, B: int) -> int:
+    """Allowed (query, key) pairs summed over the batch, exactly, without building L x S:
+    full blocks count whole, partial ones are evaluated."""
+    if spec is None:
+        return B * L * S
+    bs = 256
+    state = spec.block_map(L, S, bs, bs).state[:, 0]  # (B', nq, nk)
+    Bm = state.shape[0]
+    total = 0
+    for b, i, j in (state != EMPTY).nonzero().tolist():
+        rows = min(bs, L - i * bs)
+        cols = min(bs, S - j * bs)
+        if state[b, i, j] == FULL:
+            total += rows * cols
+            continue
+        q = torch.arange(i * bs, i * bs + rows)[:, None]
+        kv = torch.arange(j * bs, j * bs + cols)[None, :]
+        bt = torch.tensor([b]).view(1, 1)
+        total += int(spec.allowed(bt, torch.zeros_like(bt), q, kv, S - L).expand(rows, cols).sum())
+    return total if Bm > 1 else total * B
+
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in (
+        Workload("dense", "no mask"),
+        Workload("causal", "causal"),
+        Workload(
+            "padding", "key padding: B=2, the second sequence half padding (25% of keys)", B=2
+        ),
+        Workload("window", "causal sliding window of 256"),
+        Workload("document", "8 packed documents of random lengths, causal within each"),
+        Workload("prefix", "prefix-LM: a bidirectional prefix of L/4, then causal"),
+        Workload("gqa", "grouped-query 32/8 heads, causal", H=32, Hkv=8),
+        Workload("decode", "decode: 1 query against a cache of L keys"),
+        Workload("module", "module row: causal self-attention, E=512, 8 heads", module=True),
+    )
+}
+
+
+def get_workload(name: str) -> Workload:
+    """The workload called ``name`` (``KeyError`` if none)."""
+    return WORKLOADS[name]

@@ -1,0 +1,435 @@
+"""Ring attention: each rank holds a shard of the sequence; K/V blocks travel around the ring.
+
+Dimension legend: B batch, H query heads, Hkv key/value heads, Lq / Sk this rank's query / key
+tokens, L / S the whole sequence's (``P * Lq``, ``P * Sk``), Dk / Dv head dims, P ranks, r this
+rank, s the step; ``u`` below is the size of one shard of K (or V).
+
+Forward, on rank ``r``: at step ``s`` it holds the K/V shard of rank ``src = (r - s) % P``. It
+posts the send of that shard to ``r + 1`` and the receive of the next one from ``r - 1``, then
+computes its queries against the shard it holds while they travel (two receive buffers, used in
+turn). Each (query chunk, key chunk) pair gives an output and its log-sum-exp; they are merged
+in float32 (float64 for float64 inputs)::
+
+    lse = logaddexp(lse_a, lse_b)
+    out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+
+which is exact: the result is softmax over all keys. A pair that the mask leaves empty is not
+computed (with zigzag causal sharding every rank does the same work). The pairs run through the
+blocked backend's block functions (:func:`attnkit.backends.blocked.forward_with_lse` and
+:func:`~attnkit.backends.blocked.backward_from_lse`), given the chunks' global positions, so a
+mask spec sees global indices and the empty blocks inside a pair are skipped too.
+
+Backward: K/V go around the ring again, and with each K/V shard travels the float32 gradient
+accumulator of that shard: each rank adds its queries' contribution and passes it on, so after
+``P`` hops it comes back to the rank that owns the shard. Bytes sent per step: ``2u`` forward,
+``2u`` (K/V) + ``2u`` in float32 (dK/dV) backward.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from attnkit.backends.blocked import backward_from_lse, forward_with_lse
+from attnkit.distributed import profile as _profile
+from attnkit.distributed.faults import (
+    TAG_DKV,
+    TAG_KV,
+    Pending,
+    agree,
+    as_timedelta,
+    exchange,
+    float_bits,
+    wait_all,
+)
+from attnkit.distributed.sharding import Chunk, Layout, group_rank_and_size
+from attnkit.errors import AttentionInputError
+from attnkit.masks import MaskSpec
+from attnkit.masks import causal as causal_spec
+from attnkit.validate import validate_attention
+
+__all__ = ["ring_attention"]
+
+WHERE = "attnkit.distributed.ring_attention"
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything one ring pass needs besides the tensors."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world: int
+    timeout: timedelta
+    q_layout: Layout
+    k_layout: Layout
+    spec: MaskSpec | None
+    scale: float
+
+    @property
+    def prev(self) -> int:
+        return (self.rank - 1) % self.world
+
+    def pairs(self, src: int) -> tuple[list[tuple[Chunk, Chunk]], int]:
+        """The (query chunk, key chunk) pairs with something visible, and how many were not."""
+        off = self.k_layout.total - self.q_layout.total
+        todo, skipped = [], 0
+        for qc in self.q_layout.chunks(self.rank):
+            for kc in self.k_layout.chunks(src):
+                if self.spec is not None:
+                    lo, hi = (torch.tensor([[x]]) for x in (qc.start, qc.start + qc.length - 1))
+                    klo, khi = (torch.tensor([[x]]) for x in (kc.start, kc.start + kc.length - 1))
+                    if self.spec.device is not None:
+                        lo, hi, klo, khi = (t.to(self.spec.device) for t in (lo, hi, klo, khi))
+                    any_, _ = self.spec.block_bounds(lo, hi, klo, khi, off)
+                    if not bool(any_.any()):
+                        skipped += 1
+                        continue
+                todo.append((qc, kc))
+        return todo, skipped
+
+    def post(
+        self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], tag: int
+    ) -> list[Pending]:
+        """Send to the next rank and receive from the previous one, without waiting."""
+        return exchange(sends, recvs, group=self.group, rank=self.rank, world=self.world, tag=tag)
+
+    def wait(self, pending: list[Pending], what: str) -> float:
+        """Wait (bounded) for ``pending``; return the seconds waited."""
+        t0 = time.perf_counter()
+        wait_all(
+            pending,
+            timeout=self.timeout,
+            where=WHERE,
+            rank=self.rank,
+            world=self.world,
+            what=what,
+        )
+        return time.perf_counter() - t0
+
+    def record(
+        self,
+        phase: str,
+        step: int,
+        clock: tuple[float, float],
+        wait_s: float,
+        sent: Sequence[torch.Tensor],
+        pairs: int,
+        skipped: int,
+    ) -> None:
+        if not _profile._ACTIVE:
+            return
+        cpu0, wall0 = clock
+        wall = time.perf_counter() - wall0 - wait_s
+        _profile._ACTIVE[-1].steps.append(
+            _profile.RingStep(
+                phase,
+                step,
+                (self.rank - step) % self.world,
+                time.process_time() - cpu0,
+                wall,
+                wait_s,
+                sum(t.numel() * t.element_size() for t in sent),
+                pairs,
+                skipped,
+            )
+        )
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _like(kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(kv[0]), torch.empty_like(kv[1])
+
+
+def _rows(t: torch.Tensor, c: Chunk) -> torch.Tensor:
+    """The rows (dim -2) of a shard that hold chunk ``c``: a view."""
+    return t.narrow(-2, c.local, c.length)
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lse_o: torch.Tensor) -> None:
+    """Fold a block's ``(o, lse_o)`` into the running ``(out, lse)`` in place (exact; ``o`` is
+    scaled in place too)."""
+    new = torch.logaddexp(lse, lse_o)  # (B, H, Lc); -inf where both saw nothing
+    base = torch.where(new.isinf(), 0.0, new)
+    out.mul_(torch.exp(lse - base).unsqueeze(-1)).add_(
+        o.mul_(torch.exp(lse_o - base).unsqueeze(-1))
+    )
+    lse.copy_(new)
+
+
+def _forward(
+    plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, Lq, _ = q.shape
+    acc = _acc(q.dtype)
+    out = torch.zeros(B, H, Lq, v.shape[-1], dtype=acc, device=q.device)  # (B, H, Lq, Dv)
+    lse = torch.full((B, H, Lq), float("-inf"), dtype=acc, device=q.device)  # (B, H, Lq)
+    cur = (k.contiguous(), v.contiguous())  # (B, Hkv, Sk, D): the K/V shard held this step
+    spare: tuple[torch.Tensor, torch.Tensor] | None = None
+    for s in range(plan.world):
+        src = (plan.rank - s) % plan.world
+        clock = (time.process_time(), time.perf_counter())
+        works: list[Pending] = []
+        nxt = cur
+        sent: tuple[torch.Tensor, ...] = ()
+        if s < plan.world - 1:  # pass the shard on while computing with it
+            nxt = spare if spare is not None else _like(cur)
+            works, sent = plan.post(cur, nxt, TAG_KV), cur
+        todo, skipped = plan.pairs(src)
+        for qc, kc in todo:
+            o, lse_o = forward_with_lse(
+                _rows(q, qc),
+                _rows(cur[0], kc),
+                _rows(cur[1], kc),
+                mask=plan.spec,
+                scale=plan.scale,
+                q_start=qc.start,
+                k_start=kc.start,
+                L_total=plan.q_layout.total,
+                S_total=plan.k_layout.total,
+            )
+            _merge(_rows(out, qc), lse.narrow(-1, qc.local, qc.length), o, lse_o)
+        wait_s = plan.wait(
+            works,
+            f"receiving the K/V shard of rank {(src - 1) % plan.world} (forward step "
+            f"{s + 1} of {plan.world})",
+        )
+        plan.record("forward", s, clock, wait_s, sent, len(todo), skipped)
+        spare = cur if s > 0 else None  # step 0's shard is the caller's k/v: never overwritten
+        cur = nxt
+    return out, lse
+
+
+def _backward(
+    plan: _Plan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    acc = _acc(q.dtype)
+    world = plan.world
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H, Lq, Dk)
+    cur = (k.contiguous(), v.contiguous())
+    spare: tuple[torch.Tensor, torch.Tensor] | None = None
+    sending: list[Pending] = []  # the dK/dV sent at the end of the last step, in flight
+
+    def accumulator() -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            torch.empty(k.shape, dtype=acc, device=k.device),
+            torch.empty(v.shape, dtype=acc, device=v.device),
+        )
+
+    dkv = accumulator()
+    for s in range(world):
+        src = (plan.rank - s) % world
+        clock = (time.process_time(), time.perf_counter())
+        # dK/dV of shard `src` so far, from the ranks before this one, arriving from rank r - 1
+        # (posted before the K/V exchange: NCCL pairs p2p messages in issue order)
+        if s == 0:
+            dkv[0].zero_()
+            dkv[1].zero_()
+            incoming = []
+        else:
+            dkv = accumulator()
+            incoming = plan.post((), dkv, TAG_DKV)
+        works: list[Pending] = []
+        nxt = cur
+        sent_kv: tuple[torch.Tensor, ...] = ()
+        if s < world - 1:
+            nxt = spare if spare is not None else _like(cur)
+            works, sent_kv = plan.post(cur, nxt, TAG_KV), cur
+        # the last step's dK/dV has left once rank r + 1 has started this step: free it now,
+        # before the compute needs memory (its receive is posted before any wait: no cycle)
+        wait_s = plan.wait(sending, f"sending dK/dV (backward step {s} of {world})")
+        sending = []
+        todo, skipped = plan.pairs(src)
+        for qc, kc in todo:
+            dq_c, dk_c, dv_c = backward_from_lse(
+                _rows(q, qc),
+                _rows(cur[0], kc),
+                _rows(cur[1], kc),
+                _rows(out, qc),
+                _rows(dout, qc),
+                lse.narrow(-1, qc.local, qc.length),
+                mask=plan.spec,
+                scale=plan.scale,
+                q_start=qc.start,
+                k_start=kc.start,
+                L_total=plan.q_layout.total,
+                S_total=plan.k_layout.total,
+            )
+            _rows(dq, qc).add_(dq_c)
+            if incoming:  # the accumulator must have arrived before adding to it
+                wait_s += plan.wait(
+                    incoming,
+                    f"receiving the dK/dV of rank {src}'s shard (backward step {s + 1} of {world})",
+                )
+                incoming = []
+            _rows(dkv[0], kc).add_(dk_c)
+            _rows(dkv[1], kc).add_(dv_c)
+        wait_s += plan.wait(
+            incoming,
+            f"receiving the dK/dV of rank {src}'s shard (backward step {s + 1} of {world})",
+        )
+        # on to r + 1; the last hop reaches the owner (in a group of one, it is home already)
+        if world > 1:
+            sending = plan.post(dkv, (), TAG_DKV)
+        wait_s += plan.wait(
+            works,
+            f"receiving the K/V shard of rank {(src - 1) % world} (backward step {s + 1} of "
+            f"{world})",
+        )
+        sent = (*sent_kv, *dkv) if world > 1 else ()
+        plan.record("backward", s, clock, wait_s, sent, len(todo), skipped)
+        spare = cur if s > 0 else None
+        cur = nxt
+    if world == 1:
+        return dq, dkv[0], dkv[1]
+    del cur, nxt, spare  # the K/V buffers are done with; `dkv` stays alive until sent
+    mine = accumulator()  # this rank's own dK/dV, after visiting every rank
+    final = plan.post((), mine, TAG_DKV)
+    plan.wait(final, f"receiving the finished dK/dV of this rank's shard from rank {plan.prev}")
+    plan.wait(sending, f"sending dK/dV (backward step {world} of {world})")
+    del dkv
+    return dq, mine[0], mine[1]
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan
+    ) -> torch.Tensor:
+        out, lse = _forward(plan, q, k, v)
+        ctx.plan = plan  # type: ignore[attr-defined]
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.to(q.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
+        dq, dk, dv = _backward(ctx.plan, q, k, v, out, lse, dout)  # type: ignore[attr-defined]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: MaskSpec | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    group: dist.ProcessGroup | None = None,
+    timeout: float | timedelta | None = None,
+) -> torch.Tensor:
+    """Exact attention over a sequence split across the ranks of ``group``; forward and backward.
+
+    Each rank passes its shard (dim -2) as :func:`~attnkit.distributed.shard` makes it, with the
+    same ``causal``, and gets its shard of the output; the result equals
+    :func:`attnkit.attention` on the whole sequence, shard by shard.
+
+    Args:
+        q: this rank's queries ``(B, H, Lq, Dk)``; the whole sequence has ``L = P * Lq``.
+        k: this rank's keys ``(B, Hkv, Sk, Dk)``, ``S = P * Sk``; ``H % Hkv == 0``: query head
+            ``h`` uses key/value head ``h // (H // Hkv)`` (K/V are not repeated).
+        v: this rank's values ``(B, Hkv, Sk, Dv)``.
+        mask: ``None`` or a spec from :mod:`attnkit.masks` over the *whole* sequence (global
+            positions: ``padding(lengths)`` takes the full lengths, ``document(ids)`` the ids of
+            all ``S`` tokens). Dense tensor masks are refused (they would be ``L x S``).
+        causal: the end-aligned causal rule (query ``i`` sees keys ``j <= i + S - L``), and the
+            zigzag layout of ``shard(x, causal=True)``, which gives every rank the same work.
+            For ``L = S = 4`` over 2 ranks (chunks of 1 token; rank 0 holds 0 and 3, rank 1
+            holds 1 and 2)::
+
+                1 . . .     rank 0, query 0
+                1 1 . .     rank 1, query 1
+                1 1 1 .     rank 1, query 2
+                1 1 1 1     rank 0, query 3
+
+        scale: multiplies ``q @ k^T``; default ``1 / sqrt(Dk)``.
+        group: the process group (default: the world).
+        timeout: seconds (or a timedelta) a rank waits for another before raising
+            :class:`~attnkit.distributed.RingError`; default
+            :data:`~attnkit.distributed.faults.DEFAULT_TIMEOUT`.
+
+    Returns:
+        This rank's output shard ``(B, H, Lq, Dv)`` in q's dtype. Rows with nothing to attend
+        to are 0, with gradient 0.
+
+    Every rank must call it (and run its backward) with equal shard shapes; shards that differ
+    raise :class:`~attnkit.AttentionInputError` on every rank, with each rank's shapes.
+
+    >>> # on each of 4 ranks (torchrun --nproc-per-node 4):
+    >>> # q, k, v = (shard(t, causal=True) for t in (q_full, k_full, v_full))
+    >>> # out = ring_attention(q, k, v, causal=True)     # == shard(attention(..., causal=True))
+    """
+    if isinstance(mask, torch.Tensor):
+        raise AttentionInputError(
+            WHERE,
+            "mask",
+            "ring attention takes mask specs, not dense tensors (an L x S mask is what "
+            "sharding avoids).",
+            got=f"mask: tensor {tuple(mask.shape)} {mask.dtype}",
+            expected="None or a spec from attnkit.masks over the whole sequence",
+            fix="attnkit.masks.padding(lengths), key_mask(keep), document(ids), "
+            "sliding_window(n), combined with & and |",
+        )
+    dims = validate_attention(q, k, v, mask, causal, scale, 0.0, where=WHERE)
+    rank, world = group_rank_and_size(group, WHERE)
+    td = as_timedelta(timeout, WHERE)
+    if causal and (dims.L % 2 or dims.S % 2):
+        raise AttentionInputError(
+            WHERE,
+            "q" if dims.L % 2 else "k",
+            "causal ring attention takes the zigzag layout (two equal chunks per rank), but "
+            "this shard has an odd length.",
+            got=f"q (Lq={dims.L})  k (Sk={dims.S})",
+            expected="even shard lengths, as attnkit.distributed.shard(x, causal=True) makes",
+            fix="shard with shard(x, causal=True), padding the sequence to a multiple of "
+            "2 * world size",
+        )
+    scale_f = float(scale) if scale is not None else dims.Dk**-0.5
+    agree(
+        [("q", tuple(q.shape)), ("k", tuple(k.shape)), ("v", tuple(v.shape))],
+        extra={
+            "causal": int(causal),
+            "scale": float_bits(scale_f),
+            "mask": zlib.crc32(repr(mask).encode()),
+        },
+        dtype=q.dtype,
+        group=group,
+        rank=rank,
+        world=world,
+        device=q.device,
+        timeout=td,
+        where=WHERE,
+    )
+    spec = mask
+    if causal:
+        spec = causal_spec() if mask is None else mask & causal_spec()
+    plan = _Plan(
+        group,
+        rank,
+        world,
+        td,
+        Layout(world, dims.L, causal),
+        Layout(world, dims.S, causal),
+        spec,
+        scale_f,
+    )
+    out: torch.Tensor = _RingAttention.apply(q, k, v, plan)  # type: ignore[no-untyped-call]
+    return out

@@ -1,0 +1,189 @@
+"""attnkit.distributed in one process: the block functions and the merge, a group of one, and
+every input check with its message (the multi-process tests are in test_ring.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import attnkit
+import attnkit.distributed as akd
+from attnkit import masks
+from attnkit.distributed import ring
+from attnkit.modules.positions import RotaryEmbedding
+
+
+@pytest.fixture
+def group_of_one(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _qkvg(L: int, S: int, *, H: int = 4, Hkv: int = 2, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, H, L, 8, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, Hkv, S, 8, generator=gen, dtype=torch.float64)
+    v = torch.randn(2, Hkv, S, 5, generator=gen, dtype=torch.float64)
+    g = torch.randn(2, H, L, 5, generator=gen, dtype=torch.float64)
+    return q, k, v, g
+
+
+SPECS = {
+    "none": None,
+    "causal": masks.causal(),
+    "causal_window": masks.causal() & masks.sliding_window(4),
+    "padding_rows": masks.padding(torch.tensor([13, 6]), q_lengths=torch.tensor([9, 4])),
+    "documents": masks.document(torch.tensor([0] * 5 + [1] * 4 + [2] * 6)),
+    "prefix": masks.prefix_lm(3),
+}
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_block_pieces_merge_to_the_whole(name: str) -> None:
+    """Query chunks x key chunks at their global positions, merged by log-sum-exp, and their
+    gradients given the final out/lse, equal attention on the whole sequence (L != S)."""
+    spec = SPECS[name]
+    L, S = 11, 15
+    q, k, v, g = _qkvg(L, S)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = attnkit.attention(*full, mask=spec)
+    (ref * g).sum().backward()
+    q_cuts, k_cuts = [(0, 4), (4, 11)], [(0, 6), (6, 7), (7, 15)]
+    out = torch.zeros(2, 4, L, 5, dtype=torch.float64)
+    lse = torch.full((2, 4, L), float("-inf"), dtype=torch.float64)
+    for a, z in q_cuts:
+        for c, e in k_cuts:
+            o, lse_o = ring.forward_with_lse(
+                q[:, :, a:z], k[:, :, c:e], v[:, :, c:e], mask=spec, scale=8**-0.5,
+                q_start=a, k_start=c, L_total=L, S_total=S,
+            )  # fmt: skip
+            ring._merge(out[:, :, a:z], lse[:, :, a:z], o, lse_o)
+    assert (out - ref).abs().max() <= 1e-12
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    for a, z in q_cuts:
+        for c, e in k_cuts:
+            dq, dk, dv = ring.backward_from_lse(
+                q[:, :, a:z], k[:, :, c:e], v[:, :, c:e], out[:, :, a:z], g[:, :, a:z],
+                lse[:, :, a:z], mask=spec, scale=8**-0.5,
+                q_start=a, k_start=c, L_total=L, S_total=S,
+            )  # fmt: skip
+            grads[0][:, :, a:z] += dq
+            grads[1][:, :, c:e] += dk
+            grads[2][:, :, c:e] += dv
+    for got, want in zip(grads, full, strict=True):
+        assert want.grad is not None
+        assert (got - want.grad).abs().max() <= 1e-12
+
+
+def test_group_of_one_is_plain_attention(group_of_one: None) -> None:
+    q, k, v, g = _qkvg(12, 12)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = attnkit.attention(*full, causal=True)
+    (ref * g).sum().backward()
+    mine = [t.clone().requires_grad_() for t in (q, k, v)]
+    with akd.profile() as prof:
+        out = akd.ring_attention(*mine, causal=True)
+        (out * g).sum().backward()
+    assert (out - ref).abs().max() <= 1e-12
+    for a, b in zip(mine, full, strict=True):
+        assert a.grad is not None
+        assert b.grad is not None
+        assert (a.grad - b.grad).abs().max() <= 1e-12
+    assert [(s.phase, s.step, s.bytes_sent) for s in prof.steps] == [
+        ("forward", 0, 0),
+        ("backward", 0, 0),
+    ]
+    assert "phase" in str(prof)
+
+
+def test_sequence_parallel_of_one_is_the_module(group_of_one: None) -> None:
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(16, 4, num_kv_heads=2, causal=True, rope=RotaryEmbedding(4))
+    x = torch.randn(2, 10, 16)
+    keep = torch.ones(2, 10, dtype=torch.bool)
+    keep[1, 7:] = False
+    want = mha(x, key_padding_mask=keep).output
+    sp = akd.SequenceParallel(mha)
+    assert list(sp.state_dict()) == list(mha.state_dict())
+    got = sp(x, key_padding_mask=keep).output
+    assert (got - want).abs().max() <= 1e-5
+
+
+def test_outside_a_process_group_the_error_says_how_to_start_one() -> None:
+    assert not dist.is_initialized()
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(attnkit.AttentionInputError, match="not initialised") as e:
+        akd.ring_attention(q, q, q)
+    assert "init_process_group" in str(e.value)
+
+
+def test_dense_masks_are_refused(group_of_one: None) -> None:
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(attnkit.AttentionInputError, match="takes mask specs") as e:
+        akd.ring_attention(q, q, q, mask=torch.ones(4, 4, dtype=torch.bool))
+    assert "padding(lengths)" in str(e.value)
+
+
+def test_local_shapes_are_checked_by_attnkit_validation(group_of_one: None) -> None:
+    with pytest.raises(attnkit.AttentionInputError, match="does not divide the 3 heads"):
+        akd.ring_attention(
+            torch.randn(1, 3, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+        )
+
+
+def test_causal_shards_must_hold_two_equal_chunks(group_of_one: None) -> None:
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(attnkit.AttentionInputError, match="odd length") as e:
+        akd.ring_attention(q, q, q, causal=True)
+    assert "shard(x, causal=True)" in str(e.value)
+
+
+def test_shard_says_how_to_pad(group_of_one: None) -> None:
+    with pytest.raises(attnkit.AttentionInputError, match="does not split into 2 equal") as e:
+        akd.shard(torch.randn(1, 7, 4), causal=True)
+    assert "pad the sequence to 8 tokens" in str(e.value)
+    assert torch.equal(
+        akd.shard(torch.arange(6.0)[:, None], causal=True), torch.arange(6.0)[:, None]
+    )
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, "10", float("inf")])
+def test_timeout_must_be_positive(group_of_one: None, timeout: object) -> None:
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(attnkit.AttentionInputError, match="`timeout` must be a positive"):
+        akd.ring_attention(q, q, q, timeout=timeout)  # type: ignore[arg-type]
+
+
+def test_sequence_parallel_refuses_what_it_cannot_do_exactly(group_of_one: None) -> None:
+    sp = akd.SequenceParallel(attnkit.MultiHeadAttention(16, 4, dropout=0.1))
+    x = torch.randn(2, 6, 16)
+    with pytest.raises(attnkit.AttentionInputError, match="dropout is not supported"):
+        sp(x)
+    sp.eval()
+    with pytest.raises(attnkit.AttentionInputError, match="never materialises the attention"):
+        sp(x, need_weights=True)
+    with pytest.raises(attnkit.AttentionInputError, match="covers the whole sequence") as e:
+        sp(x, key_padding_mask=torch.ones(6, 2, dtype=torch.bool))
+    assert "target (B=2, N=6)" in str(e.value)
+    with pytest.raises(attnkit.AttentionInputError, match=r"wraps an attnkit\.MultiHeadAttention"):
+        akd.SequenceParallel(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
+
+
+def test_parallelize_swaps_every_multi_head_attention() -> None:
+    from attnkit.modules.transformer import TransformerConfig, TransformerStack
+
+    model = TransformerStack(TransformerConfig(dim=16, num_heads=4), num_layers=3)
+    keys = list(model.state_dict())
+    akd.parallelize(model)
+    assert sum(isinstance(m, akd.SequenceParallel) for m in model.modules()) == 3
+    assert not any(isinstance(m, attnkit.MultiHeadAttention) for m in model.modules())
+    assert list(model.state_dict()) == keys
