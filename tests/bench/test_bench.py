@@ -32,6 +32,7 @@ def test_a_tiny_run_end_to_end_writes_table_json_markdown_and_plot(tmp_path: Pat
         peers=["sdpa", "attnkit", "flex"],
         reps=5,
         gemm=50.0,
+        gemm_n=256,
         progress=lambda label, done, total: seen.append((label, done, total)),
     )
     assert [r.label for r in result.rows] == [
@@ -48,7 +49,8 @@ def test_a_tiny_run_end_to_end_writes_table_json_markdown_and_plot(tmp_path: Pat
             assert e.ms is not None
             assert len(e.times_ms) == 5
             assert e.gflops == pytest.approx(row.flops / (e.ms / 1e3) / 1e9)
-            assert e.gemm_fraction == pytest.approx(e.gflops / 50.0)
+            assert row.gemm_gflops is not None  # timed in the same rounds as the peers
+            assert e.gemm_fraction == pytest.approx(e.gflops / row.gemm_gflops)
             assert e.peak_mib is not None
             assert e.peak_mib >= 0
             assert e.x_best_peer is not None
@@ -65,6 +67,15 @@ def test_a_tiny_run_end_to_end_writes_table_json_markdown_and_plot(tmp_path: Pat
     assert data["reps"] == 5
     assert data["machine"]["threads"] == torch.get_num_threads()
     assert {e["peer"] for e in data["rows"][1]["entries"]} == {"sdpa", "attnkit", "flex"}
+    kept = tmp_path / "kept.md"
+    kept.write_text(
+        "# prose\n<!-- attnkit bench: start -->\nold\n<!-- attnkit bench: end -->\ntail\n"
+    )
+    bench.write_markdown(result, kept)
+    text = kept.read_text()
+    assert text.startswith("# prose\n<!-- attnkit bench: start -->\n**Machine:** ")
+    assert text.endswith("<!-- attnkit bench: end -->\ntail\n")
+    assert "old" not in text
     md = (tmp_path / "b.md").read_text()
     assert md.startswith("**Machine:** ")
     assert "| window L=384 float32 fwd+bwd | attnkit |" in md

@@ -123,7 +123,7 @@ def spec_key(spec: MaskSpec) -> Hashable | None:
         node = stack.pop()
         if type(node).__module__ != MaskSpec.__module__:
             return None
-        stack.extend(x for x in vars(node).values() if isinstance(x, MaskSpec))
+        stack.extend(x for x in getattr(node, "__dict__", {}).values() if isinstance(x, MaskSpec))
     return (repr(spec), tuple((id(t), t._version) for t in spec.tensors()))
 
 

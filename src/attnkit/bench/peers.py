@@ -225,10 +225,7 @@ class _Attnkit(Peer):
         backend = self.backend
         q, k, v = inputs.q, inputs.k, inputs.v
         mask = None if inputs.causal else inputs.spec
-        causal = inputs.causal
-        reason = attnkit.explain(q, k, v, mask=mask, causal=causal).verdicts.get(backend)
-        if backend != "auto" and reason is not None:
-            raise RuntimeError(f"cannot serve: {reason}")
+        causal = inputs.causal  # (no explain here: it would materialise the spec for sdpa)
 
         def run() -> torch.Tensor:
             return attnkit.attention(q, k, v, mask=mask, causal=causal, backend=backend)

@@ -233,6 +233,17 @@ def to_markdown(result: BenchResult) -> str:
     lines += ["", "### Who wins where", "", "| row | fastest | fastest outside attnkit |"]
     lines.append("|---|---|---|")
     lines += [f"| {a} | {b} | {c} |" for a, b, c in winners(result)]
+    gemms = [(r.label, r.gemm_gflops) for r in result.rows if r.gemm_gflops]
+    if gemms:
+        lines += [
+            "",
+            "fp32 GEMM GFLOP/s timed in the same rounds as each row's peers (the `of "
+            "GEMM` column divides by it):",
+            "",
+            "| row | GEMM GFLOP/s |",
+            "|---|---|",
+        ]
+        lines += [f"| {label} | {g:.1f} |" for label, g in gemms]
     ran = [c for c in acceptance(result) if c.passed is not None]
     if not ran:
         return "\n".join(lines) + "\n"
@@ -249,8 +260,18 @@ def write_json(result: BenchResult, path: Path) -> None:
     path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
 
 
+START, END = "<!-- attnkit bench: start -->", "<!-- attnkit bench: end -->"
+
+
 def write_markdown(result: BenchResult, path: Path) -> None:
-    path.write_text(to_markdown(result))
+    """Write the markdown report; into an existing file that has the markers
+    ``<!-- attnkit bench: start -->`` / ``end -->``, only between them (the prose around stays)."""
+    report = to_markdown(result)
+    text = path.read_text() if path.exists() else ""
+    if START in text and END in text:
+        head, rest = text.split(START, 1)
+        report = head + START + "\n" + report + END + rest.split(END, 1)[1]
+    path.write_text(report)
 
 
 def write_plot(result: BenchResult, path: Path) -> None:

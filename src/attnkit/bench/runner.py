@@ -52,6 +52,9 @@ ACCEPTANCE_ROWS: list[tuple[str, int, str, str]] = [
     ("window", 65536, "float32", "fwd+bwd"),
 ]
 DEFAULT_PEERS = ["naive", "sdpa", "flex", "attnkit", "attnkit-blocked"]
+#: the seed-style code takes minutes a call on big rows: with the default peers it runs only
+#: where B x H x L x S is at most this (8 heads at L = 4096), in float32
+NAIVE_MAX = 8 * 4096 * 4096
 FULL_LENGTHS = [1024, 4096, 16384, 65536]
 QUICK_ROWS: list[tuple[str, int, str, str]] = [
     ("dense", 512, "float32", "fwd"),
@@ -85,6 +88,8 @@ class Row:
     mode: str
     flops: float
     entries: list[Entry] = field(default_factory=list)
+    #: fp32 GEMM GFLOP/s timed in the same rounds as this row's peers (the fractions use it)
+    gemm_gflops: float | None = None
 
     @property
     def label(self) -> str:
@@ -218,25 +223,30 @@ def run(
     timeout: float = 1800.0,
     progress: Callable[[str, int, int], None] | None = None,
     gemm: float | None = None,
+    gemm_n: int = 4096,
 ) -> BenchResult:
     """Run the benchmark and return what it measured.
 
     Args:
         rows: ``(workload, L, dtype, mode)`` tuples (see :func:`plan_rows`); default: the
             acceptance rows.
-        peers: names from :data:`attnkit.bench.peers.PEERS`; default: naive, sdpa, flex,
-            attnkit (auto) and attnkit-blocked (module rows always take torch-mha and
-            attnkit-mha).
+        peers: names from :data:`attnkit.bench.peers.PEERS`; default: sdpa, flex, attnkit
+            (auto), attnkit-blocked, and naive on float32 rows up to 8 heads at L = 4096
+            (module rows always take torch-mha and attnkit-mha).
         reps: timed calls per peer (median reported; at least 5 for published numbers).
         memory: measure each case's peak memory in a fresh process.
         cap_gib: a peer whose dense tensors would take more is skipped, with the reason.
         timeout: seconds for one worker process.
         progress: called as ``progress(label, done, total)`` before each step (the CLI draws a
             progress bar from it).
-        gemm: the GEMM throughput to use (GFLOP/s) instead of measuring it.
+        gemm: the GEMM throughput to use (GFLOP/s) instead of measuring it first.
+        gemm_n: size of the GEMM timed in every round of every row, side by side with the
+            peers (0: none; the fractions then use the throughput measured first).
 
-    >>> result = run([("dense", 256, "float32", "fwd")], peers=["sdpa", "attnkit"],
-    ...              memory=False)  # doctest: +SKIP
+    >>> result = run([("causal", 256, "float32", "fwd")], peers=["sdpa", "attnkit"],
+    ...              memory=False, gemm=100.0, gemm_n=0)
+    >>> [(e.peer, e.ms is not None) for e in result.rows[0].entries]
+    [('sdpa', True), ('attnkit', True)]
     """
     start = time.perf_counter()
     chosen = list(rows) if rows is not None else ACCEPTANCE_ROWS
@@ -252,7 +262,11 @@ def run(
         backward = mode == "fwd+bwd"
         row = Row(workload, L, dtype, mode, wl.flops(L, backward))
         todo = []
-        for name in ["torch-mha", "attnkit-mha"] if wl.module else names:
+        row_peers = ["torch-mha", "attnkit-mha"] if wl.module else names
+        Lq, S = wl.sizes(L)
+        if peers is None and (wl.B * wl.H * Lq * S > NAIVE_MAX or dtype != "float32"):
+            row_peers = [p for p in row_peers if p != "naive"]
+        for name in row_peers:
             why = PEERS[name].skip(wl, L, getattr(torch, dtype), backward, cap)
             if why is None:
                 todo.append(name)
@@ -279,15 +293,19 @@ def run(
             "reps": reps,
         }
         tick(f"{row.label}: timing {len(todo)} peers")
-        timed = _worker({**job, "kind": "time", "peers": todo}, timeout) if todo else {}
+        timed: dict[str, Any] = {}
+        if todo:
+            timed = _worker({**job, "kind": "time", "peers": todo, "gemm_n": gemm_n}, timeout)
+        if timed.get("gemm_gflops"):
+            row.gemm_gflops = statistics.median(timed["gemm_gflops"])
         for name in todo:
-            got = timed.get(name, {"error": timed.get("error", "no result")})
+            got = timed.get("peers", {}).get(name, {"error": timed.get("error", "no result")})
             e = Entry(name, error=got.get("error"), first_call_s=got.get("first_call_s"))
             if got.get("times"):
                 e.times_ms = [t * 1e3 for t in got["times"]]
                 e.ms = statistics.median(e.times_ms)
                 e.gflops = row.flops / (e.ms / 1e3) / 1e9
-                e.gemm_fraction = e.gflops / gemm_gflops
+                e.gemm_fraction = e.gflops / (row.gemm_gflops or gemm_gflops)
             if memory:
                 tick(f"{row.label}: memory of {name}")
                 if e.ms is not None:

@@ -4,8 +4,10 @@
 "reps"}``; the result is one line of JSON on stdout.
 
 * ``time``: every peer of one row in one process, timed *interleaved* (one call of each peer in
-  turn, ``reps`` rounds) so that the noise of a shared machine hits all of them alike. The first
-  call of each peer (flex compiles there) is timed apart and not counted.
+  turn, ``reps`` rounds) so that the noise of a shared machine hits all of them alike; each
+  round also times one fp32 GEMM (``gemm_n``), so that the fraction of GEMM throughput a peer
+  reaches is measured side by side too. The first call of each peer (flex compiles there) is
+  timed apart and not counted.
 * ``memory``: one peer in a process of its own: peak resident memory during one call above what
   the inputs take (``VmHWM`` from ``/proc/self/status``). A peer that compiles (flex) runs once
   first; the peak is then reset (``/proc/self/clear_refs``), so the compile is not counted.
@@ -102,17 +104,26 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             t0 = time.perf_counter()
             _step(fns[name], inputs, backward, _params(fns[name]))
             result[name] = {"first_call_s": time.perf_counter() - t0, "times": []}
-            _step(fns[name], inputs, backward, _params(fns[name]))
+            if name in ("flex", "attnkit-flex"):  # the first call compiled: warm up once more
+                _step(fns[name], inputs, backward, _params(fns[name]))
         except Exception as e:  # a peer that breaks is reported, the others still run
             fns.pop(name, None)
             result[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    g = torch.Generator().manual_seed(0)
+    n = int(job.get("gemm_n", 0))
+    a, b = (torch.randn(n, n, generator=g) for _ in range(2))
+    gemm: list[float] = []
     for _ in range(int(job["reps"])):
+        if n:  # the machine's GEMM throughput, in the same rounds as the peers
+            t0 = time.perf_counter()
+            a @ b
+            gemm.append(2.0 * n**3 / (time.perf_counter() - t0) / 1e9)
         for name, fn in fns.items():
             params = _params(fn)
             t0 = time.perf_counter()
             _step(fn, inputs, backward, params)
             result[name]["times"].append(time.perf_counter() - t0)
-    return result
+    return {"peers": result, "gemm_gflops": gemm}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -52,6 +52,9 @@ def bench(
     cap_gib: Annotated[
         float, typer.Option(help="skip peers whose dense tensors would need more (GiB)")
     ] = 12.0,
+    gemm_size: Annotated[
+        int, typer.Option(help="n of the n x n fp32 GEMM timed in every round (0: none)")
+    ] = 4096,
     json_out: Annotated[Path | None, typer.Option("--json", help="write JSON here")] = None,
     markdown: Annotated[Path | None, typer.Option(help="write a markdown report here")] = None,
     plot: Annotated[Path | None, typer.Option(help="write a PNG plot here")] = None,
@@ -87,7 +90,13 @@ def bench(
             bar.update(task, description=label[:70], completed=done, total=total)
 
         result = api.run(
-            rows, peers=peers, reps=reps, memory=memory, cap_gib=cap_gib, progress=progress
+            rows,
+            peers=peers,
+            reps=reps,
+            memory=memory,
+            cap_gib=cap_gib,
+            progress=progress,
+            gemm_n=gemm_size,
         )
     api.print_table(result)
     if json_out is not None:
