@@ -255,3 +255,28 @@ def test_a_per_head_mask_that_blocks_one_head_entirely(backend: str) -> None:
     ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
     for g, r in zip(grads, ref_grads, strict=True):
         assert torch.allclose(g, r, atol=1e-12)
+
+
+def test_explain_never_materialises_a_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At L = S = 65536 a dense mask would be 4 GiB: explain shows the dense-mask backends a
+    zero-stride stand-in with the mask's shape and dtype, and their verdicts stay the same."""
+    from attnkit.masks import MaskSpec, causal, sliding_window
+    from attnkit.modules.positions import alibi
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("explain materialised a mask spec")
+
+    small = torch.randn(1, 2, 64, 8)
+    spec = causal() & sliding_window(16)
+    want = attnkit.explain(small, small, small, mask=spec, backend="sdpa")
+    monkeypatch.setattr(MaskSpec, "to_dense", refuse)
+    q = torch.randn(1, 1, 65536, 8)
+    e = attnkit.explain(q, q, q, mask=spec)
+    assert e.chosen == "blocked"
+    assert e.verdicts["sdpa"] is None
+    assert e.verdicts["math"] is None
+    assert attnkit.explain(small, small, small, mask=spec, backend="sdpa").verdicts == want.verdicts
+    # with a bias (ALiBi) the stand-in is a float (1, H, L, S) mask
+    qh = torch.randn(1, 2, 4096, 8, requires_grad=True)
+    e = attnkit.explain(qh, qh, qh, mask=alibi(2) & causal(), backend="sdpa")
+    assert e.chosen == "sdpa"

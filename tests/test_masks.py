@@ -201,3 +201,25 @@ def test_spec_for_another_batch_size_is_refused() -> None:
 def test_bad_spec_arguments(make, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises((ValueError, TypeError), match=message):
         make()
+
+
+def test_select_heads_renumbers_the_heads_of_a_head_dependent_spec() -> None:
+    from attnkit.modules.positions import alibi
+
+    spec = alibi(6) & masks.causal() & masks.sliding_window(3)
+    part = spec.select_heads(2, 5)
+    assert part.heads == 3
+    assert part.has_bias
+    assert repr(part) == "(alibi(6) & causal() & sliding_window(3)).select_heads(2, 5)"
+    assert torch.equal(part.to_dense(7, 9), spec.to_dense(7, 9)[:, 2:5])
+    # the block map does not depend on the head: the same as the whole spec's
+    assert torch.equal(part.block_map(7, 9, 2, 2).state, spec.block_map(7, 9, 2, 2).state)
+    # a spec that does not depend on the head is its own slice
+    window = masks.causal() & masks.sliding_window(3)
+    assert window.select_heads(0, 4) is window
+    with pytest.raises(
+        ValueError, match=r"select_heads\(4, 7\): need 0 <= start < stop <= heads = 6"
+    ):
+        spec.select_heads(4, 7)
+    with pytest.raises(ValueError, match=r"select_heads\(3, 3\)"):
+        spec.select_heads(3, 3)

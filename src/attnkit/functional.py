@@ -7,7 +7,7 @@ Dk query/key head dim, Dv value head dim.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, NamedTuple, overload
 
 import torch
@@ -48,12 +48,21 @@ class _Call:
     dropout_p: float
     return_weights: bool
     dims: Dims
+    #: True for :func:`explain`: a backend that takes dense masks is shown a stand-in of the
+    #: materialised spec (its shape, dtype and device, no memory), never the L x S mask itself
+    stand_in: bool = False
     _dense: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def mask_for(self, backend: Backend) -> torch.Tensor | MaskSpec | None:
         """The mask as ``backend`` takes it: a spec, or the spec materialised once."""
         if not isinstance(self.mask, MaskSpec) or backend.takes_specs:
             return self.mask
+        if self.stand_in:  # what to_dense would return, as a zero-stride view of one element
+            spec, d = self.mask, self.dims
+            dtype = self.q.dtype if spec.has_bias else torch.bool
+            heads = (spec.heads or 1) if spec.has_bias else 1
+            one = torch.zeros((), dtype=dtype, device=self.q.device)
+            return one.expand(spec.batch or 1, heads, d.L, d.S)
         if "dense" not in self._dense:
             self._dense["dense"] = self.mask.to_dense(
                 self.dims.L, self.dims.S, device=self.q.device, dtype=self.q.dtype
@@ -390,6 +399,7 @@ def explain(
     """
     where = "attnkit.explain"
     call = _prepare(q, k, v, mask, causal, scale, dropout_p, return_weights, where)
+    call = replace(call, stand_in=True)  # explain runs nothing: never build an L x S mask
     chosen = _choose(call, backend, where)
     verdicts = {name: call.check(get_backend(name)) for name in available_backends()}
     rules = {

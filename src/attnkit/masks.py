@@ -209,6 +209,27 @@ class MaskSpec:
         ts = self.tensors()
         return ts[0].device if ts else None
 
+    def select_heads(self, start: int, stop: int) -> MaskSpec:
+        """The spec seen by query heads ``start .. stop - 1`` only, renumbered from 0.
+
+        For running a group of heads at a time (ring attention passes head groups around the
+        ring): head ``h`` of the result is head ``start + h`` of this spec. A spec that does
+        not depend on the head is returned as it is.
+
+        >>> from attnkit.modules.positions import alibi
+        >>> alibi(8).select_heads(2, 4)
+        alibi(8).select_heads(2, 4)
+        """
+        if self.heads is None and not self.has_bias:
+            return self
+        limit = self.heads
+        if not (0 <= start < stop) or (limit is not None and stop > limit):
+            raise ValueError(
+                f"select_heads({start}, {stop}): need 0 <= start < stop"
+                + (f" <= heads = {limit}" if limit is not None else "")
+            )
+        return _HeadSlice(self, start, stop)
+
     def __and__(self, other: MaskSpec) -> MaskSpec:
         return _And(self, _spec(other))
 
@@ -423,6 +444,33 @@ class _PrefixKeys(MaskSpec):
     def __repr__(self) -> str:
         n = self.prefix.tolist() if isinstance(self.prefix, torch.Tensor) else self.prefix
         return f"prefix_keys({n})"
+
+
+class _HeadSlice(MaskSpec):
+    """Heads ``start .. stop - 1`` of a head-dependent spec, renumbered from 0."""
+
+    def __init__(self, a: MaskSpec, start: int, stop: int) -> None:
+        self.a, self.start, self.stop = a, start, stop
+        self.batch = a.batch
+        self.heads = stop - start
+        self.has_bias = a.has_bias
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.a.tensors()
+
+    def bias(self, b, h, q, kv, off):  # type: ignore[no-untyped-def]
+        return self.a.bias(b, h + self.start, q, kv, off)
+
+    def allowed(self, b, h, q, kv, off):  # type: ignore[no-untyped-def]
+        return self.a.allowed(b, h + self.start, q, kv, off)
+
+    def block_bounds(self, q_lo, q_hi, k_lo, k_hi, off):  # type: ignore[no-untyped-def]
+        return self.a.block_bounds(q_lo, q_hi, k_lo, k_hi, off)
+
+    def __repr__(self) -> str:
+        inner = repr(self.a)
+        inner = f"({inner})" if " " in inner else inner
+        return f"{inner}.select_heads({self.start}, {self.stop})"
 
 
 class _And(MaskSpec):

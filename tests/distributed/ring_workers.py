@@ -51,6 +51,7 @@ class Case:
     Hkv: int = 2
     Dk: int = 8
     Dv: int = 6
+    kv_heads_per_pass: int | None = None  # None: the default (all heads at once at these sizes)
 
 
 def _padding(L: int, S: int) -> masks.MaskSpec:
@@ -65,6 +66,10 @@ def _documents(L: int, S: int) -> masks.MaskSpec:
     return masks.document(ids)
 
 
+def _window_padding(L: int, S: int) -> masks.MaskSpec:
+    return _padding(L, S) & masks.sliding_window(7)
+
+
 CASES = [
     Case("dense", 8, 8),
     Case("causal", 8, 8, causal=True),
@@ -76,6 +81,18 @@ CASES = [
     Case("mqa_causal", 8, 8, causal=True, H=3, Hkv=1, Dk=5, Dv=7),
     Case("alibi_causal", 8, 8, causal=True, mask=lambda L, S: alibi(4)),
     Case("cross_lengths_causal", 4, 6, causal=True),
+    # one group of heads at a time around the ring (what long sequences get by default)
+    Case("causal_headwise", 8, 8, causal=True, kv_heads_per_pass=1),
+    Case("padding_window_headwise", 8, 8, mask=_window_padding, H=6, Hkv=3, kv_heads_per_pass=2),
+    Case(
+        "alibi_causal_headwise",
+        8,
+        8,
+        causal=True,
+        mask=lambda L, S: alibi(4),
+        Hkv=4,
+        kv_heads_per_pass=1,
+    ),
 ]
 
 
@@ -101,7 +118,9 @@ def run_case(case: Case, dtype: torch.dtype, world: int) -> dict[str, Any]:
         akd.shard(t.to(dtype), causal=case.causal).detach().requires_grad_() for t in (q, k, v)
     ]
     with akd.profile() as prof:
-        out = akd.ring_attention(*parts, mask=spec, causal=case.causal)
+        out = akd.ring_attention(
+            *parts, mask=spec, causal=case.causal, kv_heads_per_pass=case.kv_heads_per_pass
+        )
         (out * akd.shard(g.to(dtype), causal=case.causal)).sum().backward()
     want = [akd.shard(t, causal=case.causal) for t in (ref, *(f.grad for f in full))]
     result: dict[str, Any] = {
@@ -109,6 +128,7 @@ def run_case(case: Case, dtype: torch.dtype, world: int) -> dict[str, Any]:
         "finite": all(bool(t.isfinite().all()) for t in (out, *(p.grad for p in parts))),
         "pairs": prof.total("pairs", "forward"),
         "skipped": prof.total("skipped", "forward"),
+        "passes": len({s.part for s in prof.steps}),
     }
     if dtype == torch.float64:  # also against the independent float64 oracle
         dense = None if spec is None else spec.to_dense(L, S)

@@ -187,3 +187,43 @@ def test_parallelize_swaps_every_multi_head_attention() -> None:
     assert sum(isinstance(m, akd.SequenceParallel) for m in model.modules()) == 3
     assert not any(isinstance(m, attnkit.MultiHeadAttention) for m in model.modules())
     assert list(model.state_dict()) == keys
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_kv_heads_per_pass_must_be_a_positive_int(group_of_one: None, bad: object) -> None:
+    q = torch.randn(1, 4, 4, 8)
+    k = torch.randn(1, 2, 4, 8)
+    with pytest.raises(attnkit.AttentionInputError, match="kv_heads_per_pass") as e:
+        akd.ring_attention(q, k, k, kv_heads_per_pass=bad)  # type: ignore[arg-type]
+    msg = str(e.value)
+    assert f"kv_heads_per_pass={bad!r}" in msg
+    assert "Hkv=2" in msg
+    assert "an int in 1..2" in msg
+
+
+def test_one_head_group_at_a_time_is_the_same_attention(group_of_one: None) -> None:
+    from attnkit.modules.positions import alibi
+
+    q, k, v, g = _qkvg(12, 12, H=6, Hkv=3)
+    spec = alibi(6) & masks.sliding_window(5)
+    grads = []
+    for per_pass in (None, 1, 2):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with akd.profile() as prof:
+            out = akd.ring_attention(*leaves, mask=spec, causal=True, kv_heads_per_pass=per_pass)
+            (out * g).sum().backward()
+        assert sorted({s.part for s in prof.steps}) == list(range({None: 1, 1: 3, 2: 2}[per_pass]))
+        grads.append([out, *(t.grad for t in leaves)])
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other, strict=True):
+            assert (a - b).abs().max() <= 1e-12
+    ref = attnkit.attention(q, k, v, mask=spec, causal=True)
+    assert (grads[1][0] - ref).abs().max() <= 1e-12
+
+
+def test_long_shards_go_around_one_head_at_a_time() -> None:
+    k = torch.empty(1, 4, 8192, 64)  # 2 MiB of K and 2 MiB of V per head and rank
+    assert ring._kv_heads_per_pass(None, k, k) == 1
+    small = torch.empty(2, 4, 64, 8)
+    assert ring._kv_heads_per_pass(None, small, small) == 4
+    assert ring._kv_heads_per_pass(3, small, small) == 3

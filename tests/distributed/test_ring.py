@@ -37,6 +37,7 @@ def _load_workers() -> ModuleType:
 
 workers = _load_workers()
 CASE_NAMES = [c.name for c in workers.CASES]
+CASES_BY_NAME = {c.name: c for c in workers.CASES}
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +85,11 @@ def test_ring_equals_one_process(
             assert err <= TOL[dtype], f"rank {rank}: {what} off by {err:.3g}"
         if dtype == "float64":
             assert got["oracle_error"] <= TOL[dtype]
+        spec = CASES_BY_NAME[case]
+        want_passes = (
+            1 if spec.kv_heads_per_pass is None else -(-spec.Hkv // spec.kv_heads_per_pass)
+        )
+        assert got["passes"] == want_passes
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -325,20 +325,18 @@ def _forward(
             m = e - s
             q0, k0 = c.q0 + s * c.q_step, c.k0 + s * c.k_step
             mask, dead = _mask_for(plan, c, s, e, q.dtype, H, q.device)
-            tiles = [
-                _tiles(q, b, qh, q0, c.q_step, c.R, m),
-                _tiles(k, b, kh, k0, c.k_step, c.W, m),
-                _tiles(v, b, kh, k0, c.k_step, c.W, m),
-            ]
+            qt = _tiles(q, b, qh, q0, c.q_step, c.R, m)
+            kt = _tiles(k, b, kh, k0, c.k_step, c.W, m)
+            vt = _tiles(v, b, kh, k0, c.k_step, c.W, m)
             # Several tiles of one batch entry: give the kernel the heads as its batch and the
             # tiles as its heads (a transposed view). Its threads then walk the tiles of one
             # head in order, and each tile's keys overlap the last one's in cache. Not for
             # grouped-query heads, where the kernel needs the query heads in dim 1.
-            swap = _SWAP_TILES and m > 1 and H == Hkv and _fused(q, v)
+            swap = _SWAP_TILES and m > 1 and Hkv == H and _fused(q, v)
             if swap:
-                tiles = [t.transpose(0, 1) for t in tiles]
+                qt, kt, vt = (t.transpose(0, 1) for t in (qt, kt, vt))
                 mask = None if mask is None else mask.transpose(0, 1)
-            o, lse_c = _kernel_forward(*tiles, mask, scale)
+            o, lse_c = _kernel_forward(qt, kt, vt, mask, scale)
             if swap:
                 o, lse_c = o.transpose(0, 1), lse_c.transpose(0, 1)
             if dead is not None:

@@ -1,8 +1,9 @@
 """``with attnkit.distributed.profile() as prof: ...`` records each ring step on this rank.
 
-For every step of every ring pass (forward and backward) it records the compute time (CPU
-time of this process, so that ranks sharing cores are compared by the work they did), the wall
-time spent waiting for the neighbour, the bytes sent, and the block pairs computed and skipped.
+For every step of every ring pass (forward and backward; one pass per group of heads) it
+records the compute time (CPU time of this process, so that ranks sharing cores are compared by
+the work they did), the wall time spent waiting for the neighbour, the bytes sent, and the block
+pairs computed and skipped.
 With no profile active the ring checks one empty list and records nothing.
 """
 
@@ -22,6 +23,7 @@ class RingStep:
     """One step of one ring pass on this rank."""
 
     phase: str  # "forward" or "backward"
+    part: int  # the pass: which group of heads went around the ring (0 when all at once)
     step: int  # 0 .. world-1; at step s rank r works on the K/V block of rank (r - s) % world
     source: int  # the rank whose K/V block this step used
     compute_s: float  # CPU seconds spent computing (process time)
@@ -44,11 +46,11 @@ class RingProfile:
 
     def __str__(self) -> str:
         head = (
-            f"{'phase':<9}{'step':>5}{'source':>7}{'compute s':>11}{'wall s':>9}"
+            f"{'phase':<9}{'pass':>5}{'step':>5}{'source':>7}{'compute s':>11}{'wall s':>9}"
             f"{'wait s':>9}{'MiB sent':>10}{'pairs':>7}{'skipped':>8}"
         )
         rows = [
-            f"{s.phase:<9}{s.step:>5}{s.source:>7}{s.compute_s:>11.3f}{s.compute_wall_s:>9.3f}"
+            f"{s.phase:<9}{s.part:>5}{s.step:>5}{s.source:>7}{s.compute_s:>11.3f}{s.compute_wall_s:>9.3f}"
             f"{s.wait_s:>9.3f}{s.bytes_sent / 2**20:>10.2f}{s.pairs:>7}{s.skipped:>8}"
             for s in self.steps
         ]

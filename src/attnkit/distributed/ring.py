@@ -19,10 +19,14 @@ blocked backend's block functions (:func:`attnkit.backends.blocked.forward_with_
 :func:`~attnkit.backends.blocked.backward_from_lse`), given the chunks' global positions, so a
 mask spec sees global indices and the empty blocks inside a pair are skipped too.
 
+Heads are independent, so the ring runs once per group of heads (a *pass*, ``kv_heads_per_pass``
+key/value heads with their query heads): every buffer below holds one group's heads only, which
+is what keeps a rank's memory near ``1/P`` of one process for long sequences.
+
 Backward: K/V go around the ring again, and with each K/V shard travels the float32 gradient
 accumulator of that shard: each rank adds its queries' contribution and passes it on, so after
-``P`` hops it comes back to the rank that owns the shard. Bytes sent per step: ``2u`` forward,
-``2u`` (K/V) + ``2u`` in float32 (dK/dV) backward.
+``P`` hops it comes back to the rank that owns the shard. Bytes sent per step of a pass, for
+``g`` passes: ``2u/g`` forward, ``2u/g`` (K/V) + ``2u/g`` in float32 (dK/dV) backward.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -72,10 +76,26 @@ class _Plan:
     k_layout: Layout
     spec: MaskSpec | None
     scale: float
+    #: the key/value heads of each ring pass, ``[start, stop)``; query heads follow their group
+    kv_groups: tuple[tuple[int, int], ...] = ((0, 1),)
+    #: query heads per key/value head
+    group_size: int = 1
+    #: which pass this plan runs (see :meth:`for_pass`)
+    part: int = 0
 
     @property
     def prev(self) -> int:
         return (self.rank - 1) % self.world
+
+    def for_pass(self, part: int) -> tuple[_Plan, slice, slice]:
+        """The plan of pass ``part`` (its spec seeing only its heads), and its query and
+        key/value head slices."""
+        k0, k1 = self.kv_groups[part]
+        g = self.group_size
+        spec = self.spec
+        if spec is not None and len(self.kv_groups) > 1:
+            spec = spec.select_heads(k0 * g, k1 * g)
+        return replace(self, spec=spec, part=part), slice(k0 * g, k1 * g), slice(k0, k1)
 
     def pairs(self, src: int) -> tuple[list[tuple[Chunk, Chunk]], int]:
         """The (query chunk, key chunk) pairs with something visible, and how many were not."""
@@ -131,6 +151,7 @@ class _Plan:
         _profile._ACTIVE[-1].steps.append(
             _profile.RingStep(
                 phase,
+                self.part,
                 step,
                 (self.rank - step) % self.world,
                 time.process_time() - cpu0,
@@ -170,11 +191,27 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lse_o: torch.T
 def _forward(
     plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """All passes: out ``(B, H, Lq, Dv)`` and lse ``(B, H, Lq)`` in the accumulation dtype."""
     B, H, Lq, _ = q.shape
     acc = _acc(q.dtype)
     out = torch.zeros(B, H, Lq, v.shape[-1], dtype=acc, device=q.device)  # (B, H, Lq, Dv)
     lse = torch.full((B, H, Lq), float("-inf"), dtype=acc, device=q.device)  # (B, H, Lq)
-    cur = (k.contiguous(), v.contiguous())  # (B, Hkv, Sk, D): the K/V shard held this step
+    for part in range(len(plan.kv_groups)):
+        sub, qh, kh = plan.for_pass(part)
+        _forward_pass(sub, q[:, qh], k[:, kh], v[:, kh], out[:, qh], lse[:, qh])
+    return out, lse
+
+
+def _forward_pass(
+    plan: _Plan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """One trip of one head group's K/V around the ring, merged into ``out`` and ``lse``."""
+    cur = (k.contiguous(), v.contiguous())  # (B, Hkv', Sk, D): the K/V shard held this step
     spare: tuple[torch.Tensor, torch.Tensor] | None = None
     for s in range(plan.world):
         src = (plan.rank - s) % plan.world
@@ -207,7 +244,6 @@ def _forward(
         plan.record("forward", s, clock, wait_s, sent, len(todo), skipped)
         spare = cur if s > 0 else None  # step 0's shard is the caller's k/v: never overwritten
         cur = nxt
-    return out, lse
 
 
 def _backward(
@@ -219,9 +255,39 @@ def _backward(
     lse: torch.Tensor,
     dout: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All passes: dq, dk, dv in the accumulation dtype."""
+    acc = _acc(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H, Lq, Dk)
+    if len(plan.kv_groups) == 1:
+        dk, dv = _backward_pass(plan, q, k, v, out, lse, dout, dq)
+        return dq, dk, dv
+    dk = torch.empty(k.shape, dtype=acc, device=k.device)  # (B, Hkv, Sk, Dk)
+    dv = torch.empty(v.shape, dtype=acc, device=v.device)  # (B, Hkv, Sk, Dv)
+    for part in range(len(plan.kv_groups)):
+        sub, qh, kh = plan.for_pass(part)
+        dk_g, dv_g = _backward_pass(
+            sub, q[:, qh], k[:, kh], v[:, kh], out[:, qh], lse[:, qh], dout[:, qh], dq[:, qh]
+        )
+        dk[:, kh].copy_(dk_g)
+        dv[:, kh].copy_(dv_g)
+        del dk_g, dv_g
+    return dq, dk, dv
+
+
+def _backward_pass(
+    plan: _Plan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    dq: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One trip of one head group's K/V (and their gradients) around the ring; adds into
+    ``dq`` and returns this rank's dk, dv of the group."""
     acc = _acc(q.dtype)
     world = plan.world
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H, Lq, Dk)
     cur = (k.contiguous(), v.contiguous())
     spare: tuple[torch.Tensor, torch.Tensor] | None = None
     sending: list[Pending] = []  # the dK/dV sent at the end of the last step, in flight
@@ -297,14 +363,14 @@ def _backward(
         spare = cur if s > 0 else None
         cur = nxt
     if world == 1:
-        return dq, dkv[0], dkv[1]
+        return dkv[0], dkv[1]
     del cur, nxt, spare  # the K/V buffers are done with; `dkv` stays alive until sent
     mine = accumulator()  # this rank's own dK/dV, after visiting every rank
     final = plan.post((), mine, TAG_DKV)
     plan.wait(final, f"receiving the finished dK/dV of this rank's shard from rank {plan.prev}")
     plan.wait(sending, f"sending dK/dV (backward step {world} of {world})")
     del dkv
-    return dq, mine[0], mine[1]
+    return mine[0], mine[1]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -325,6 +391,27 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
+#: bytes of one pass's K and V shards (per rank) that the default ``kv_heads_per_pass`` aims at
+PASS_BYTES = 4 << 20
+
+
+def _kv_heads_per_pass(requested: int | None, k: torch.Tensor, v: torch.Tensor) -> int:
+    Hkv = k.shape[1]
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise AttentionInputError(
+                WHERE,
+                "kv_heads_per_pass",
+                "it must be a positive number of key/value heads.",
+                got=f"kv_heads_per_pass={requested!r}  k (B, Hkv={Hkv}, Sk, Dk)",
+                expected=f"an int in 1..{Hkv} (or None for the default)",
+                fix="pass kv_heads_per_pass=1 for the least memory, None to let attnkit choose",
+            )
+        return min(requested, Hkv)
+    per_head = (k[:, :1].numel() * k.element_size()) + (v[:, :1].numel() * v.element_size())
+    return max(1, min(Hkv, -(-PASS_BYTES // max(per_head, 1))))
+
+
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -335,6 +422,7 @@ def ring_attention(
     scale: float | None = None,
     group: dist.ProcessGroup | None = None,
     timeout: float | timedelta | None = None,
+    kv_heads_per_pass: int | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence split across the ranks of ``group``; forward and backward.
 
@@ -365,6 +453,12 @@ def ring_attention(
         timeout: seconds (or a timedelta) a rank waits for another before raising
             :class:`~attnkit.distributed.RingError`; default
             :data:`~attnkit.distributed.faults.DEFAULT_TIMEOUT`.
+        kv_heads_per_pass: how many key/value heads (with their query heads) go around the
+            ring at once. Heads are independent, so the ring runs once per group of heads and
+            its buffers (the K/V in flight, the dK/dV travelling with them) shrink with the
+            group. Default: the fewest heads whose K and V shards reach
+            :data:`PASS_BYTES` (one head at a time for long sequences, all heads at once for
+            short ones, where a message's latency would dominate).
 
     Returns:
         This rank's output shard ``(B, H, Lq, Dv)`` in q's dtype. Rows with nothing to attend
@@ -403,12 +497,14 @@ def ring_attention(
             "2 * world size",
         )
     scale_f = float(scale) if scale is not None else dims.Dk**-0.5
+    per_pass = _kv_heads_per_pass(kv_heads_per_pass, k, v)
     agree(
         [("q", tuple(q.shape)), ("k", tuple(k.shape)), ("v", tuple(v.shape))],
         extra={
             "causal": int(causal),
             "scale": float_bits(scale_f),
             "mask": zlib.crc32(repr(mask).encode()),
+            "kv_heads_per_pass": per_pass,
         },
         dtype=q.dtype,
         group=group,
@@ -430,6 +526,8 @@ def ring_attention(
         Layout(world, dims.S, causal),
         spec,
         scale_f,
+        tuple((h, min(h + per_pass, dims.Hkv)) for h in range(0, dims.Hkv, per_pass)),
+        dims.H // dims.Hkv,
     )
     out: torch.Tensor = _RingAttention.apply(q, k, v, plan)  # type: ignore[no-untyped-call]
     return out
