@@ -280,3 +280,20 @@ def test_explain_never_materialises_a_spec(monkeypatch: pytest.MonkeyPatch) -> N
     qh = torch.randn(1, 2, 4096, 8, requires_grad=True)
     e = attnkit.explain(qh, qh, qh, mask=alibi(2) & causal(), backend="sdpa")
     assert e.chosen == "sdpa"
+
+
+def test_one_causal_query_builds_no_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step (L = 1, end-aligned causal) sees every key: no L x S mask is built."""
+    import attnkit.backends.sdpa
+    import attnkit.functional
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a causal mask was built for one query")
+
+    q = torch.randn(2, 4, 1, 8)
+    k = torch.randn(2, 4, 37, 8)
+    want = attnkit.attention(q, k, k)
+    monkeypatch.setattr(attnkit.backends.sdpa, "causal_mask", refuse)
+    monkeypatch.setattr(attnkit.functional, "causal_mask", refuse)
+    got = attnkit.attention(q, k, k, causal=True)
+    assert torch.equal(got, want)

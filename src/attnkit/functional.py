@@ -129,6 +129,8 @@ def _prepare(
         elif type(mask) is type(causal_spec()):
             mask, causal = None, True
         causal = causal and mask is None
+    if causal and mask is None and dims.L == 1:  # one query (a decode step) sees every key
+        causal = False
     # Backends get the causal rule alone, or one mask: causal + mask (which torch refuses) and
     # causal with L > S (whose first L - S rows see nothing) become one end-aligned mask.
     if causal and (mask is not None or dims.L > dims.S):
