@@ -31,8 +31,8 @@ demo: setup
 test: setup browser lint typecheck pytest
 
 lint: setup
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
 
 typecheck: setup
 	$(VENV)/bin/mypy
