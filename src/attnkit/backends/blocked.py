@@ -14,6 +14,9 @@ How it works (see :mod:`attnkit.backends.blocked_plan` for the plan):
   which also returns the log-sum-exp), batching the ``n`` tiles of a sliding window through
   ``as_strided`` views (no copies of q, k or v). Where that kernel does not apply (``Dv != Dk``,
   not on CPU), a plain matmul kernel runs the same tiles, in float32 for half types;
+* a causal sliding window (``causal() & sliding_window(w)``, float32, CPU, whole sequence)
+  runs forward in one pass of attnkit's own AVX2 kernel instead (:mod:`attnkit.backends.band`),
+  about 1.5-2x torch's kernel on the tiles; its backward is the plan's, as for any spec;
 * several calls on the same rows merge by the log-sum-exp rule (online softmax);
 * the backward recomputes each call from the saved log-sum-exp (the flash-attention backward),
   so training keeps q, k, v, the output and ``lse (B, H, L)``: memory grows with L, not L x S.
@@ -36,6 +39,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from attnkit.backends import Mask
+from attnkit.backends import band as band_kernel
 from attnkit.backends.blocked_plan import (
     BACKWARD_KEY_BYTES,
     Call,
@@ -45,14 +49,15 @@ from attnkit.backends.blocked_plan import (
     spec_key,
     tile_index,
 )
-from attnkit.masks import MaskSpec
+from attnkit.masks import MaskSpec, sliding_window
 from attnkit.masks import causal as causal_spec
 
 __all__ = ["DESCRIPTION", "backward_from_lse", "check", "forward_with_lse", "note", "rule", "run"]
 
 DESCRIPTION = (
     "block-sparse online softmax: visits only non-empty blocks of a mask spec, "
-    "torch's fused kernel per block, own backward (memory grows with L)"
+    "torch's fused kernel per block (attnkit's own for causal windows), own backward "
+    "(memory grows with L)"
 )
 
 #: auto takes ``blocked`` for a mask spec once L x S reaches this (calibrated with
@@ -410,6 +415,44 @@ def _backward(
     return dq, dk, dv
 
 
+# --- the band: attnkit's own kernel ------------------------------------------------------
+
+_CAUSAL, _WINDOW = type(causal_spec()), type(sliding_window(1))
+
+
+def band_window(mask: MaskSpec | None) -> int | None:
+    """The window ``w`` when ``mask`` is exactly ``causal() & sliding_window(w)`` (either
+    order), the mask :mod:`attnkit.backends.band` computes in one pass; else ``None``."""
+    parts = getattr(mask, "a", None), getattr(mask, "b", None)
+    if type(mask).__name__ != "_And" or mask is None or mask.has_bias:
+        return None
+    kinds = {type(p) for p in parts}
+    if kinds != {_CAUSAL, _WINDOW}:
+        return None
+    size: int = next(p for p in parts if type(p) is _WINDOW).size  # type: ignore[attr-defined]
+    return size
+
+
+def _band(
+    mask: MaskSpec | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_start: int,
+    k_start: int,
+    L_total: int | None,
+    S_total: int | None,
+) -> int | None:
+    """The window, when the band kernel serves this whole-sequence call."""
+    w = band_window(mask)
+    if w is None or q_start or k_start:
+        return None
+    L, S = q.shape[2], k.shape[2]
+    if (L_total not in (None, L)) or (S_total not in (None, S)):
+        return None
+    return w if band_kernel.serves(q, k, v) else None
+
+
 # --- the public block functions (ring attention builds on these) ------------------------
 
 
@@ -454,6 +497,9 @@ def forward_with_lse(
     (torch.Size([1, 4, 8, 16]), torch.Size([1, 4, 8]))
     """
     with torch.no_grad():
+        w = _band(mask, q, k, v, q_start, k_start, L_total, S_total)
+        if w is not None:  # causal sliding window, float32 on CPU: attnkit's band kernel
+            return band_kernel.forward(q, k, v, w, scale)
         plan = _plan_for(mask, q, k, v, q_start, k_start, L_total, S_total)
         return _forward(plan, q, k, v, scale)
 
@@ -669,11 +715,20 @@ def note(
     if isinstance(mask, torch.Tensor):  # planning reads the whole mask: leave it to the call
         return "a dense mask: its empty blocks are found when it runs (one pass over the mask)"
     spec = _spec(mask, causal)
+    w = band_window(spec)
+    band = ""
+    if w is not None:
+        runs = _band(spec, q, k, v, 0, 0, None, None) is not None
+        band = (
+            f"causal sliding window {w}: the forward runs {band_kernel.status()}, the backward "
+            if runs
+            else f"causal sliding window {w} ({band_kernel.status_for(q, k, v)}): "
+        )
     plan = _plan_for(spec, q, k, v, 0, 0, None, None)
     L, S = q.shape[2], k.shape[2]
     done = plan.computed_pairs / plan.maps
     kernel = "torch's fused flash kernel" if _fused(q, v) else "matmul kernel"
-    return (
+    return band + (
         f"{len(plan.calls)} kernel calls ({kernel}), tiles of {plan.rows} rows; "
         f"{plan.empty_fraction:.1%} of {plan.grain}x{plan.grain} blocks empty; "
         f"computes {done / max(L * S, 1):.1%} of the L x S pairs"
