@@ -724,7 +724,9 @@ def note(
             if runs
             else f"causal sliding window {w} ({band_kernel.status_for(q, k, v)}): "
         )
-    plan = _plan_for(spec, q, k, v, 0, 0, None, None)
+    runs_band = w is not None and band.startswith(f"causal sliding window {w}: the forward")
+    # with the band kernel on the forward, the plan shown is the backward's (it differs)
+    plan = _plan_for(spec, q, k, v, 0, 0, None, None, backward=runs_band)
     L, S = q.shape[2], k.shape[2]
     done = plan.computed_pairs / plan.maps
     kernel = "torch's fused flash kernel" if _fused(q, v) else "matmul kernel"
