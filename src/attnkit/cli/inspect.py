@@ -271,6 +271,16 @@ def _backend_verdict(name: str, dtype_name: str, device: str) -> str:
     return "usable" + (" (auto's choice)" if explanation.chosen == name else "")
 
 
+def _band_kernel() -> str:
+    """The blocked backend's kernel for causal sliding windows: built, or why not."""
+    from attnkit.backends import band
+
+    line = band.status()
+    if band.build_seconds is not None:
+        line += f" (loaded in {band.build_seconds:.1f} s; compiled once, then cached)"
+    return line
+
+
 @command()
 def doctor() -> None:
     """Versions, threads, CUDA, the model weights, and which backends work here."""
@@ -305,6 +315,7 @@ def doctor() -> None:
             ),
             ("CUDA", cuda),
             ("MiniLM weights", weights),
+            ("band kernel", _band_kernel()),
         ]
     )
 
