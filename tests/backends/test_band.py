@@ -93,8 +93,8 @@ def test_the_band_is_recognised_exactly(spec: masks.MaskSpec | None, window: int
 
 
 @pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
-    seen: list[tuple[int, ...]] = []
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, ...]]:
+    seen: list[tuple[object, ...]] = []
     real = band.forward
 
     def spy(
@@ -103,12 +103,21 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
         seen.append((*q.shape, window))
         return real(q, k, v, window, scale)
 
+    real_backward = band.backward
+
+    def spy_backward(*args: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = args[0]
+        assert isinstance(q, torch.Tensor)
+        seen.append(("backward", *q.shape))  # type: ignore[arg-type]
+        return real_backward(*args)  # type: ignore[arg-type]
+
     monkeypatch.setattr(band, "forward", spy)
+    monkeypatch.setattr(band, "backward", spy_backward)
     return seen
 
 
 def test_attention_and_training_with_a_causal_window_use_the_kernel(
-    calls: list[tuple[int, ...]],
+    calls: list[tuple[object, ...]],
 ) -> None:
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 150, 16, generator=gen) for _ in range(3))
@@ -116,7 +125,7 @@ def test_attention_and_training_with_a_causal_window_use_the_kernel(
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = attnkit.attention(*leaves, causal=True, mask=masks.sliding_window(40))
     (out * g).sum().backward()
-    assert calls == [(2, 3, 150, 16, 40)]
+    assert calls == [(2, 3, 150, 16, 40), ("backward", 2, 3, 150, 16)]
     ref = [t.double().requires_grad_() for t in (q, k, v)]
     spec = masks.causal() & masks.sliding_window(40)
     want = attnkit.attention(*ref, mask=spec, backend="math")
@@ -129,7 +138,7 @@ def test_attention_and_training_with_a_causal_window_use_the_kernel(
 
 
 def test_calls_the_kernel_does_not_serve_go_to_torchs_kernel(
-    calls: list[tuple[int, ...]],
+    calls: list[tuple[object, ...]],
 ) -> None:
     spec = masks.causal() & masks.sliding_window(8)
     q = torch.randn(1, 4, 64, 16)
@@ -149,8 +158,9 @@ def test_explain_says_which_kernel_runs_the_band(monkeypatch: pytest.MonkeyPatch
     q = torch.randn(1, 2, 256, 32)
     spec = masks.causal() & masks.sliding_window(64)
     note = attnkit.explain(q, q, q, mask=spec).notes["blocked"]
-    assert note.startswith(
-        "causal sliding window 64: the forward runs attnkit's AVX2 band kernel, the backward"
+    assert note == (
+        "causal sliding window 64: forward and backward run attnkit's AVX2 band kernel "
+        "(one pass each, no tiles)"
     )
     # switched off (as on a machine where it cannot be built): torch's kernel, and why
     monkeypatch.setenv(band.ENV, "0")
@@ -166,3 +176,34 @@ def test_explain_says_which_kernel_runs_the_band(monkeypatch: pytest.MonkeyPatch
     out = attnkit.attention(q, q, q, mask=spec)
     want, _ = _oracle(q, q, q, 64, 32**-0.5)
     assert (out.double() - want).abs().max() <= 1e-5
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    B=st.integers(1, 2),
+    H=st.integers(1, 3),
+    L=st.integers(1, 300),
+    window=st.integers(1, 400),
+    D=st.sampled_from([8, 20, 32, 64, 128]),
+    seed=st.integers(0, 2**16),
+)
+def test_band_backward_equals_float64_autograd(
+    B: int, H: int, L: int, window: int, D: int, seed: int
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, g = (torch.randn(B, H, L, D, generator=gen) for _ in range(4))
+    s = D**-0.5
+    out, lse = band.forward(q, k, v, window, s)
+    dq, dk, dv = band.backward(q, k, v, out, g, lse, window, s)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    i = torch.arange(L)[:, None]
+    j = torch.arange(L)[None, :]
+    allowed = (j <= i) & (j > i - window)
+    scores = (leaves[0] @ leaves[1].transpose(-1, -2)) * s
+    want = torch.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1) @ leaves[2]
+    (want * g.double()).sum().backward()
+    for got, ref in zip((dq, dk, dv), leaves, strict=True):
+        assert got.shape == (B, H, L, D)
+        assert got.dtype == torch.float32
+        assert ref.grad is not None
+        assert (got.double() - ref.grad).abs().max() <= 1e-4

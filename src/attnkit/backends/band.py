@@ -9,7 +9,9 @@ GEMM throughput. The kernel in ``csrc/band_window.cpp`` does the band in one pas
 and chunk of query rows it packs ``K^T`` once into 16-key panels that slide with the window,
 computes ``Q K^T`` and ``P V`` with register-blocked AVX2/FMA micro-kernels over the tiles
 the band touches only, and an exact float32 softmax per row (``exp2`` polynomial, relative error
-about 2.4e-7). See ``attnkit bench`` for what it gains.
+about 2.4e-7). The backward (``band_backward``) recomputes the scores from the saved
+log-sum-exp over the same panels and accumulates dQ, dK, dV in one pass. See ``attnkit bench``
+for what they gain.
 
 It is compiled on first use with :func:`torch.utils.cpp_extension.load_inline` (gcc, about
 30 s, cached under ``~/.cache/torch_extensions``; ``make setup`` builds it ahead). Where it
@@ -32,7 +34,7 @@ __all__ = ["available", "build", "forward", "status"]
 #: set to "0" to keep the blocked backend on torch's kernel for bands
 ENV = "ATTNKIT_BAND_KERNEL"
 #: bumped with every change to the C++ source's interface
-NAME = "attnkit_band_window_v1"
+NAME = "attnkit_band_window_v2"
 
 _lock = threading.Lock()
 _module: Any = None
@@ -68,7 +70,7 @@ def build() -> Any:
             _module = load_inline(  # type: ignore[no-untyped-call]
                 name=NAME,
                 cpp_sources=[source.read_text()],
-                functions=["band_forward"],
+                functions=["band_forward", "band_backward"],
                 extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 no_implicit_headers=True,
@@ -125,6 +127,24 @@ def forward(
     assert module is not None, status()
     out, lse = module.band_forward(q, k, v, int(window), float(scale))
     return out, lse
+
+
+def backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    window: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dq, dk, dv (B, H, L, D)`` float32: the flash-attention backward of :func:`forward`,
+    given its (final) ``out`` and ``lse``."""
+    module = build()
+    assert module is not None, status()
+    dq, dk, dv = module.band_backward(q, k, v, out, dout, lse, int(window), float(scale))
+    return dq, dk, dv
 
 
 if __name__ == "__main__":  # `python -m attnkit.backends.band`: build ahead (make setup does)

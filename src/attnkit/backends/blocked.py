@@ -15,8 +15,8 @@ How it works (see :mod:`attnkit.backends.blocked_plan` for the plan):
   ``as_strided`` views (no copies of q, k or v). Where that kernel does not apply (``Dv != Dk``,
   not on CPU), a plain matmul kernel runs the same tiles, in float32 for half types;
 * a causal sliding window (``causal() & sliding_window(w)``, float32, CPU, whole sequence)
-  runs forward in one pass of attnkit's own AVX2 kernel instead (:mod:`attnkit.backends.band`),
-  about 1.5-2x torch's kernel on the tiles; its backward is the plan's, as for any spec;
+  runs forward and backward in one pass each of attnkit's own AVX2 kernel instead
+  (:mod:`attnkit.backends.band`), about 1.5-2x torch's kernel on the tiles;
 * several calls on the same rows merge by the log-sum-exp rule (online softmax);
 * the backward recomputes each call from the saved log-sum-exp (the flash-attention backward),
   so training keeps q, k, v, the output and ``lse (B, H, L)``: memory grows with L, not L x S.
@@ -541,6 +541,9 @@ def backward_from_lse(
     torch.Size([1, 2, 8, 16])
     """
     with torch.no_grad():
+        w = _band(mask, q, k, v, q_start, k_start, L_total, S_total)
+        if w is not None and out.dtype == dout.dtype == lse.dtype == torch.float32:
+            return band_kernel.backward(q, k, v, out, dout, lse, w, scale)
         plan = _plan_for(mask, q, k, v, q_start, k_start, L_total, S_total, backward=True)
         return _backward(plan, q, k, v, out, dout, lse, scale)
 
@@ -719,14 +722,13 @@ def note(
     band = ""
     if w is not None:
         runs = _band(spec, q, k, v, 0, 0, None, None) is not None
-        band = (
-            f"causal sliding window {w}: the forward runs {band_kernel.status()}, the backward "
-            if runs
-            else f"causal sliding window {w} ({band_kernel.status_for(q, k, v)}): "
-        )
-    runs_band = w is not None and band.startswith(f"causal sliding window {w}: the forward")
-    # with the band kernel on the forward, the plan shown is the backward's (it differs)
-    plan = _plan_for(spec, q, k, v, 0, 0, None, None, backward=runs_band)
+        if runs:
+            return (
+                f"causal sliding window {w}: forward and backward run {band_kernel.status()} "
+                "(one pass each, no tiles)"
+            )
+        band = f"causal sliding window {w} ({band_kernel.status_for(q, k, v)}): "
+    plan = _plan_for(spec, q, k, v, 0, 0, None, None)
     L, S = q.shape[2], k.shape[2]
     done = plan.computed_pairs / plan.maps
     kernel = "torch's fused flash kernel" if _fused(q, v) else "matmul kernel"

@@ -537,6 +537,344 @@ static void band_forward_impl(at::Tensor q, at::Tensor k, at::Tensor v,
   });
 }
 
+
+// ---------------------------------------------------------------------------
+// Backward.
+#ifndef BAND_BWD_MB
+#define BAND_BWD_MB 48
+#endif
+constexpr int MBB = BAND_BWD_MB;  // query rows per backward block (multiple of MR)
+// acc[6 keys x 16] (row stride as) += sum_{r<n} p[r*ps + kk] * x[r*xs + 0..15]
+// (P^T X with P stored row-major by query row: the 6 keys are consecutive
+// columns of P.)
+static inline void ptx_6x16(const float* __restrict p, int64_t ps,
+                            const float* __restrict x, int64_t xs, int64_t n,
+                            float* __restrict acc, int64_t as) {
+  float* a0 = acc; float* a1 = acc + as; float* a2 = acc + 2 * as;
+  float* a3 = acc + 3 * as; float* a4 = acc + 4 * as; float* a5 = acc + 5 * as;
+  __m256 c00 = _mm256_loadu_ps(a0), c01 = _mm256_loadu_ps(a0 + 8);
+  __m256 c10 = _mm256_loadu_ps(a1), c11 = _mm256_loadu_ps(a1 + 8);
+  __m256 c20 = _mm256_loadu_ps(a2), c21 = _mm256_loadu_ps(a2 + 8);
+  __m256 c30 = _mm256_loadu_ps(a3), c31 = _mm256_loadu_ps(a3 + 8);
+  __m256 c40 = _mm256_loadu_ps(a4), c41 = _mm256_loadu_ps(a4 + 8);
+  __m256 c50 = _mm256_loadu_ps(a5), c51 = _mm256_loadu_ps(a5 + 8);
+#pragma GCC unroll 4
+  for (int64_t r = 0; r < n; ++r) {
+    const float* pr = p + r * ps;
+    __m256 x0 = _mm256_loadu_ps(x + r * xs);
+    __m256 x1 = _mm256_loadu_ps(x + r * xs + 8);
+    __m256 a;
+    a = _mm256_broadcast_ss(pr + 0);
+    c00 = _mm256_fmadd_ps(a, x0, c00); c01 = _mm256_fmadd_ps(a, x1, c01);
+    a = _mm256_broadcast_ss(pr + 1);
+    c10 = _mm256_fmadd_ps(a, x0, c10); c11 = _mm256_fmadd_ps(a, x1, c11);
+    a = _mm256_broadcast_ss(pr + 2);
+    c20 = _mm256_fmadd_ps(a, x0, c20); c21 = _mm256_fmadd_ps(a, x1, c21);
+    a = _mm256_broadcast_ss(pr + 3);
+    c30 = _mm256_fmadd_ps(a, x0, c30); c31 = _mm256_fmadd_ps(a, x1, c31);
+    a = _mm256_broadcast_ss(pr + 4);
+    c40 = _mm256_fmadd_ps(a, x0, c40); c41 = _mm256_fmadd_ps(a, x1, c41);
+    a = _mm256_broadcast_ss(pr + 5);
+    c50 = _mm256_fmadd_ps(a, x0, c50); c51 = _mm256_fmadd_ps(a, x1, c51);
+  }
+  _mm256_storeu_ps(a0, c00); _mm256_storeu_ps(a0 + 8, c01);
+  _mm256_storeu_ps(a1, c10); _mm256_storeu_ps(a1 + 8, c11);
+  _mm256_storeu_ps(a2, c20); _mm256_storeu_ps(a2 + 8, c21);
+  _mm256_storeu_ps(a3, c30); _mm256_storeu_ps(a3 + 8, c31);
+  _mm256_storeu_ps(a4, c40); _mm256_storeu_ps(a4 + 8, c41);
+  _mm256_storeu_ps(a5, c50); _mm256_storeu_ps(a5 + 8, c51);
+}
+
+static inline void ptx_6x8(const float* __restrict p, int64_t ps,
+                           const float* __restrict x, int64_t xs, int64_t n,
+                           float* __restrict acc, int64_t as) {
+  __m256 c[MR];
+  for (int k = 0; k < MR; ++k) c[k] = _mm256_loadu_ps(acc + k * as);
+  for (int64_t r = 0; r < n; ++r) {
+    __m256 x0 = _mm256_loadu_ps(x + r * xs);
+#pragma GCC unroll 6
+    for (int k = 0; k < MR; ++k)
+      c[k] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * ps + k), x0, c[k]);
+  }
+  for (int k = 0; k < MR; ++k) _mm256_storeu_ps(acc + k * as, c[k]);
+}
+
+static inline void ptx_6xr(const float* p, int64_t ps, const float* x, int64_t xs,
+                           int64_t n, float* acc, int64_t as, int64_t nc) {
+  for (int k = 0; k < MR; ++k)
+    for (int64_t c = 0; c < nc; ++c) {
+      float s = acc[k * as + c];
+      for (int64_t r = 0; r < n; ++r) s += p[r * ps + k] * x[r * xs + c];
+      acc[k * as + c] = s;
+    }
+}
+
+// acc[6 x D] += P^T X over n rows, all column tiles
+static inline void ptx_6xD(const float* p, int64_t ps, const float* x, int64_t D,
+                           int64_t n, float* acc) {
+  int64_t c = 0;
+  for (; c + NR <= D; c += NR) ptx_6x16(p, ps, x + c, D, n, acc + c, D);
+  if (c + 8 <= D) { ptx_6x8(p, ps, x + c, D, n, acc + c, D); c += 8; }
+  if (c < D) ptx_6xr(p, ps, x + c, D, n, acc + c, D, D - c);
+}
+
+// o[6 x D] += P[6 x n] Y[n x D] (Y row-major, stride D), all column tiles
+static inline void pv_6xD(const float* p, int64_t ps, const float* y, int64_t D,
+                          int64_t n, float* o) {
+  int64_t c = 0;
+  for (; c + NR <= D; c += NR) pv_6x16(p, ps, y + c, D, n, o + c, D);
+  if (c + 8 <= D) { pv_6x8(p, ps, y + c, D, n, o + c, D); c += 8; }
+  if (c < D) pv_6xr(p, ps, y + c, D, n, o + c, D, D - c);
+}
+
+static void band_backward_impl(at::Tensor q, at::Tensor k, at::Tensor v,
+                               at::Tensor out, at::Tensor dout, at::Tensor lse,
+                               int64_t window, double scale, at::Tensor dq,
+                               at::Tensor dk, at::Tensor dv) {
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), D = q.size(3);
+  const int64_t W = std::min<int64_t>(window, L);
+  const float sc = static_cast<float>(scale * 1.4426950408889634);
+  const float log2e = 1.4426950408889634f;
+  const float fscale = static_cast<float>(scale);
+
+  const int64_t KC = std::min<int64_t>(512, ((W + MBB + NR + NR - 1) / NR) * NR);
+  const int64_t SS = KC + 2 * NR;  // row stride of the S / dP buffers
+
+  // Work items: (b,h) x chunks of C query rows. C >= W, so the keys an item
+  // touches below its chunk ("halo", at most W-1 of them) all lie in the
+  // previous chunk; the halo's dK/dV go to a per-item buffer that a second
+  // pass adds to the previous chunk's rows (no races, deterministic).
+  const int64_t BH = B * H;
+  const int64_t nth = std::max<int64_t>(1, at::get_num_threads());
+  int64_t target_chunks = std::max<int64_t>(1, (4 * nth + BH - 1) / BH);
+  int64_t C = (L + target_chunks - 1) / target_chunks;
+  C = std::min<int64_t>(C, 2048);
+  C = std::max<int64_t>(C, W);
+  C = std::max<int64_t>(MBB, ((C + MBB - 1) / MBB) * MBB);
+  const int64_t nch = (L + C - 1) / C;
+  const int64_t nitems = BH * nch;
+  const int64_t WH = std::max<int64_t>(1, W - 1);  // halo rows per item
+
+  at::Tensor halo;
+  float* hd = nullptr;
+  if (nch > 1) {
+    halo = at::empty({nitems, 2, WH, D}, q.options());
+    hd = halo.data_ptr<float>();
+  }
+
+  const float* qd = q.data_ptr<float>();
+  const float* kd = k.data_ptr<float>();
+  const float* vd = v.data_ptr<float>();
+  const float* od = out.data_ptr<float>();
+  const float* gd = dout.data_ptr<float>();
+  const float* ld = lse.data_ptr<float>();
+  float* dqd = dq.data_ptr<float>();
+  float* dkd = dk.data_ptr<float>();
+  float* dvd = dv.data_ptr<float>();
+
+  const int64_t kt_keys = std::min<int64_t>(C + W + 2 * NR, L + 2 * NR);
+  const int64_t acc_keys = C + W + 2 * NR + 8;
+
+  at::parallel_for(0, nitems, 1, [&](int64_t beg, int64_t end) {
+    AlignedBuf kt(static_cast<size_t>(kt_keys * D));
+    AlignedBuf vt(static_cast<size_t>(kt_keys * D));
+    AlignedBuf qs(static_cast<size_t>(MBB * D));   // q * scale*log2(e)
+    AlignedBuf qr(static_cast<size_t>(MBB * D));   // q
+    AlignedBuf gb(static_cast<size_t>(MBB * D));   // dout
+    AlignedBuf sb(static_cast<size_t>(MBB * SS + NR));  // S, then P
+    AlignedBuf db(static_cast<size_t>(MBB * SS + NR));  // dP, then dS*scale
+    AlignedBuf ob(static_cast<size_t>(MBB * D));   // dQ block
+    AlignedBuf dka(static_cast<size_t>(acc_keys * D));
+    AlignedBuf dva(static_cast<size_t>(acc_keys * D));
+    AlignedBuf zrow(static_cast<size_t>(D));
+    float mrow[MBB], drow[MBB];
+    int64_t tA[MBB / MR], tB[MBB / MR];
+
+    for (int64_t item = beg; item < end; ++item) {
+      const int64_t bh = item / nch, ci = item % nch;
+      const int64_t off = bh * L * D;
+      const float* qp = qd + off;
+      const float* kp = kd + off;
+      const float* vp = vd + off;
+      const float* op = od + off;
+      const float* gp = gd + off;
+      const float* lp = ld + bh * L;
+      const int64_t c0 = ci * C, c1 = std::min(L, c0 + C);
+      const int64_t kbase = (std::max<int64_t>(0, c0 - W + 1) / NR) * NR;
+      int64_t packed_end = kbase;
+      std::fill(dka.p, dka.p + (c1 + 8 + NR - kbase) * D, 0.0f);
+      std::fill(dva.p, dva.p + (c1 + 8 + NR - kbase) * D, 0.0f);
+
+      for (int64_t i0 = c0; i0 < c1; i0 += MBB) {
+        const int64_t mr = std::min<int64_t>(MBB, c1 - i0);
+        const int64_t hi = i0 + mr - 1;
+        const int64_t lo = std::max<int64_t>(0, i0 - W + 1);
+        const int64_t need = ((hi + 1 + NR - 1) / NR) * NR;
+        while (packed_end < need) {
+          pack_panel(kp, packed_end, L, D, zrow.p, kt.p + (packed_end - kbase) * D);
+          pack_panel(vp, packed_end, L, D, zrow.p, vt.p + (packed_end - kbase) * D);
+          packed_end += NR;
+        }
+        for (int64_t r = 0; r < MBB; ++r) {
+          float* d1 = qs.p + r * D; float* d2 = qr.p + r * D; float* d3 = gb.p + r * D;
+          if (r < mr) {
+            const float* s1 = qp + (i0 + r) * D;
+            const float* s3 = gp + (i0 + r) * D;
+            const float* s4 = op + (i0 + r) * D;
+            const __m256 vsc = _mm256_set1_ps(sc);
+            __m256 acc = _mm256_setzero_ps();
+            int64_t d = 0;
+            for (; d + 8 <= D; d += 8) {
+              const __m256 x = _mm256_loadu_ps(s1 + d);
+              const __m256 g = _mm256_loadu_ps(s3 + d);
+              _mm256_storeu_ps(d1 + d, _mm256_mul_ps(x, vsc));
+              _mm256_storeu_ps(d2 + d, x);
+              _mm256_storeu_ps(d3 + d, g);
+              acc = _mm256_fmadd_ps(g, _mm256_loadu_ps(s4 + d), acc);
+            }
+            float dsum = hsum(acc);
+            for (; d < D; ++d) {
+              d1[d] = s1[d] * sc; d2[d] = s1[d]; d3[d] = s3[d];
+              dsum += s3[d] * s4[d];
+            }
+            drow[r] = dsum;
+            mrow[r] = lp[i0 + r] * log2e;
+          } else {
+            for (int64_t d = 0; d < D; ++d) { d1[d] = 0.0f; d2[d] = 0.0f; d3[d] = 0.0f; }
+            drow[r] = 0.0f; mrow[r] = 0.0f;
+          }
+        }
+        std::fill(ob.p, ob.p + MBB * D, 0.0f);
+        const int64_t ntile = (mr + MR - 1) / MR;
+
+        for (int64_t kc0 = (lo / NR) * NR; kc0 <= hi; kc0 += KC) {
+          const int64_t kc1 = std::min<int64_t>(kc0 + KC, hi + 1);  // exclusive
+          // ---- S = Qs K^T, dP = dO V^T on band tiles
+          for (int64_t j0 = kc0; j0 < kc1; j0 += NR) {
+            const float* kpan = kt.p + (j0 - kbase) * D;
+            const float* vpan = vt.p + (j0 - kbase) * D;
+            for (int64_t t = 0; t < ntile; ++t) {
+              const int64_t r0 = i0 + t * MR;
+              const int64_t rlo = std::max<int64_t>(0, r0 - W + 1);
+              const int64_t rhi = std::min<int64_t>(r0 + MR - 1, hi);
+              if (j0 + NR - 1 < rlo || j0 > rhi) continue;
+              float* sdst = sb.p + t * MR * SS + (j0 - kc0);
+              float* ddst = db.p + t * MR * SS + (j0 - kc0);
+              const float* qt = qs.p + t * MR * D;
+              const float* gt = gb.p + t * MR * D;
+              if (rlo >= j0 + 8) {
+                qk_6x8(qt, D, kpan + 8, sdst + 8, SS);
+                qk_6x8(gt, D, vpan + 8, ddst + 8, SS);
+              } else if (rhi < j0 + 8) {
+                qk_6x8(qt, D, kpan, sdst, SS);
+                qk_6x8(gt, D, vpan, ddst, SS);
+              } else {
+                qk_6x16(qt, D, kpan, sdst, SS);
+                qk_6x16(gt, D, vpan, ddst, SS);
+              }
+            }
+          }
+          // ---- P = exp2(S - lse*log2e), dS = scale * P * (dP - Di); zeros
+          // everywhere else in the row (the P^T products read whole columns)
+          for (int64_t t = 0; t < MBB / MR; ++t) {
+            const int64_t r0 = i0 + t * MR;
+            tA[t] = std::max<int64_t>(std::max<int64_t>(0, r0 - W + 1), kc0);
+            tB[t] = std::min<int64_t>(std::min<int64_t>(r0 + MR - 1, hi), kc1 - 1);
+          }
+          for (int64_t ri = 0; ri < MBB; ++ri) {
+            float* srow = sb.p + ri * SS;
+            float* drw = db.p + ri * SS;
+            const int64_t i = i0 + ri;
+            const int64_t a = std::max<int64_t>(std::max<int64_t>(0, i - W + 1), kc0);
+            const int64_t b = std::min<int64_t>(i, kc1 - 1);
+            if (ri >= mr || a > b) {
+              std::fill(srow, srow + SS, 0.0f);
+              std::fill(drw, drw + SS, 0.0f);
+              continue;
+            }
+            const int64_t ja = a - kc0, jb = b - kc0;  // inclusive columns
+            std::fill(srow, srow + ja, 0.0f);
+            std::fill(drw, drw + ja, 0.0f);
+            const __m256 vm = _mm256_set1_ps(mrow[ri]);
+            const __m256 vD = _mm256_set1_ps(drow[ri]);
+            const __m256 vs = _mm256_set1_ps(fscale);
+            int64_t j = ja;
+            for (; j + 8 <= jb + 1; j += 8) {
+              __m256 p = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(srow + j), vm));
+              __m256 ds = _mm256_mul_ps(_mm256_mul_ps(p, vs),
+                                        _mm256_sub_ps(_mm256_loadu_ps(drw + j), vD));
+              _mm256_storeu_ps(srow + j, p);
+              _mm256_storeu_ps(drw + j, ds);
+            }
+            const int64_t rem = jb + 1 - j;
+            if (rem > 0) {
+              const __m256 msk = tail_mask((int)rem);
+              __m256 p = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(srow + j), vm));
+              p = _mm256_and_ps(p, msk);
+              __m256 ds = _mm256_mul_ps(_mm256_mul_ps(p, vs),
+                                        _mm256_sub_ps(_mm256_loadu_ps(drw + j), vD));
+              ds = _mm256_and_ps(ds, msk);
+              _mm256_storeu_ps(srow + j, p);
+              _mm256_storeu_ps(drw + j, ds);
+              j += 8;
+            }
+            if (j < SS) {
+              std::fill(srow + j, srow + SS, 0.0f);
+              std::fill(drw + j, drw + SS, 0.0f);
+            }
+          }
+          // ---- dQ += dS K  (K rows in place)
+          for (int64_t t = 0; t < ntile; ++t) {
+            if (tA[t] > tB[t]) continue;
+            pv_6xD(db.p + t * MR * SS + (tA[t] - kc0), SS, kp + tA[t] * D, D,
+                   tB[t] - tA[t] + 1, ob.p + t * MR * D);
+          }
+          // ---- dV += P^T dO, dK += dS^T Q over 6-key tiles
+          const int64_t ka = std::max<int64_t>(lo, kc0), kb = std::min<int64_t>(hi, kc1 - 1);
+          for (int64_t j = ka; j <= kb; j += MR) {
+            const int64_t ra = std::max<int64_t>(i0, j) - i0;
+            const int64_t rb = std::min<int64_t>(hi, j + MR - 1 + W - 1) - i0;
+            if (ra > rb) continue;
+            const int64_t col = j - kc0;
+            ptx_6xD(sb.p + ra * SS + col, SS, gb.p + ra * D, D, rb - ra + 1,
+                    dva.p + (j - kbase) * D);
+            ptx_6xD(db.p + ra * SS + col, SS, qr.p + ra * D, D, rb - ra + 1,
+                    dka.p + (j - kbase) * D);
+          }
+        }
+        std::copy(ob.p, ob.p + mr * D, dqd + off + i0 * D);
+      }
+      // ---- owned keys [c0, c1) -> dk, dv; halo keys [hs, c0) -> halo buffer
+      std::copy(dka.p + (c0 - kbase) * D, dka.p + (c1 - kbase) * D, dkd + off + c0 * D);
+      std::copy(dva.p + (c0 - kbase) * D, dva.p + (c1 - kbase) * D, dvd + off + c0 * D);
+      if (ci > 0) {
+        const int64_t hs = std::max<int64_t>(0, c0 - W + 1);
+        float* hk = hd + item * 2 * WH * D;
+        float* hv = hk + WH * D;
+        std::copy(dka.p + (hs - kbase) * D, dka.p + (c0 - kbase) * D, hk);
+        std::copy(dva.p + (hs - kbase) * D, dva.p + (c0 - kbase) * D, hv);
+      }
+    }
+  });
+
+  if (nch > 1) {  // add each item's halo into the previous chunk's rows
+    at::parallel_for(0, nitems, 1, [&](int64_t beg, int64_t end) {
+      for (int64_t item = beg; item < end; ++item) {
+        const int64_t bh = item / nch, ci = item % nch;
+        if (ci + 1 >= nch) continue;
+        const int64_t cn = (ci + 1) * C;
+        const int64_t hs = std::max<int64_t>(0, cn - W + 1);
+        const int64_t n = (cn - hs) * D;
+        const float* hk = hd + (item + 1) * 2 * WH * D;
+        const float* hv = hk + WH * D;
+        float* dkp = dkd + bh * L * D + hs * D;
+        float* dvp = dvd + bh * L * D + hs * D;
+        for (int64_t e = 0; e < n; ++e) { dkp[e] += hk[e]; dvp[e] += hv[e]; }
+      }
+    });
+  }
+}
+
 }  // namespace band
 
 // (out, lse) freshly allocated.
@@ -557,4 +895,29 @@ std::tuple<at::Tensor, at::Tensor> band_forward_out(at::Tensor q, at::Tensor k,
                                                     at::Tensor lse) {
   band::band_forward_impl(q, k, v, window, scale, out, lse);
   return {out, lse};
+}
+
+// (dq, dk, dv) of causal sliding-window attention given the final out, lse.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> band_backward(
+    at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out, at::Tensor dout,
+    at::Tensor lse, int64_t window, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "expect (B,H,L,D)");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
+                  dout.scalar_type() == at::kFloat && lse.scalar_type() == at::kFloat,
+              "expect float32");
+  TORCH_CHECK(q.sizes() == k.sizes() && q.sizes() == v.sizes() &&
+                  q.sizes() == out.sizes() && q.sizes() == dout.sizes(),
+              "q, k, v, out, dout must have the same shape (L == S)");
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) &&
+                  lse.size(2) == q.size(2), "lse must be (B, H, L)");
+  TORCH_CHECK(window >= 1, "window must be >= 1");
+  q = q.contiguous(); k = k.contiguous(); v = v.contiguous();
+  out = out.contiguous(); dout = dout.contiguous(); lse = lse.contiguous();
+  auto dq = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  auto dk = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  auto dv = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (q.numel() == 0) return {dq, dk, dv};
+  band::band_backward_impl(q, k, v, out, dout, lse, window, scale, dq, dk, dv);
+  return {dq, dk, dv};
 }
