@@ -41,6 +41,7 @@ __all__ = [
     "MaskSpec",
     "causal",
     "causal_mask",
+    "causal_window",
     "document",
     "key_mask",
     "padding",
@@ -546,6 +547,22 @@ class _Not(MaskSpec):
 
     def __repr__(self) -> str:
         return f"~{self.a!r}"
+
+
+def causal_window(spec: MaskSpec | None) -> int | None:
+    """The window ``w`` when ``spec`` is exactly ``causal() & sliding_window(w)`` (either
+    order): each query sees itself and the ``w - 1`` keys before. Else ``None``.
+
+    >>> causal_window(sliding_window(4) & causal()), causal_window(sliding_window(4))
+    (4, None)
+    """
+    if not isinstance(spec, _And):
+        return None
+    parts = (spec.a, spec.b)
+    windows = [p for p in parts if isinstance(p, _Window)]
+    if len(windows) != 1 or not any(type(p) is _Causal for p in parts):
+        return None
+    return windows[0].size
 
 
 def causal() -> MaskSpec:

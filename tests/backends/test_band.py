@@ -1,7 +1,7 @@
 """attnkit's AVX2 band kernel (causal sliding window, float32, CPU) against the float64 oracle,
 and how the blocked backend hands it the calls it serves.
 
-The kernel is built by ``make setup`` (``python -m attnkit.backends.band``); these tests need it
+The kernel is built by ``make setup`` (``attnkit.backends.band.main()``); these tests need it
 built: a machine without gcc or AVX2 fails them rather than skipping (the blocked backend itself
 still runs there, on torch's kernel, and says so in ``explain``).
 """
@@ -89,7 +89,7 @@ def test_non_contiguous_inputs_are_read_correctly() -> None:
     ],
 )
 def test_the_band_is_recognised_exactly(spec: masks.MaskSpec | None, window: int | None) -> None:
-    assert blocked.band_window(spec) == window
+    assert masks.causal_window(spec) == window
 
 
 @pytest.fixture

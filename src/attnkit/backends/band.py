@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["available", "build", "forward", "status"]
+__all__ = ["available", "backward", "build", "forward", "main", "status"]
 
 #: set to "0" to keep the blocked backend on torch's kernel for bands
 ENV = "ATTNKIT_BAND_KERNEL"
@@ -97,25 +97,25 @@ def status() -> str:
     return f"torch's fused kernel (attnkit's band kernel is off: {_reason})"
 
 
-def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the kernel takes these tensors (then :func:`forward` may be called)."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype == k.dtype == v.dtype == torch.float32
-        and q.shape == k.shape == v.shape
-        and available()
-    )
-
-
-def status_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    """Why the kernel does not take these tensors (or that it does)."""
+def _refuses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the kernel cannot take these tensors, or ``None``."""
     if q.device.type != "cpu":
         return f"attnkit's band kernel is CPU-only (q is on {q.device.type})"
     if not q.dtype == k.dtype == v.dtype == torch.float32:
         return f"attnkit's band kernel is float32-only (q is {q.dtype}): torch's fused kernel runs"
     if not q.shape == k.shape == v.shape:
         return "attnkit's band kernel needs q, k, v of one shape (L = S, H = Hkv, Dk = Dv)"
-    return status()
+    return None
+
+
+def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the kernel takes these tensors (then :func:`forward` may be called)."""
+    return _refuses(q, k, v) is None and available()
+
+
+def status_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """Why the kernel does not take these tensors (or that it does)."""
+    return _refuses(q, k, v) or status()
 
 
 def forward(
@@ -147,6 +147,7 @@ def backward(
     return dq, dk, dv
 
 
-if __name__ == "__main__":  # `python -m attnkit.backends.band`: build ahead (make setup does)
+def main() -> None:
+    """Build ahead and say so (``make setup`` runs this)."""
     t0 = time.perf_counter()
     print(f"attnkit band kernel: {status()} ({time.perf_counter() - t0:.1f} s)")

@@ -49,7 +49,7 @@ from attnkit.backends.blocked_plan import (
     spec_key,
     tile_index,
 )
-from attnkit.masks import MaskSpec, sliding_window
+from attnkit.masks import MaskSpec, causal_window
 from attnkit.masks import causal as causal_spec
 
 __all__ = ["DESCRIPTION", "backward_from_lse", "check", "forward_with_lse", "note", "rule", "run"]
@@ -74,7 +74,6 @@ PLAN_CACHE_SIZE = 32
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 _PLANS: OrderedDict[Hashable, Plan] = OrderedDict()
-_SWAP_TILES = True
 
 
 # --- plans -------------------------------------------------------------------------------
@@ -330,20 +329,13 @@ def _forward(
             m = e - s
             q0, k0 = c.q0 + s * c.q_step, c.k0 + s * c.k_step
             mask, dead = _mask_for(plan, c, s, e, q.dtype, H, q.device)
-            qt = _tiles(q, b, qh, q0, c.q_step, c.R, m)
-            kt = _tiles(k, b, kh, k0, c.k_step, c.W, m)
-            vt = _tiles(v, b, kh, k0, c.k_step, c.W, m)
-            # Several tiles of one batch entry: give the kernel the heads as its batch and the
-            # tiles as its heads (a transposed view). Its threads then walk the tiles of one
-            # head in order, and each tile's keys overlap the last one's in cache. Not for
-            # grouped-query heads, where the kernel needs the query heads in dim 1.
-            swap = _SWAP_TILES and m > 1 and Hkv == H and _fused(q, v)
-            if swap:
-                qt, kt, vt = (t.transpose(0, 1) for t in (qt, kt, vt))
-                mask = None if mask is None else mask.transpose(0, 1)
-            o, lse_c = _kernel_forward(qt, kt, vt, mask, scale)
-            if swap:
-                o, lse_c = o.transpose(0, 1), lse_c.transpose(0, 1)
+            o, lse_c = _kernel_forward(
+                _tiles(q, b, qh, q0, c.q_step, c.R, m),
+                _tiles(k, b, kh, k0, c.k_step, c.W, m),
+                _tiles(v, b, kh, k0, c.k_step, c.W, m),
+                mask,
+                scale,
+            )
             if dead is not None:
                 lse_c = lse_c.masked_fill(dead, -math.inf)
             ov = _tiles(out, b, qh, q0, c.q_step, c.R, m)
@@ -417,21 +409,6 @@ def _backward(
 
 # --- the band: attnkit's own kernel ------------------------------------------------------
 
-_CAUSAL, _WINDOW = type(causal_spec()), type(sliding_window(1))
-
-
-def band_window(mask: MaskSpec | None) -> int | None:
-    """The window ``w`` when ``mask`` is exactly ``causal() & sliding_window(w)`` (either
-    order), the mask :mod:`attnkit.backends.band` computes in one pass; else ``None``."""
-    parts = getattr(mask, "a", None), getattr(mask, "b", None)
-    if type(mask).__name__ != "_And" or mask is None or mask.has_bias:
-        return None
-    kinds = {type(p) for p in parts}
-    if kinds != {_CAUSAL, _WINDOW}:
-        return None
-    size: int = next(p for p in parts if type(p) is _WINDOW).size  # type: ignore[attr-defined]
-    return size
-
 
 def _band(
     mask: MaskSpec | None,
@@ -444,7 +421,7 @@ def _band(
     S_total: int | None,
 ) -> int | None:
     """The window, when the band kernel serves this whole-sequence call."""
-    w = band_window(mask)
+    w = causal_window(mask)
     if w is None or q_start or k_start:
         return None
     L, S = q.shape[2], k.shape[2]
@@ -718,7 +695,7 @@ def note(
     if isinstance(mask, torch.Tensor):  # planning reads the whole mask: leave it to the call
         return "a dense mask: its empty blocks are found when it runs (one pass over the mask)"
     spec = _spec(mask, causal)
-    w = band_window(spec)
+    w = causal_window(spec)
     band = ""
     if w is not None:
         runs = _band(spec, q, k, v, 0, 0, None, None) is not None

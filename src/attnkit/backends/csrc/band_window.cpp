@@ -1,4 +1,4 @@
-// Exact causal sliding-window attention forward, fp32, CPU (AVX2 + FMA).
+// Exact causal sliding-window attention, forward and backward, fp32, CPU (AVX2 + FMA).
 // query i attends keys j with i - window < j <= i  (L == S).
 //
 // Structure (per (b,h), per chunk of C <= 2048 query rows = one work item of
@@ -147,74 +147,78 @@ static inline void qk_6x8(const float* __restrict q, int64_t D,
   _mm256_storeu_ps(s + 4 * ss, c4); _mm256_storeu_ps(s + 5 * ss, c5);
 }
 
-// o[6 x 16] (row stride od) += p[6 x n] (row stride ps) * v[n x 16] (row stride vd)
-static inline void pv_6x16(const float* __restrict p, int64_t ps,
-                           const float* __restrict v, int64_t vd, int64_t n,
-                           float* __restrict o, int64_t od) {
-  float* o0 = o; float* o1 = o + od; float* o2 = o + 2 * od;
-  float* o3 = o + 3 * od; float* o4 = o + 4 * od; float* o5 = o + 5 * od;
-  __m256 c00 = _mm256_loadu_ps(o0), c01 = _mm256_loadu_ps(o0 + 8);
-  __m256 c10 = _mm256_loadu_ps(o1), c11 = _mm256_loadu_ps(o1 + 8);
-  __m256 c20 = _mm256_loadu_ps(o2), c21 = _mm256_loadu_ps(o2 + 8);
-  __m256 c30 = _mm256_loadu_ps(o3), c31 = _mm256_loadu_ps(o3 + 8);
-  __m256 c40 = _mm256_loadu_ps(o4), c41 = _mm256_loadu_ps(o4 + 8);
-  __m256 c50 = _mm256_loadu_ps(o5), c51 = _mm256_loadu_ps(o5 + 8);
-  const float* p0 = p;
-  const float* p1 = p + ps;
-  const float* p2 = p + 2 * ps;
-  const float* p3 = p + 3 * ps;
-  const float* p4 = p + 4 * ps;
-  const float* p5 = p + 5 * ps;
-#pragma GCC unroll 4
-  for (int64_t k = 0; k < n; ++k) {
-    __m256 v0 = _mm256_loadu_ps(v + k * vd);
-    __m256 v1 = _mm256_loadu_ps(v + k * vd + 8);
-    __m256 a;
-    a = _mm256_broadcast_ss(p0 + k);
-    c00 = _mm256_fmadd_ps(a, v0, c00); c01 = _mm256_fmadd_ps(a, v1, c01);
-    a = _mm256_broadcast_ss(p1 + k);
-    c10 = _mm256_fmadd_ps(a, v0, c10); c11 = _mm256_fmadd_ps(a, v1, c11);
-    a = _mm256_broadcast_ss(p2 + k);
-    c20 = _mm256_fmadd_ps(a, v0, c20); c21 = _mm256_fmadd_ps(a, v1, c21);
-    a = _mm256_broadcast_ss(p3 + k);
-    c30 = _mm256_fmadd_ps(a, v0, c30); c31 = _mm256_fmadd_ps(a, v1, c31);
-    a = _mm256_broadcast_ss(p4 + k);
-    c40 = _mm256_fmadd_ps(a, v0, c40); c41 = _mm256_fmadd_ps(a, v1, c41);
-    a = _mm256_broadcast_ss(p5 + k);
-    c50 = _mm256_fmadd_ps(a, v0, c50); c51 = _mm256_fmadd_ps(a, v1, c51);
+// The products with P (forward O += P V; backward dQ += dS K, dV += P^T dO, dK += dS^T Q):
+// o[6 x cols] (row stride os) += A[6 x n] * x[n x cols] (x row stride xs), where
+// A(i, j) = p[i*ps + j] (rows of P) or, with TRANS, p[j*ps + i] (columns of P: the 6
+// rows of the product are 6 consecutive keys).
+template <bool TRANS>
+static inline void ax_6x16(const float* __restrict p, int64_t ps,
+                           const float* __restrict x, int64_t xs, int64_t n,
+                           float* __restrict o, int64_t os) {
+  const int64_t si = TRANS ? 1 : ps, sj = TRANS ? ps : 1;
+  __m256 c0[MR], c1[MR];
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r) {
+    c0[r] = _mm256_loadu_ps(o + r * os);
+    c1[r] = _mm256_loadu_ps(o + r * os + 8);
   }
-  _mm256_storeu_ps(o0, c00); _mm256_storeu_ps(o0 + 8, c01);
-  _mm256_storeu_ps(o1, c10); _mm256_storeu_ps(o1 + 8, c11);
-  _mm256_storeu_ps(o2, c20); _mm256_storeu_ps(o2 + 8, c21);
-  _mm256_storeu_ps(o3, c30); _mm256_storeu_ps(o3 + 8, c31);
-  _mm256_storeu_ps(o4, c40); _mm256_storeu_ps(o4 + 8, c41);
-  _mm256_storeu_ps(o5, c50); _mm256_storeu_ps(o5 + 8, c51);
+#pragma GCC unroll 4
+  for (int64_t j = 0; j < n; ++j) {
+    const float* a = p + j * sj;
+    __m256 x0 = _mm256_loadu_ps(x + j * xs);
+    __m256 x1 = _mm256_loadu_ps(x + j * xs + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      __m256 b = _mm256_broadcast_ss(a + r * si);
+      c0[r] = _mm256_fmadd_ps(b, x0, c0[r]);
+      c1[r] = _mm256_fmadd_ps(b, x1, c1[r]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r) {
+    _mm256_storeu_ps(o + r * os, c0[r]);
+    _mm256_storeu_ps(o + r * os + 8, c1[r]);
+  }
 }
 
 // Same for an 8-column remainder.
-static inline void pv_6x8(const float* __restrict p, int64_t ps,
-                          const float* __restrict v, int64_t vd, int64_t n,
-                          float* __restrict o, int64_t od) {
+template <bool TRANS>
+static inline void ax_6x8(const float* __restrict p, int64_t ps,
+                          const float* __restrict x, int64_t xs, int64_t n,
+                          float* __restrict o, int64_t os) {
+  const int64_t si = TRANS ? 1 : ps, sj = TRANS ? ps : 1;
   __m256 c[MR];
-  for (int r = 0; r < MR; ++r) c[r] = _mm256_loadu_ps(o + r * od);
-  for (int64_t k = 0; k < n; ++k) {
-    __m256 v0 = _mm256_loadu_ps(v + k * vd);
+  for (int r = 0; r < MR; ++r) c[r] = _mm256_loadu_ps(o + r * os);
+  for (int64_t j = 0; j < n; ++j) {
+    __m256 x0 = _mm256_loadu_ps(x + j * xs);
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r)
-      c[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * ps + k), v0, c[r]);
+      c[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * si + j * sj), x0, c[r]);
   }
-  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(o + r * od, c[r]);
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(o + r * os, c[r]);
 }
 
 // Scalar remainder (< 8 columns).
-static inline void pv_6xr(const float* p, int64_t ps, const float* v, int64_t vd,
-                          int64_t n, float* o, int64_t od, int64_t nc) {
+template <bool TRANS>
+static inline void ax_6xr(const float* p, int64_t ps, const float* x, int64_t xs,
+                          int64_t n, float* o, int64_t os, int64_t nc) {
+  const int64_t si = TRANS ? 1 : ps, sj = TRANS ? ps : 1;
   for (int r = 0; r < MR; ++r)
     for (int64_t c = 0; c < nc; ++c) {
-      float acc = o[r * od + c];
-      for (int64_t k = 0; k < n; ++k) acc += p[r * ps + k] * v[k * vd + c];
-      o[r * od + c] = acc;
+      float acc = o[r * os + c];
+      for (int64_t j = 0; j < n; ++j) acc += p[r * si + j * sj] * x[j * xs + c];
+      o[r * os + c] = acc;
     }
+}
+
+// o[6 x D] (row stride D) += A[6 x n] x[n x D] (row stride D), all column tiles.
+template <bool TRANS>
+static inline void ax_6xD(const float* p, int64_t ps, const float* x, int64_t D,
+                          int64_t n, float* o) {
+  int64_t c = 0;
+  for (; c + NR <= D; c += NR) ax_6x16<TRANS>(p, ps, x + c, D, n, o + c, D);
+  if (c + 8 <= D) { ax_6x8<TRANS>(p, ps, x + c, D, n, o + c, D); c += 8; }
+  if (c < D) ax_6xr<TRANS>(p, ps, x + c, D, n, o + c, D, D - c);
 }
 
 // max of s[a..b] (inclusive); may read up to 7 floats past b.
@@ -498,13 +502,13 @@ static void band_forward_impl(at::Tensor q, at::Tensor k, at::Tensor v,
             for (int64_t t = 0; t < ntile; ++t) {
               pf.step(pf_per_call);
               if (tA[t] > tB[t]) continue;
-              pv_6x16(sb.p + t * MR * SS + (tA[t] - kc0), SS, vp + tA[t] * D + c, D,
+              ax_6x16<false>(sb.p + t * MR * SS + (tA[t] - kc0), SS, vp + tA[t] * D + c, D,
                       tB[t] - tA[t] + 1, ob.p + t * MR * D + c, D);
             }
           if (c + 8 <= D) {
             for (int64_t t = 0; t < ntile; ++t) {
               if (tA[t] > tB[t]) continue;
-              pv_6x8(sb.p + t * MR * SS + (tA[t] - kc0), SS, vp + tA[t] * D + c, D,
+              ax_6x8<false>(sb.p + t * MR * SS + (tA[t] - kc0), SS, vp + tA[t] * D + c, D,
                      tB[t] - tA[t] + 1, ob.p + t * MR * D + c, D);
             }
             c += 8;
@@ -512,7 +516,7 @@ static void band_forward_impl(at::Tensor q, at::Tensor k, at::Tensor v,
           if (c < D) {
             for (int64_t t = 0; t < ntile; ++t) {
               if (tA[t] > tB[t]) continue;
-              pv_6xr(sb.p + t * MR * SS + (tA[t] - kc0), SS, vp + tA[t] * D + c, D,
+              ax_6xr<false>(sb.p + t * MR * SS + (tA[t] - kc0), SS, vp + tA[t] * D + c, D,
                      tB[t] - tA[t] + 1, ob.p + t * MR * D + c, D, D - c);
             }
           }
@@ -540,93 +544,7 @@ static void band_forward_impl(at::Tensor q, at::Tensor k, at::Tensor v,
 
 // ---------------------------------------------------------------------------
 // Backward.
-#ifndef BAND_BWD_MB
-#define BAND_BWD_MB 48
-#endif
-constexpr int MBB = BAND_BWD_MB;  // query rows per backward block (multiple of MR)
-// acc[6 keys x 16] (row stride as) += sum_{r<n} p[r*ps + kk] * x[r*xs + 0..15]
-// (P^T X with P stored row-major by query row: the 6 keys are consecutive
-// columns of P.)
-static inline void ptx_6x16(const float* __restrict p, int64_t ps,
-                            const float* __restrict x, int64_t xs, int64_t n,
-                            float* __restrict acc, int64_t as) {
-  float* a0 = acc; float* a1 = acc + as; float* a2 = acc + 2 * as;
-  float* a3 = acc + 3 * as; float* a4 = acc + 4 * as; float* a5 = acc + 5 * as;
-  __m256 c00 = _mm256_loadu_ps(a0), c01 = _mm256_loadu_ps(a0 + 8);
-  __m256 c10 = _mm256_loadu_ps(a1), c11 = _mm256_loadu_ps(a1 + 8);
-  __m256 c20 = _mm256_loadu_ps(a2), c21 = _mm256_loadu_ps(a2 + 8);
-  __m256 c30 = _mm256_loadu_ps(a3), c31 = _mm256_loadu_ps(a3 + 8);
-  __m256 c40 = _mm256_loadu_ps(a4), c41 = _mm256_loadu_ps(a4 + 8);
-  __m256 c50 = _mm256_loadu_ps(a5), c51 = _mm256_loadu_ps(a5 + 8);
-#pragma GCC unroll 4
-  for (int64_t r = 0; r < n; ++r) {
-    const float* pr = p + r * ps;
-    __m256 x0 = _mm256_loadu_ps(x + r * xs);
-    __m256 x1 = _mm256_loadu_ps(x + r * xs + 8);
-    __m256 a;
-    a = _mm256_broadcast_ss(pr + 0);
-    c00 = _mm256_fmadd_ps(a, x0, c00); c01 = _mm256_fmadd_ps(a, x1, c01);
-    a = _mm256_broadcast_ss(pr + 1);
-    c10 = _mm256_fmadd_ps(a, x0, c10); c11 = _mm256_fmadd_ps(a, x1, c11);
-    a = _mm256_broadcast_ss(pr + 2);
-    c20 = _mm256_fmadd_ps(a, x0, c20); c21 = _mm256_fmadd_ps(a, x1, c21);
-    a = _mm256_broadcast_ss(pr + 3);
-    c30 = _mm256_fmadd_ps(a, x0, c30); c31 = _mm256_fmadd_ps(a, x1, c31);
-    a = _mm256_broadcast_ss(pr + 4);
-    c40 = _mm256_fmadd_ps(a, x0, c40); c41 = _mm256_fmadd_ps(a, x1, c41);
-    a = _mm256_broadcast_ss(pr + 5);
-    c50 = _mm256_fmadd_ps(a, x0, c50); c51 = _mm256_fmadd_ps(a, x1, c51);
-  }
-  _mm256_storeu_ps(a0, c00); _mm256_storeu_ps(a0 + 8, c01);
-  _mm256_storeu_ps(a1, c10); _mm256_storeu_ps(a1 + 8, c11);
-  _mm256_storeu_ps(a2, c20); _mm256_storeu_ps(a2 + 8, c21);
-  _mm256_storeu_ps(a3, c30); _mm256_storeu_ps(a3 + 8, c31);
-  _mm256_storeu_ps(a4, c40); _mm256_storeu_ps(a4 + 8, c41);
-  _mm256_storeu_ps(a5, c50); _mm256_storeu_ps(a5 + 8, c51);
-}
-
-static inline void ptx_6x8(const float* __restrict p, int64_t ps,
-                           const float* __restrict x, int64_t xs, int64_t n,
-                           float* __restrict acc, int64_t as) {
-  __m256 c[MR];
-  for (int k = 0; k < MR; ++k) c[k] = _mm256_loadu_ps(acc + k * as);
-  for (int64_t r = 0; r < n; ++r) {
-    __m256 x0 = _mm256_loadu_ps(x + r * xs);
-#pragma GCC unroll 6
-    for (int k = 0; k < MR; ++k)
-      c[k] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * ps + k), x0, c[k]);
-  }
-  for (int k = 0; k < MR; ++k) _mm256_storeu_ps(acc + k * as, c[k]);
-}
-
-static inline void ptx_6xr(const float* p, int64_t ps, const float* x, int64_t xs,
-                           int64_t n, float* acc, int64_t as, int64_t nc) {
-  for (int k = 0; k < MR; ++k)
-    for (int64_t c = 0; c < nc; ++c) {
-      float s = acc[k * as + c];
-      for (int64_t r = 0; r < n; ++r) s += p[r * ps + k] * x[r * xs + c];
-      acc[k * as + c] = s;
-    }
-}
-
-// acc[6 x D] += P^T X over n rows, all column tiles
-static inline void ptx_6xD(const float* p, int64_t ps, const float* x, int64_t D,
-                           int64_t n, float* acc) {
-  int64_t c = 0;
-  for (; c + NR <= D; c += NR) ptx_6x16(p, ps, x + c, D, n, acc + c, D);
-  if (c + 8 <= D) { ptx_6x8(p, ps, x + c, D, n, acc + c, D); c += 8; }
-  if (c < D) ptx_6xr(p, ps, x + c, D, n, acc + c, D, D - c);
-}
-
-// o[6 x D] += P[6 x n] Y[n x D] (Y row-major, stride D), all column tiles
-static inline void pv_6xD(const float* p, int64_t ps, const float* y, int64_t D,
-                          int64_t n, float* o) {
-  int64_t c = 0;
-  for (; c + NR <= D; c += NR) pv_6x16(p, ps, y + c, D, n, o + c, D);
-  if (c + 8 <= D) { pv_6x8(p, ps, y + c, D, n, o + c, D); c += 8; }
-  if (c < D) pv_6xr(p, ps, y + c, D, n, o + c, D, D - c);
-}
-
+constexpr int MBB = 48;  // query rows per backward block (multiple of MR)
 static void band_backward_impl(at::Tensor q, at::Tensor k, at::Tensor v,
                                at::Tensor out, at::Tensor dout, at::Tensor lse,
                                int64_t window, double scale, at::Tensor dq,
@@ -826,7 +744,7 @@ static void band_backward_impl(at::Tensor q, at::Tensor k, at::Tensor v,
           // ---- dQ += dS K  (K rows in place)
           for (int64_t t = 0; t < ntile; ++t) {
             if (tA[t] > tB[t]) continue;
-            pv_6xD(db.p + t * MR * SS + (tA[t] - kc0), SS, kp + tA[t] * D, D,
+            ax_6xD<false>(db.p + t * MR * SS + (tA[t] - kc0), SS, kp + tA[t] * D, D,
                    tB[t] - tA[t] + 1, ob.p + t * MR * D);
           }
           // ---- dV += P^T dO, dK += dS^T Q over 6-key tiles
@@ -836,9 +754,9 @@ static void band_backward_impl(at::Tensor q, at::Tensor k, at::Tensor v,
             const int64_t rb = std::min<int64_t>(hi, j + MR - 1 + W - 1) - i0;
             if (ra > rb) continue;
             const int64_t col = j - kc0;
-            ptx_6xD(sb.p + ra * SS + col, SS, gb.p + ra * D, D, rb - ra + 1,
+            ax_6xD<true>(sb.p + ra * SS + col, SS, gb.p + ra * D, D, rb - ra + 1,
                     dva.p + (j - kbase) * D);
-            ptx_6xD(db.p + ra * SS + col, SS, qr.p + ra * D, D, rb - ra + 1,
+            ax_6xD<true>(db.p + ra * SS + col, SS, qr.p + ra * D, D, rb - ra + 1,
                     dka.p + (j - kbase) * D);
           }
         }
@@ -884,15 +802,6 @@ std::tuple<at::Tensor, at::Tensor> band_forward(at::Tensor q, at::Tensor k,
   TORCH_CHECK(q.dim() == 4, "expect (B,H,L,D)");
   auto out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  band::band_forward_impl(q, k, v, window, scale, out, lse);
-  return {out, lse};
-}
-
-// Writes into caller-provided out (B,H,L,D) and lse (B,H,L); returns them.
-std::tuple<at::Tensor, at::Tensor> band_forward_out(at::Tensor q, at::Tensor k,
-                                                    at::Tensor v, int64_t window,
-                                                    double scale, at::Tensor out,
-                                                    at::Tensor lse) {
   band::band_forward_impl(q, k, v, window, scale, out, lse);
   return {out, lse};
 }
