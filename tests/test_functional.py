@@ -206,34 +206,6 @@ def test_explain_validates_like_attention() -> None:
         explain(q, q[..., :16], q)
 
 
-def test_registry_takes_plain_functions() -> None:
-    calls: list[str] = []
-
-    def run(q, k, v, *, mask, causal, scale, dropout_p, return_weights):
-        calls.append("run")
-        out = attention(q, k, v, mask=mask, causal=causal, scale=scale, backend="math")
-        return out, None
-
-    def check(q, k, v, *, mask, causal, scale, dropout_p, return_weights):
-        return "no weights here" if return_weights else None
-
-    attnkit.register_backend("test-wrapper", run, check, "math, wrapped")
-    try:
-        q, k, v = _qkv()
-        wrapped = attention(q, k, v, backend="test-wrapper")
-        assert torch.equal(wrapped, attention(q, k, v, backend="math"))
-        assert calls == ["run"]
-        assert explain(q, k, v).chosen != "test-wrapper"  # not in auto unless ranked
-        assert "only when named" in str(explain(q, k, v))
-        with pytest.raises(AttentionInputError, match="no weights here"):
-            attention(q, k, v, backend="test-wrapper", return_weights=True)
-        with pytest.raises(ValueError, match="already registered"):
-            attnkit.register_backend("test-wrapper", run, check, "again")
-    finally:
-        attnkit.unregister_backend("test-wrapper")
-    assert "test-wrapper" not in attnkit.available_backends()
-
-
 def test_inverted_causal_mask_of_seed_001_warns() -> None:
     q, k, v = _qkv(L=6, S=6, Hkv=4)
     seed_001_mask = torch.ones(6, 6).triu(1).bool()
@@ -284,8 +256,7 @@ def test_explain_never_materialises_a_spec(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_one_causal_query_builds_no_mask(monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode step (L = 1, end-aligned causal) sees every key: no L x S mask is built."""
-    import attnkit.backends.sdpa
-    import attnkit.functional
+    import attnkit.masks.normalize
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("a causal mask was built for one query")
@@ -293,7 +264,7 @@ def test_one_causal_query_builds_no_mask(monkeypatch: pytest.MonkeyPatch) -> Non
     q = torch.randn(2, 4, 1, 8)
     k = torch.randn(2, 4, 37, 8)
     want = attnkit.attention(q, k, k)
-    monkeypatch.setattr(attnkit.backends.sdpa, "causal_mask", refuse)
-    monkeypatch.setattr(attnkit.functional, "causal_mask", refuse)
+    monkeypatch.setattr(attnkit.masks.normalize, "causal_mask", refuse)
+    monkeypatch.setattr(attnkit.masks.MaskSpec, "to_dense", refuse)
     got = attnkit.attention(q, k, k, causal=True)
     assert torch.equal(got, want)

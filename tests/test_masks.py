@@ -8,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnkit
-from attnkit import functional, masks
+from attnkit import masks
+from attnkit.backends import get_backend
+from attnkit.call import make_call
 from attnkit.masks import EMPTY, FULL, PARTIAL
 from oracle import reference_attention
 
@@ -161,9 +163,13 @@ def test_causal_flag_and_spec_combine_and_causal_spec_is_the_fast_path() -> None
     b = attnkit.attention(q, q, q, mask=masks.causal() & spec)
     assert torch.allclose(a, b, atol=1e-6)
     assert attnkit.explain(q, q, q, mask=masks.causal()).chosen == "sdpa"
-    call = functional._prepare(q, q, q, masks.causal(), False, None, 0.0, False, "test")
-    assert call.mask is None  # causal() alone becomes torch's is_causal: no mask at all
-    assert call.causal is True
+    call = make_call(q, q, q, masks.causal(), False, None, 0.0, False, where="test")
+    assert call.causal is True  # causal() alone is the bare causal rule: torch's is_causal
+    assert (
+        get_backend("sdpa")
+        .run(call)[0]
+        .equal(torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
+    )
 
 
 def test_modules_take_specs_with_key_padding() -> None:
@@ -218,7 +224,8 @@ def test_select_heads_renumbers_the_heads_of_a_head_dependent_spec() -> None:
     window = masks.causal() & masks.sliding_window(3)
     assert window.select_heads(0, 4) is window
     with pytest.raises(
-        ValueError, match=r"select_heads\(4, 7\): need 0 <= start < stop <= heads = 6"
+        attnkit.AttentionInputError,
+        match=r"select_heads\(4, 7\) is not a range(?s:.*)expected: 0 <= start < stop <= heads = 6",
     ):
         spec.select_heads(4, 7)
     with pytest.raises(ValueError, match=r"select_heads\(3, 3\)"):

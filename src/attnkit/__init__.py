@@ -6,8 +6,10 @@ bool masks say True = may attend; ``causal`` is aligned to the end when ``L != S
 """
 
 from attnkit.backends import available_backends, register_backend, unregister_backend
+from attnkit.call import AttentionCall
 from attnkit.errors import AttentionInputError, AttentionMaskWarning
-from attnkit.functional import AttentionOutput, Explanation, attention, explain
+from attnkit.explain import Explanation, explain
+from attnkit.functional import AttentionOutput, attention
 from attnkit.heads import merge_heads, split_heads
 from attnkit.inspect.tracing import Trace, trace
 from attnkit.masks import causal_mask
@@ -17,6 +19,7 @@ from attnkit.modules.kv_cache import KVCache
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionCall",
     "AttentionInputError",
     "AttentionMaskWarning",
     "AttentionOutput",

@@ -1,9 +1,9 @@
 """attnkit's AVX2 band kernel (causal sliding window, float32, CPU) against the float64 oracle,
 and how the blocked backend hands it the calls it serves.
 
-The kernel is built by ``make setup`` (``attnkit.backends.band.main()``); these tests need it
-built: a machine without gcc or AVX2 fails them rather than skipping (the blocked backend itself
-still runs there, on torch's kernel, and says so in ``explain``).
+The kernel is built by ``make setup`` (``attnkit.backends.blocked.band.main()``); these tests
+need it built: a machine without gcc or AVX2 fails them rather than skipping (the blocked
+backend itself still runs there, on torch's kernel, and says so in ``explain``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import masks
-from attnkit.backends import band, blocked
-from attnkit.modules.positions import alibi
+from attnkit.backends import blocked
+from attnkit.backends.blocked import band
+from attnkit.masks import alibi
 from oracle import reference_attention
 
 

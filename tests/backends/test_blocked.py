@@ -10,6 +10,7 @@ per call. Tolerances follow tests/test_attention_properties.py.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Iterator
@@ -21,41 +22,41 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import AttentionInputError, masks
-from attnkit.backends import blocked, blocked_plan
+from attnkit.backends import blocked
 from attnkit.backends.blocked import backward_from_lse, forward_with_lse
+from attnkit.backends.blocked import config as blocked_config
 from attnkit.masks import MaskSpec
 from oracle import reference_attention
 
 FLOOR = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
-# name -> planner settings (see attnkit.backends.blocked_plan)
-PLANNERS = {
+# name -> planner settings (see attnkit.backends.blocked.config)
+PLANNERS: dict[str, dict[str, object]] = {
     "default": {},
     "fine": {  # 3-row grain, splits everywhere, one tile per launch, masks built per call
-        "GRAIN": 3,
-        "FULL_SPLIT": 2,
-        "EMPTY_SPLIT": 1,
-        "STORE_BUDGET": 0,
-        "TILE_BYTES": 1,
+        "grain": 3,
+        "full_split": 2,
+        "empty_split": 1,
+        "store_budget": 0,
+        "tile_bytes": 1,
     },
-    "odd": {"GRAIN": 5, "FULL_SPLIT": 3, "TILE_MASK_CAP": 64},  # taller tiles split by masks
+    "odd": {"grain": 5, "full_split": 3, "tile_mask_cap": 64},  # taller tiles split by masks
 }
 
 
 def _configure(monkeypatch: pytest.MonkeyPatch, planner: str, kernel: str = "fused") -> None:
-    for name, value in PLANNERS[planner].items():
-        module = blocked if name == "TILE_BYTES" else blocked_plan
-        monkeypatch.setattr(module, name, value)
+    settings = dict(PLANNERS[planner])
     if kernel == "matmul":  # the kernel for Dv != Dk and devices other than the CPU
-        monkeypatch.setattr(blocked, "_fused", lambda q, v: False)
-    blocked._PLANS.clear()
+        settings["torch_kernel"] = False
+    config = dataclasses.replace(blocked_config.BlockedConfig(), **settings)  # type: ignore[arg-type]
+    monkeypatch.setattr(blocked_config, "CONFIG", config)  # restored after the test
 
 
 @pytest.fixture(params=["default", "fine"])
 def planner(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     _configure(monkeypatch, request.param)
     yield request.param
-    blocked._PLANS.clear()
+    blocked.clear_plans()
 
 
 @pytest.fixture(params=["default-fused", "fine-fused", "odd-matmul", "fine-matmul"])
@@ -64,7 +65,7 @@ def config(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
     planner, kernel = str(request.param).split("-")
     _configure(monkeypatch, planner, kernel)
     yield request.param
-    blocked._PLANS.clear()
+    blocked.clear_plans()
 
 
 def _lengths(draw: st.DrawFn, B: int, n: int) -> torch.Tensor:
@@ -421,11 +422,11 @@ def test_training_saves_nothing_of_size_l_times_s() -> None:
 
 
 def test_a_band_is_one_batched_call_with_one_mask_and_small_plans() -> None:
-    blocked._PLANS.clear()
+    blocked.clear_plans()
     L, window = 4096, 256
     spec = masks.causal() & masks.sliding_window(window)
     q = torch.randn(1, 2, L, 16)
-    plan = blocked._plan_for(spec, q, q, q, 0, 0, None, None)
+    plan = blocked.plan_blocks(q, q, q, spec).tiles(q, q, q)
     big = max(plan.calls, key=lambda c: c.n)
     assert big.n * big.R >= L - window - big.R  # all but the first tiles run in one call
     assert big.mask is not None
@@ -433,13 +434,13 @@ def test_a_band_is_one_batched_call_with_one_mask_and_small_plans() -> None:
     kept = sum(c.mask.numel() for c in plan.calls if c.mask is not None)
     assert kept <= 2 * (window + plan.rows) * plan.rows * (window // plan.rows + 1)
     assert plan.computed_pairs <= 1.5 * L * window  # a band, not L x S
-    assert blocked._plan_for(spec, q, q, q, 0, 0, None, None) is plan  # cached
+    assert blocked.plan_blocks(q, q, q, spec).tiles(q, q, q) is plan  # cached
     rebuilt = masks.causal() & masks.sliding_window(window)  # a new object, the same spec
-    assert blocked._plan_for(rebuilt, q, q, q, 0, 0, None, None) is plan
+    assert blocked.plan_blocks(q, q, q, rebuilt).tiles(q, q, q) is plan
 
 
 def test_plans_follow_in_place_changes_of_spec_tensors() -> None:
-    blocked._PLANS.clear()
+    blocked.clear_plans()
     lengths = torch.tensor([40])
     spec = masks.padding(lengths)
     q = torch.randn(1, 2, 64, 8, dtype=torch.float64)

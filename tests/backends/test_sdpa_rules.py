@@ -16,7 +16,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attnkit
-from attnkit.backends import sdpa
+from attnkit.backends import get_backend
+from attnkit.call import make_call
+
+SDPA = get_backend("sdpa")
 
 FUSED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
 
@@ -76,9 +79,7 @@ def test_check_agrees_with_torch_fused_dispatch(
     L, S = LS
     q, k, v, mask = _tensors(dtype, Dv, Hkv, strided, mask_kind, mask_grad, L, S)
     torch_fused = _torch_runs_fused(q, k, v, mask, dropout_p, backward=mask_grad)
-    reason = sdpa.check(
-        q, k, v, mask=mask, causal=False, scale=0.25, dropout_p=dropout_p, return_weights=False
-    )
+    reason = SDPA.check(make_call(q, k, v, mask, False, 0.25, dropout_p, False, where="test"))
     assert (reason is None) == torch_fused, reason
     chosen = attnkit.explain(q, k, v, mask=mask, dropout_p=dropout_p).chosen
     assert chosen == ("sdpa" if torch_fused else "math")
@@ -87,7 +88,7 @@ def test_check_agrees_with_torch_fused_dispatch(
 def test_return_weights_is_never_sdpa() -> None:
     q = torch.randn(1, 2, 4, 8)
     assert "weights" in str(
-        sdpa.check(q, q, q, mask=None, causal=False, scale=1.0, dropout_p=0.0, return_weights=True)
+        SDPA.check(make_call(q, q, q, None, False, 1.0, 0.0, True, where="test"))
     )
     assert attnkit.explain(q, q, q, return_weights=True).chosen == "math"
 

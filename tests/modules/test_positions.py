@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import AttentionInputError
-from attnkit.backends import get_backend, register_backend, unregister_backend
+from attnkit import AttentionCall, AttentionInputError
+from attnkit.backends import Backend, register_backend, unregister_backend
 from attnkit.masks import EMPTY, MaskSpec, causal, padding, sliding_window
 from attnkit.modules.positions import LearnedPositions, RotaryEmbedding, alibi, alibi_slopes
 from oracle import reference_attention
@@ -198,9 +198,10 @@ def test_alibi_bias_evaluated_per_block_matches_the_formula() -> None:
     )
 
 
-def _blocked_run(q, k, v, *, mask, causal, scale, dropout_p, return_weights):  # type: ignore[no-untyped-def]
+def _blocked_run(call: AttentionCall) -> tuple[torch.Tensor, None]:
     """A tiny spec-taking backend: online softmax over 4x4 blocks, skipping empty ones, the
-    spec's predicate and bias evaluated per block (as backends/blocked.py is meant to)."""
+    spec's predicate and bias evaluated per block (as backends/blocked is meant to)."""
+    q, k, v, mask, scale = call.q, call.k, call.v, call.mask, call.scale
     assert isinstance(mask, MaskSpec), "a spec-taking backend must get the spec itself"
     B, H, L = q.shape[:3]
     S = k.shape[2]
@@ -236,13 +237,22 @@ def _blocked_run(q, k, v, *, mask, causal, scale, dropout_p, return_weights):  #
     return out, None
 
 
-def _blocked_check(q, k, v, *, mask, causal, scale, dropout_p, return_weights):  # type: ignore[no-untyped-def]
-    return None if isinstance(mask, MaskSpec) and not causal else "test backend: specs only"
+class _SpecBackend(Backend):
+    name = "test_blocked"
+    description = "test"
+
+    def check(self, call: AttentionCall) -> str | None:
+        spec = call.mask
+        ok = spec is not None and not spec.from_tensor and not call.causal
+        return None if ok else "test backend: specs only"
+
+    def run(self, call: AttentionCall) -> tuple[torch.Tensor, None]:
+        return _blocked_run(call)
 
 
 def test_alibi_reaches_a_spec_taking_backend_as_a_spec(monkeypatch: pytest.MonkeyPatch) -> None:
-    """attention() hands ALiBi to a backend with takes_specs=True without materialising it."""
-    register_backend("test_blocked", _blocked_run, _blocked_check, "test", takes_specs=True)
+    """attention() hands ALiBi to a backend that reads call.mask without materialising it."""
+    register_backend(_SpecBackend())
     try:
 
         def no_dense(*args: object, **kwargs: object) -> torch.Tensor:
@@ -256,11 +266,7 @@ def test_alibi_reaches_a_spec_taking_backend_as_a_spec(monkeypatch: pytest.Monke
         v = torch.randn(2, H, S, 8, dtype=torch.float64)
         lengths = torch.tensor([13, 9])
         spec = alibi(H) & causal() & padding(lengths) & sliding_window(6)
-        spec_takers = [
-            name
-            for name in attnkit.available_backends()
-            if get_backend(name).takes_specs and name != "flex"  # flex: no score biases
-        ]
+        spec_takers = ["blocked", "test_blocked"]  # flex: no score biases
         got = {name: attnkit.attention(q, k, v, mask=spec, backend=name) for name in spec_takers}
     finally:
         unregister_backend("test_blocked")

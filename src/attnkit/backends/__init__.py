@@ -1,171 +1,91 @@
-"""The backend registry: plain functions with one signature, registered by name.
+"""The backends and the dispatcher: which code computes one attention call.
 
-A backend is two functions with the same keyword signature::
+Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
+Dk query/key head dim, Dv value head dim.
 
-    run(q, k, v, *, mask, causal, scale, dropout_p, return_weights) -> (out, weights | None)
-    check(q, k, v, *, mask, causal, scale, dropout_p, return_weights) -> str | None
+The path of one call, e.g. ``attnkit.attention(q, k, v, mask=masks.causal() &
+masks.sliding_window(256))``:
 
-``check`` returns ``None`` when the backend can serve the call, and otherwise the reason it
-cannot, in words that :func:`attnkit.explain` shows. Backends receive validated, prepared input
-(see :func:`attnkit.functional.attention`): ``mask`` is ``None``, a bool mask (True = may attend)
-or a float mask (added to the scores), broadcastable to ``(B, H, L, S)``, or, for a backend
-registered with ``takes_specs=True``, a :class:`~attnkit.masks.MaskSpec` (the others get the
-spec materialised); ``causal`` is the end-aligned causal rule and never comes together with a
-mask; ``scale`` is a float. A backend
-never validates again and never falls back to another one.
+1. :func:`attnkit.call.make_call` validates the arguments and builds one frozen
+   :class:`~attnkit.AttentionCall`; :func:`attnkit.masks.as_spec` folds the ``causal`` flag and
+   the mask into one spec there, the only place they combine.
+2. :func:`choose` picks the backend: a named one if its ``check`` passes (else an error, never
+   a fallback), or for ``"auto"`` the first backend, by descending ``priority``, whose ``rule``
+   fires and whose ``check`` passes. A spec on a large problem goes to ``blocked``.
+3. ``backend.run(call)``: ``blocked`` plans the call once (:mod:`attnkit.backends.blocked.plan`:
+   the band kernel for a causal window, else tiles of torch's fused kernel over the non-empty
+   blocks) and runs it forward (and backward, from the same plan) with autograd.
 
-``auto`` walks :data:`AUTO_ORDER` and takes the first backend whose ``check`` passes and, for
-a backend registered with a ``rule``, whose rule fires. A rule has the same keyword signature and
-returns ``(fires, why)``: ``blocked``'s fires for a mask spec on a large enough problem, so that
-``auto`` sends structured masks there and everything else on down the order (sdpa, then math).
-:func:`attnkit.explain` prints the rule that decided. A backend may also register a ``note``
-(same signature, returns a line) that ``explain`` prints: its plan, or its compile state.
+Dense backends (``math``, ``sdpa``) ask the call for ``call.dense_mask()`` (materialised once);
+spec backends (``blocked``, ``flex``) read ``call.mask``; kernels with a causal flag read
+``call.causal``. No backend sees an argument it cannot take, so none re-checks its input.
+
+Adding a backend is one file: subclass :class:`Backend`, register an instance::
+
+    import torch
+    from attnkit.backends import Backend, register_backend
+
+    class Reference(Backend):
+        name = "reference"
+        description = "float64 matmul, softmax, matmul"
+        priority = None                   # only when named; a number puts it in auto's order
+
+        def check(self, call):
+            return "no weights" if call.return_weights else None
+
+        def run(self, call):
+            mask = call.dense_mask()     # None, bool (True = may attend) or float (added)
+            ...
+            return out, None
+
+    register_backend(Reference())
+
+``tests/backends/test_registry.py`` registers a toy backend this way.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
-
-import torch
-
-from attnkit.masks import MaskSpec
-
-#: what a backend's ``mask`` argument may be
-Mask = torch.Tensor | MaskSpec | None
+from attnkit.backends.base import Backend
+from attnkit.call import AttentionCall
+from attnkit.errors import AttentionInputError
 
 __all__ = [
     "AUTO_ORDER",
     "Backend",
-    "BackendCheck",
-    "BackendNote",
-    "BackendRule",
-    "BackendRun",
-    "Mask",
     "available_backends",
+    "choose",
     "get_backend",
     "register_backend",
     "unregister_backend",
 ]
 
-
-class BackendRun(Protocol):
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        mask: Mask,
-        causal: bool,
-        scale: float,
-        dropout_p: float,
-        return_weights: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-
-
-class BackendCheck(Protocol):
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        mask: Mask,
-        causal: bool,
-        scale: float,
-        dropout_p: float,
-        return_weights: bool,
-    ) -> str | None: ...
-
-
-class BackendRule(Protocol):
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        mask: Mask,
-        causal: bool,
-        scale: float,
-        dropout_p: float,
-        return_weights: bool,
-    ) -> tuple[bool, str]: ...
-
-
-class BackendNote(Protocol):
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        mask: Mask,
-        causal: bool,
-        scale: float,
-        dropout_p: float,
-        return_weights: bool,
-    ) -> str: ...
-
-
-@dataclass(frozen=True)
-class Backend:
-    """A registered backend: its name, its two functions and a one-line description.
-
-    ``fused`` says that it never materialises the ``(B, H, L, S)`` scores and weights;
-    ``takes_specs`` that it evaluates :mod:`attnkit.masks` specs itself (block by block).
-    ``rule`` (optional) says when ``auto`` takes it, ``note`` (optional) adds a line to
-    :func:`attnkit.explain`.
-    """
-
-    name: str
-    run: BackendRun
-    check: BackendCheck
-    description: str
-    fused: bool = False
-    takes_specs: bool = False
-    rule: BackendRule | None = None
-    note: BackendNote | None = None
-
-
 _REGISTRY: dict[str, Backend] = {}
 
-#: The order in which ``backend="auto"`` tries the backends: fastest first.
+#: the backends ``auto`` tries, by descending priority (kept in step with the registry)
 AUTO_ORDER: list[str] = []
 
 
-def register_backend(
-    name: str,
-    run: BackendRun,
-    check: BackendCheck,
-    description: str,
-    *,
-    auto_rank: int | None = None,
-    fused: bool = False,
-    takes_specs: bool = False,
-    rule: BackendRule | None = None,
-    note: BackendNote | None = None,
-) -> Backend:
-    """Register a backend under ``name``; ``auto_rank`` places it in :data:`AUTO_ORDER`.
+def _reorder() -> None:
+    ranked = [b for b in _REGISTRY.values() if b.priority is not None]
+    ranked.sort(key=lambda b: -(b.priority or 0))  # stable: equal priorities by registration
+    AUTO_ORDER[:] = [b.name for b in ranked]
 
-    ``auto_rank=None`` keeps it out of ``auto`` (it is used only when named). With a ``rule``,
-    ``auto`` takes it only where the rule fires (and ``check`` passes).
-    """
-    if name == "auto" or name in _REGISTRY:
-        raise ValueError(f"a backend named {name!r} is already registered")
-    backend = Backend(name, run, check, description, fused, takes_specs, rule, note)
-    _REGISTRY[name] = backend
-    if auto_rank is not None:
-        AUTO_ORDER.insert(auto_rank, name)
+
+def register_backend(backend: Backend) -> Backend:
+    """Register ``backend`` under ``backend.name``; its ``priority`` places it in ``auto``."""
+    if not isinstance(backend, Backend):
+        raise TypeError(f"register_backend takes a Backend instance, not {type(backend).__name__}")
+    if not backend.name or backend.name == "auto" or backend.name in _REGISTRY:
+        raise ValueError(f"a backend named {backend.name!r} is already registered or reserved")
+    _REGISTRY[backend.name] = backend
+    _reorder()
     return backend
 
 
 def unregister_backend(name: str) -> None:
     """Remove a backend registered with :func:`register_backend` (``KeyError`` if none)."""
     del _REGISTRY[name]
-    if name in AUTO_ORDER:
-        AUTO_ORDER.remove(name)
+    _reorder()
 
 
 def get_backend(name: str) -> Backend:
@@ -178,25 +98,60 @@ def available_backends() -> list[str]:
     return list(_REGISTRY)
 
 
-def _register_builtin() -> None:
-    from attnkit.backends import blocked, flex, math, sdpa
+def rule_of(backend: Backend, call: AttentionCall) -> tuple[bool, str]:
+    """``(fires, why)`` of ``backend``'s auto rule; a backend without one always fires."""
+    rule = backend.rule(call)
+    if rule is None:
+        return True, f"the first in auto's order ({' > '.join(AUTO_ORDER)}) that can serve"
+    return rule
 
-    register_backend("sdpa", sdpa.run, sdpa.check, sdpa.DESCRIPTION, auto_rank=0, fused=True)
-    register_backend("math", math.run, math.check, math.DESCRIPTION, auto_rank=1)
-    register_backend(
-        "blocked",
-        blocked.run,
-        blocked.check,
-        blocked.DESCRIPTION,
-        auto_rank=0,
-        fused=True,
-        takes_specs=True,
-        rule=blocked.rule,
-        note=blocked.note,
-    )
-    register_backend(
-        "flex", flex.run, flex.check, flex.DESCRIPTION, fused=True, takes_specs=True, note=flex.note
-    )
+
+def choose(call: AttentionCall, backend: str, where: str) -> Backend:
+    """The backend that runs ``call``: named (must serve it) or ``"auto"``."""
+    if backend == "auto":
+        for name in AUTO_ORDER:
+            chosen = _REGISTRY[name]
+            if rule_of(chosen, call)[0] and chosen.check(call) is None:
+                return chosen
+        raise AttentionInputError(  # unreachable while `math` serves every call
+            where,
+            "backend",
+            "no registered backend can serve this call.",
+            got=f"backends tried: {', '.join(AUTO_ORDER)}",
+            expected="at least one backend that serves the call",
+            fix="attnkit.explain(...) with the same arguments lists each backend's reason",
+        )
+    if not isinstance(backend, str) or backend not in _REGISTRY:
+        raise AttentionInputError(
+            where,
+            "backend",
+            f"unknown backend {backend!r}.",
+            got=f"backend={backend!r}",
+            expected=f"'auto' or one of {available_backends()}",
+            fix="backend='auto' picks the fastest backend that can serve the call",
+        )
+    chosen = _REGISTRY[backend]
+    reason = chosen.check(call)
+    if reason is not None:
+        raise AttentionInputError(
+            where,
+            "backend",
+            f"backend {backend!r} cannot serve this call: {reason}.",
+            got=f"backend={backend!r}",
+            expected="a backend that can serve the call (attnkit never falls back silently)",
+            fix="backend='auto' takes one that can; attnkit.explain(...) shows why",
+        )
+    return chosen
+
+
+def _register_builtin() -> None:
+    from attnkit.backends.blocked import BlockedBackend
+    from attnkit.backends.flex import FlexBackend
+    from attnkit.backends.math import MathBackend
+    from attnkit.backends.sdpa import SdpaBackend
+
+    for backend in (SdpaBackend(), MathBackend(), BlockedBackend(), FlexBackend()):
+        register_backend(backend)
 
 
 _register_builtin()

@@ -27,14 +27,11 @@ from typing import Any
 
 import torch
 
-from attnkit.backends import Mask
-from attnkit.backends.blocked_plan import block_states, spec_key
-from attnkit.masks import FULL, PARTIAL, MaskSpec
-from attnkit.masks import causal as causal_spec
+from attnkit.backends.base import Backend
+from attnkit.call import AttentionCall
+from attnkit.masks import FULL, PARTIAL, MaskSpec, block_states
 
-__all__ = ["BLOCK", "DESCRIPTION", "check", "note", "run"]
-
-DESCRIPTION = "torch's flex_attention, compiled once per mask and shape (inference only on CPU)"
+__all__ = ["BLOCK", "FlexBackend", "unavailable"]
 
 BLOCK = 128  #: flex_attention's block size
 CACHE_SIZE = 16
@@ -68,14 +65,8 @@ def _compiled() -> Callable[..., torch.Tensor]:
     return _COMPILED[0]
 
 
-def _spec(mask: Mask, causal: bool) -> MaskSpec | None:
-    if isinstance(mask, MaskSpec):
-        return mask
-    return causal_spec() if causal else None
-
-
 def _key(spec: MaskSpec | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Hashable:
-    skey = spec_key(spec) if spec is not None else ()
+    skey = spec.key() if spec is not None else ()
     # a spec attnkit cannot key by value is keyed by identity (the entry keeps it alive)
     ident = skey if skey is not None else ("id", id(spec))
     return (ident, tuple(q.shape), tuple(k.shape), v.shape[-1], q.dtype, q.device)
@@ -86,7 +77,7 @@ def _block_mask(spec: MaskSpec, B: int, H: int, L: int, S: int, device: torch.de
     from torch.nn.attention.flex_attention import BlockMask
 
     off = S - L
-    state = block_states(spec, L, S, BLOCK, 0, 0, off, device)  # (B', 1, nq, nk)
+    state = block_states(spec, L, S, BLOCK, device=device)  # (B', 1, nq, nk)
 
     def lists(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         num = sel.sum(-1).to(torch.int32)  # (B', 1, nq)
@@ -125,101 +116,75 @@ def _entry(spec: MaskSpec | None, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return entry
 
 
-def run(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mask: Mask,
-    causal: bool,
-    scale: float,
-    dropout_p: float,
-    return_weights: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    spec = _spec(mask, causal)
-    entry = _entry(spec, q, k, v)
-    fn = _compiled()
-    t0 = time.perf_counter()
-    # one kernel per shape and mask: let dynamo keep them all, and fail loudly rather than
-    # fall back to eager flex if it ever cannot
-    with torch._dynamo.config.patch(recompile_limit=256, fail_on_recompile_limit_hit=True):
-        out = fn(
-            q,
-            k,
-            v,
-            block_mask=entry.block_mask,
-            scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
-    if entry.seconds is None:
-        entry.seconds = time.perf_counter() - t0
-    entry.calls += 1
-    return out, None
+class FlexBackend(Backend):
+    name = "flex"
+    description = "torch's flex_attention, compiled once per mask and shape (inference only on CPU)"
+    fused = True
 
-
-def check(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mask: Mask,
-    causal: bool,
-    scale: float,
-    dropout_p: float,
-    return_weights: bool,
-) -> str | None:
-    reason = unavailable()
-    if reason is not None:
-        return reason
-    if return_weights:
-        return "flex_attention does not return the attention weights (return_weights=True)"
-    if dropout_p > 0.0:
-        return "flex_attention has no dropout (dropout_p > 0)"
-    if isinstance(mask, torch.Tensor):
-        return (
-            "it takes mask specs (attnkit.masks), which flex evaluates block by block; a dense "
-            "mask tensor gives it nothing to skip (sdpa or blocked serve it)"
-        )
-    if isinstance(mask, MaskSpec) and mask.has_bias:
-        return "score biases (has_bias) are not wired into flex's score_mod; blocked adds them"
-    if q.device.type == "cpu":
-        if q.dtype not in _CPU_DTYPES:
-            return f"flex_attention on CPU compiles float32, bfloat16 and float16, not {q.dtype}"
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            return (
-                f"torch {torch.__version__}'s flex_attention has no backward on CPU (a gradient "
-                "is needed); blocked trains with mask specs"
+    def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        q, k, v = call.q, call.k, call.v
+        entry = _entry(call.mask, q, k, v)
+        fn = _compiled()
+        t0 = time.perf_counter()
+        # one kernel per shape and mask: let dynamo keep them all, and fail loudly rather than
+        # fall back to eager flex if it ever cannot
+        with torch._dynamo.config.patch(recompile_limit=256, fail_on_recompile_limit_hit=True):
+            out = fn(
+                q,
+                k,
+                v,
+                block_mask=entry.block_mask,
+                scale=call.scale,
+                enable_gqa=call.grouped,
             )
-    L, S = q.shape[2], k.shape[2]
-    if L <= BLOCK and S <= BLOCK:
-        return (
-            f"L = {L} and S = {S} fit in one {BLOCK} x {BLOCK} block: flex has nothing to skip, "
-            "and would compile a kernel for this shape (seconds); sdpa or blocked serve it"
-        )
-    return None
+        if entry.seconds is None:
+            entry.seconds = time.perf_counter() - t0
+        entry.calls += 1
+        return out, None
 
+    def check(self, call: AttentionCall) -> str | None:
+        reason = unavailable()
+        if reason is not None:
+            return reason
+        if call.return_weights:
+            return "flex_attention does not return the attention weights (return_weights=True)"
+        if call.dropout_p > 0.0:
+            return "flex_attention has no dropout (dropout_p > 0)"
+        mask = call.mask
+        if mask is not None and mask.from_tensor:
+            return (
+                "it takes mask specs (attnkit.masks), which flex evaluates block by block; a "
+                "dense mask tensor gives it nothing to skip (sdpa or blocked serve it)"
+            )
+        if mask is not None and mask.has_bias:
+            return "score biases (has_bias) are not wired into flex's score_mod; blocked adds them"
+        q = call.q
+        if q.device.type == "cpu":
+            if q.dtype not in _CPU_DTYPES:
+                return f"flex on CPU compiles float32, bfloat16 and float16, not {q.dtype}"
+            if call.needs_grad:
+                return (
+                    f"torch {torch.__version__}'s flex_attention has no backward on CPU (a "
+                    "gradient is needed); blocked trains with mask specs"
+                )
+        L, S = call.dims.L, call.dims.S
+        if L <= BLOCK and S <= BLOCK:
+            return (
+                f"L = {L} and S = {S} fit in one {BLOCK} x {BLOCK} block: flex has nothing to "
+                "skip, and would compile a kernel for this shape (seconds); sdpa or blocked "
+                "serve it"
+            )
+        return None
 
-def note(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mask: Mask,
-    causal: bool,
-    scale: float,
-    dropout_p: float,
-    return_weights: bool,
-) -> str:
-    """Whether the kernel for this call is compiled, and what its compile took."""
-    if isinstance(mask, torch.Tensor):
-        return "no kernel (dense mask)"
-    entry = _CACHE.get(_key(_spec(mask, causal), q, k, v))
-    if entry is None or entry.seconds is None:
+    def note(self, call: AttentionCall) -> str:
+        """Whether the kernel for this call is compiled, and what its compile took."""
+        entry = _CACHE.get(_key(call.mask, call.q, call.k, call.v))
+        if entry is None or entry.seconds is None:
+            return (
+                "not compiled for this shape and mask yet: the first call compiles "
+                "(tens of seconds on a 2-core CPU), later calls run the cached kernel"
+            )
         return (
-            "not compiled for this shape and mask yet: the first call compiles "
-            "(tens of seconds on a 2-core CPU), later calls run the cached kernel"
+            f"compiled and cached for this shape and mask (the first call took "
+            f"{entry.seconds:.1f} s, compile included); {entry.calls} calls since"
         )
-    return (
-        f"compiled and cached for this shape and mask (the first call took "
-        f"{entry.seconds:.1f} s, compile included); {entry.calls} calls since"
-    )

@@ -13,60 +13,37 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attnkit.backends import Mask
-from attnkit.masks import MaskSpec, causal_mask
+from attnkit.backends.base import Backend
+from attnkit.call import AttentionCall
 
-DESCRIPTION = "reference: matmul, softmax, matmul in plain PyTorch (returns weights)"
-
-
-def run(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mask: Mask,
-    causal: bool,
-    scale: float,
-    dropout_p: float,
-    return_weights: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if isinstance(mask, MaskSpec):
-        raise TypeError("this backend takes dense masks; attnkit.attention materialises specs")
-    B, H, L, Dk = q.shape
-    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
-    G = H // Hkv
-    # Grouped-query heads without copying K/V: the G query heads of one key/value head are
-    # stacked along the length, so one matmul per key/value head serves all of them.
-    qg = q.reshape(B, Hkv, G * L, Dk)  # (B, Hkv, G*L, Dk)
-    scores = (qg @ k.transpose(-2, -1)).view(B, H, L, S) * scale  # (B, H, L, S)
-    if causal:
-        mask = causal_mask(L, S, device=q.device)  # (L, S)
-    if mask is not None and mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    elif mask is not None:
-        scores = scores + mask
-    # A query row with nothing to attend to is all -inf; softmax would give NaN. Give it
-    # scores of 0 (finite), then zero its weights, so its output and gradient are exactly 0.
-    row_ok = (scores > float("-inf")).any(dim=-1, keepdim=True)  # (B, H, L, 1)
-    weights = torch.where(row_ok, scores, 0.0).softmax(dim=-1)  # (B, H, L, S)
-    weights = torch.where(row_ok, weights, 0.0)
-    if dropout_p > 0.0:
-        weights = F.dropout(weights, p=dropout_p)
-    out = weights.view(B, Hkv, G * L, S) @ v  # (B, Hkv, G*L, Dv)
-    return out.view(B, H, L, Dv), (weights if return_weights else None)
+__all__ = ["MathBackend"]
 
 
-def check(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mask: Mask,
-    causal: bool,
-    scale: float,
-    dropout_p: float,
-    return_weights: bool,
-) -> str | None:
-    if isinstance(mask, MaskSpec):
-        raise TypeError("this backend takes dense masks; attnkit.attention materialises specs")
-    return None
+class MathBackend(Backend):
+    name = "math"
+    description = "reference: matmul, softmax, matmul in plain PyTorch (returns weights)"
+    priority = 10
+
+    def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        q, k, v = call.q, call.k, call.v
+        B, H, L, Dk = q.shape
+        Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+        G = H // Hkv
+        # Grouped-query heads without copying K/V: the G query heads of one key/value head are
+        # stacked along the length, so one matmul per key/value head serves all of them.
+        qg = q.reshape(B, Hkv, G * L, Dk)  # (B, Hkv, G*L, Dk)
+        scores = (qg @ k.transpose(-2, -1)).view(B, H, L, S) * call.scale  # (B, H, L, S)
+        mask = call.dense_mask()
+        if mask is not None and mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        elif mask is not None:
+            scores = scores + mask
+        # A query row with nothing to attend to is all -inf; softmax would give NaN. Give it
+        # scores of 0 (finite), then zero its weights, so its output and gradient are exactly 0.
+        row_ok = (scores > float("-inf")).any(dim=-1, keepdim=True)  # (B, H, L, 1)
+        weights = torch.where(row_ok, scores, 0.0).softmax(dim=-1)  # (B, H, L, S)
+        weights = torch.where(row_ok, weights, 0.0)
+        if call.dropout_p > 0.0:
+            weights = F.dropout(weights, p=call.dropout_p)
+        out = weights.view(B, Hkv, G * L, S) @ v  # (B, Hkv, G*L, Dv)
+        return out.view(B, H, L, Dv), (weights if call.return_weights else None)

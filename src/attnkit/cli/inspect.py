@@ -273,7 +273,7 @@ def _backend_verdict(name: str, dtype_name: str, device: str) -> str:
 
 def _band_kernel() -> str:
     """The blocked backend's kernel for causal sliding windows: built, or why not."""
-    from attnkit.backends import band
+    from attnkit.backends.blocked import band
 
     line = band.status()
     if band.build_seconds is not None:

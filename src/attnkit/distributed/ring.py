@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from attnkit.backends.blocked import backward_from_lse, forward_with_lse
+from attnkit.backends.blocked import backward_from_lse, forward_with_lse, merge
+from attnkit.backends.blocked.tiles import acc_dtype
 from attnkit.distributed import profile as _profile
 from attnkit.distributed.faults import (
     TAG_DKV,
@@ -55,8 +56,7 @@ from attnkit.distributed.faults import (
 )
 from attnkit.distributed.sharding import Chunk, Layout, group_rank_and_size
 from attnkit.errors import AttentionInputError
-from attnkit.masks import MaskSpec
-from attnkit.masks import causal as causal_spec
+from attnkit.masks import MaskSpec, as_spec
 from attnkit.validate import validate_attention
 
 __all__ = ["ring_attention"]
@@ -164,10 +164,6 @@ class _Plan:
         )
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _like(kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(kv[0]), torch.empty_like(kv[1])
 
@@ -177,23 +173,12 @@ def _rows(t: torch.Tensor, c: Chunk) -> torch.Tensor:
     return t.narrow(-2, c.local, c.length)
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lse_o: torch.Tensor) -> None:
-    """Fold a block's ``(o, lse_o)`` into the running ``(out, lse)`` in place (exact; ``o`` is
-    scaled in place too)."""
-    new = torch.logaddexp(lse, lse_o)  # (B, H, Lc); -inf where both saw nothing
-    base = torch.where(new.isinf(), 0.0, new)
-    out.mul_(torch.exp(lse - base).unsqueeze(-1)).add_(
-        o.mul_(torch.exp(lse_o - base).unsqueeze(-1))
-    )
-    lse.copy_(new)
-
-
 def _forward(
     plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All passes: out ``(B, H, Lq, Dv)`` and lse ``(B, H, Lq)`` in the accumulation dtype."""
     B, H, Lq, _ = q.shape
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     out = torch.zeros(B, H, Lq, v.shape[-1], dtype=acc, device=q.device)  # (B, H, Lq, Dv)
     lse = torch.full((B, H, Lq), float("-inf"), dtype=acc, device=q.device)  # (B, H, Lq)
     for part in range(len(plan.kv_groups)):
@@ -235,7 +220,7 @@ def _forward_pass(
                 L_total=plan.q_layout.total,
                 S_total=plan.k_layout.total,
             )
-            _merge(_rows(out, qc), lse.narrow(-1, qc.local, qc.length), o, lse_o)
+            merge(_rows(out, qc), lse.narrow(-1, qc.local, qc.length), o, lse_o)
         wait_s = plan.wait(
             works,
             f"receiving the K/V shard of rank {(src - 1) % plan.world} (forward step "
@@ -256,7 +241,7 @@ def _backward(
     dout: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """All passes: dq, dk, dv in the accumulation dtype."""
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H, Lq, Dk)
     if len(plan.kv_groups) == 1:
         dk, dv = _backward_pass(plan, q, k, v, out, lse, dout, dq)
@@ -286,7 +271,7 @@ def _backward_pass(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One trip of one head group's K/V (and their gradients) around the ring; adds into
     ``dq`` and returns this rank's dk, dv of the group."""
-    acc = _acc(q.dtype)
+    acc = acc_dtype(q.dtype)
     world = plan.world
     cur = (k.contiguous(), v.contiguous())
     spare: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -514,9 +499,7 @@ def ring_attention(
         timeout=td,
         where=WHERE,
     )
-    spec = mask
-    if causal:
-        spec = causal_spec() if mask is None else mask & causal_spec()
+    spec = as_spec(mask, causal)  # the one place the causal flag and a mask combine
     plan = _Plan(
         group,
         rank,

@@ -16,34 +16,11 @@ import torch
 from torch import nn
 
 from attnkit.errors import AttentionInputError, shape_str
-from attnkit.masks import MaskSpec, padding
+from attnkit.masks import MaskSpec, padding, sequence_causal
 
 __all__ = ["KVCache"]
 
 WHERE = "attnkit.KVCache"
-
-
-class _SequenceCausal(MaskSpec):
-    """The end-aligned causal rule per sequence: the last of the ``new`` queries of sequence
-    ``b`` stands at its last cached key, ``lengths[b] - 1``; keys past it are not seen."""
-
-    def __init__(self, lengths: torch.Tensor, new: int) -> None:
-        self.lengths = lengths  # (B,)
-        self.new = new
-        self.batch = lengths.shape[0]
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.lengths]
-
-    def allowed(self, b, h, q, kv, off):  # type: ignore[no-untyped-def]
-        return kv <= q + (self.lengths[b] - self.new)
-
-    def block_bounds(self, q_lo, q_hi, k_lo, k_hi, off):  # type: ignore[no-untyped-def]
-        start = (self.lengths - self.new).view(-1, 1, 1, 1)  # (B, 1, 1, 1): query 0's position
-        return k_lo <= q_hi + start, k_hi <= q_lo + start
-
-    def __repr__(self) -> str:
-        return f"sequence_causal(lengths={self.lengths.tolist()}, new={self.new})"
 
 
 class KVCache(nn.Module):
@@ -175,7 +152,7 @@ class KVCache(nn.Module):
         if self._uniform is not None:
             return None
         lengths = self.lengths.clone()
-        return _SequenceCausal(lengths, new) if causal else padding(lengths)
+        return sequence_causal(lengths, new) if causal else padding(lengths)
 
     def truncate(self, lengths: int | torch.Tensor) -> None:
         """Shorten sequences to ``lengths`` (int or ``(B,)``, at most the current lengths).

@@ -15,14 +15,13 @@ Dimension legend: B batch, H heads, L length, D head dim, E model width, P max p
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
 from torch import nn
 
 from attnkit.errors import AttentionInputError, shape_str
-from attnkit.masks import MaskSpec
+from attnkit.masks import alibi, alibi_slopes
 
 __all__ = ["LearnedPositions", "RotaryEmbedding", "alibi", "alibi_slopes"]
 
@@ -167,81 +166,6 @@ class RotaryEmbedding(nn.Module):
             a, b = rot[..., 0::2], rot[..., 1::2]  # (B, H, L, dim/2) each
             out = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
         return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
-
-
-def alibi_slopes(num_heads: int) -> torch.Tensor:
-    """The ALiBi head slopes ``(H,)`` of Press et al. (float64).
-
-    For ``H`` a power of 2 they are the geometric sequence ``2 ** (-8 (h + 1) / H)``; otherwise
-    the slopes of the closest smaller power of 2, ``n``, followed by every other slope of
-    ``2n`` heads, as in the paper's reference code.
-
-    >>> alibi_slopes(8).tolist()
-    [0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625, 0.0078125, 0.00390625]
-    """
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise AttentionInputError(
-            "attnkit.alibi_slopes",
-            "num_heads",
-            "`num_heads` must be an int >= 1.",
-            got=f"num_heads={num_heads!r}",
-            expected="an int >= 1",
-        )
-
-    def power_of_2(n: int) -> list[float]:
-        return [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]
-
-    n = 2 ** math.floor(math.log2(num_heads))
-    slopes = power_of_2(n) + power_of_2(2 * n)[0::2][: num_heads - n]
-    return torch.tensor(slopes, dtype=torch.float64)
-
-
-class _ALiBi(MaskSpec):
-    """Every pair allowed; score bias ``-slope_h * |q + off - kv|`` (position distance)."""
-
-    has_bias = True
-
-    def __init__(self, num_heads: int, device: torch.device | str | None) -> None:
-        self.heads = num_heads
-        self.slopes = alibi_slopes(num_heads).to(device=device)  # (H,) float64
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.slopes]
-
-    def allowed(self, b, h, q, kv, off):  # type: ignore[no-untyped-def]
-        return (q + off - kv) == (q + off - kv)  # all True, broadcast to (..., nq, nk)
-
-    def bias(self, b, h, q, kv, off):  # type: ignore[no-untyped-def]
-        distance = (q + off - kv).abs()  # q stands at key position q + off
-        return -self.slopes[h] * distance  # float64; a backend casts it to q's dtype
-
-    def block_bounds(self, q_lo, q_hi, k_lo, k_hi, off):  # type: ignore[no-untyped-def]
-        every = torch.ones(q_lo.shape[0], k_lo.shape[1], dtype=torch.bool, device=q_lo.device)
-        return every[None, None], every[None, None]
-
-    def __repr__(self) -> str:
-        return f"alibi({self.heads})"
-
-
-def alibi(num_heads: int, *, device: torch.device | str | None = None) -> MaskSpec:
-    """ALiBi (Press et al.): a mask spec that allows every pair and biases the scores.
-
-    Query ``i`` of ``L`` stands at key position ``i + S - L`` (end-aligned, as every spec);
-    head ``h`` adds ``-slope_h * |i + S - L - j|`` to the scaled score of key ``j``
-    (:func:`alibi_slopes`). For a decoder combine it with the causal rule,
-    ``alibi(H) & causal()``: then the distance is never negative and the bias is the paper's
-    ``-slope_h * (i - j)``. A backend that takes specs adds the bias block by block, never
-    building ``L x S``; the others get one float mask ``(1, H, L, S)`` of q's dtype (-inf where
-    blocked). ALiBi combines with ``&`` only (not ``|`` or ``~``), and needs ``H`` query heads.
-
-    >>> import attnkit
-    >>> from attnkit.masks import causal
-    >>> q = k = v = torch.randn(1, 4, 6, 8)
-    >>> attnkit.attention(q, k, v, mask=alibi(4) & causal()).shape
-    torch.Size([1, 4, 6, 8])
-    """
-    alibi_slopes(num_heads)  # validates num_heads
-    return _ALiBi(num_heads, device)
 
 
 class LearnedPositions(nn.Module):

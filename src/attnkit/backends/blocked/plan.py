@@ -1,4 +1,4 @@
-"""Plans for the ``blocked`` backend: which query rows meet which keys, in few kernel calls.
+"""The ``blocked`` backend's tile planner: which query rows meet which keys, in few kernel calls.
 
 Dimension legend: B batch, H query heads, L query length, S key length, R query rows per tile,
 W keys per call, n tiles per call; ``g`` is the grain of the block map (32 unless L x S is huge).
@@ -24,34 +24,14 @@ follows the partial blocks (about ``L x 2g`` for a band), never ``L x S``.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
 
-from attnkit.masks import EMPTY, FULL, MaskSpec
+from attnkit.backends.blocked.config import BlockedConfig
+from attnkit.masks import EMPTY, FULL, MaskSpec, block_states
 
-__all__ = ["Call", "Plan", "make_plan", "spec_key"]
-
-GRAIN = 32  #: block map grain (rows and keys); grows for huge maps, see :func:`_grain`
-MAX_MAP = 1 << 22  #: block map entries (B' x H' x nq x nk) before the grain doubles
-EMPTY_SPLIT = 2  #: a run of at least this many empty key blocks splits a row's keys
-FULL_SPLIT = 16  #: a run of at least this many full key blocks gets its own unmasked call
-WIDEN_WASTE = 0.05  #: extra work allowed to widen narrow masked items into a common width
-TILE_MASK_CAP = 1 << 22  #: mask elements (R x W) of one masked item before a tile is split
-STORE_BUDGET = 1 << 26  #: mask elements a plan keeps; beyond it masks are built per call
-#: relative cost per (query, key) pair by tile height R: torch's fused CPU kernel splits the
-#: queries of a call in 32 rows below 192, 64 below 768, 256 above (measured on 2 cores)
-KERNEL_COST = ((192, 1.3), (768, 1.1), (1 << 62, 1.0))
-#: overhead of one kernel call (Python, views, merge) in seconds, the machine's assumed
-#: attention throughput and memory bandwidth, to weigh calls and traffic against pairs in
-#: :func:`_choose_rows`
-CALL_SECONDS = 200e-6
-FLOPS = 5e10
-BANDWIDTH = 3e9
-#: the backward kernel writes (and zeroes) the key and value gradients of every tile, and
-#: they are read back to be summed: bytes moved per key row of a tile, per (Dk + Dv) and head
-BACKWARD_KEY_BYTES = 16
+__all__ = ["Call", "Plan", "allowed", "make_plan", "tile_index"]
 
 
 @dataclass
@@ -111,59 +91,11 @@ class Plan:
         return sum(c.pairs for c in self.calls)
 
 
-def spec_key(spec: MaskSpec) -> Hashable | None:
-    """A key that identifies ``spec`` for caching plans, or ``None`` when it cannot be cached.
-
-    Only specs built entirely from :mod:`attnkit.masks` are cached: their ``repr`` names every
-    parameter but tensors, and tensors enter by identity and version (the cache holds them, so
-    an identity is never reused while the entry lives; an in-place edit bumps the version).
-    """
-    stack: list[MaskSpec] = [spec]
-    while stack:
-        node = stack.pop()
-        if type(node).__module__ != MaskSpec.__module__:
-            return None
-        stack.extend(x for x in getattr(node, "__dict__", {}).values() if isinstance(x, MaskSpec))
-    return (repr(spec), tuple((id(t), t._version) for t in spec.tensors()))
-
-
-def _grain(n_maps: int, L: int, S: int) -> int:
-    g = GRAIN
-    while n_maps * math.ceil(L / g) * math.ceil(S / g) > MAX_MAP:
+def _grain(cfg: BlockedConfig, n_maps: int, L: int, S: int) -> int:
+    g = cfg.grain
+    while n_maps * math.ceil(L / g) * math.ceil(S / g) > cfg.max_map:
         g *= 2
     return g
-
-
-def block_states(
-    spec: MaskSpec,
-    L: int,
-    S: int,
-    g: int,
-    q_start: int,
-    k_start: int,
-    off: int,
-    device: torch.device,
-) -> torch.Tensor:
-    """``(B', H', nq, nk)`` uint8 block states of ``spec`` over local rows and keys, in ``g``
-    blocks, evaluated at global positions ``q_start + i`` and ``k_start + j``."""
-    q_lo = torch.arange(0, L, g, device=device)
-    k_lo = torch.arange(0, S, g, device=device)
-    q_hi = torch.clamp(q_lo + g, max=L) - 1
-    k_hi = torch.clamp(k_lo + g, max=S) - 1
-    any_, all_ = spec.block_bounds(
-        (q_lo + q_start)[:, None],
-        (q_hi + q_start)[:, None],
-        (k_lo + k_start)[None, :],
-        (k_hi + k_start)[None, :],
-        off,
-    )
-    # (torch.broadcast_shapes would import sympy on first use: seconds)
-    dims = [(1,) * (4 - t.dim()) + tuple(t.shape) for t in (any_, all_)]
-    shape = (*(max(a, b) for a, b in zip(*dims, strict=True)),)
-    shape = (*shape[:2], len(q_lo), len(k_lo))
-    any_, all_ = any_.expand(shape), all_.expand(shape)
-    state = torch.where(all_ & any_, FULL, torch.where(any_, 1, EMPTY))
-    return state.to(torch.uint8)
 
 
 def _coarsen(state: torch.Tensor, f: int) -> torch.Tensor:
@@ -192,11 +124,13 @@ def _runs(state: torch.Tensor) -> list[list[tuple[int, int, int]]]:
     return out
 
 
-def _segments(runs: list[tuple[int, int, int]]) -> tuple[tuple[int, int, bool], ...]:
+def _segments(
+    runs: list[tuple[int, int, int]], cfg: BlockedConfig
+) -> tuple[tuple[int, int, bool], ...]:
     """``(first block, end block, masked)`` per segment of one row's keys (see module doc)."""
     groups: list[list[tuple[int, int, int]]] = [[]]
     for run in runs:
-        if run[2] == EMPTY and run[1] - run[0] >= EMPTY_SPLIT:
+        if run[2] == EMPTY and run[1] - run[0] >= cfg.empty_split:
             groups.append([])
         else:
             groups[-1].append(run)
@@ -208,7 +142,7 @@ def _segments(runs: list[tuple[int, int, int]]) -> tuple[tuple[int, int, bool], 
             group.pop()
         pending: list[tuple[int, int, int]] = []
         for run in [*group, (0, 0, -1)]:  # a sentinel flushes the last pending runs
-            long_full = run[2] == FULL and run[1] - run[0] >= FULL_SPLIT
+            long_full = run[2] == FULL and run[1] - run[0] >= cfg.full_split
             if (long_full or run[2] == -1) and pending:
                 masked = any(p[2] != FULL for p in pending)
                 segs.append((pending[0][0], pending[-1][1], masked))
@@ -220,17 +154,19 @@ def _segments(runs: list[tuple[int, int, int]]) -> tuple[tuple[int, int, bool], 
     return tuple(segs)
 
 
-def _kernel_cost(R: int) -> float:
-    return next(c for limit, c in KERNEL_COST if limit > R)
+def _kernel_cost(cfg: BlockedConfig, R: int) -> float:
+    return next(c for limit, c in cfg.kernel_cost if limit > R)
 
 
-def _choose_rows(state: torch.Tensor, g: int, pair_flops: float, key_bytes: float) -> int:
+def _choose_rows(
+    cfg: BlockedConfig, state: torch.Tensor, g: int, pair_flops: float, key_bytes: float
+) -> int:
     """The tile height R (a multiple of ``g``) with the least estimated cost: pairs computed,
     weighted by how well the fused kernel runs tiles of R rows, plus a cost per call and per
     key row a tile moves through memory (``key_bytes``; the backward's tile gradients)."""
     best, best_cost = g, math.inf
-    call_pairs = CALL_SECONDS * FLOPS / max(pair_flops, 1.0)
-    key_pairs = key_bytes / BANDWIDTH * FLOPS / max(pair_flops, 1.0)
+    call_pairs = cfg.call_seconds * cfg.flops / max(pair_flops, 1.0)
+    key_pairs = key_bytes / cfg.bandwidth * cfg.flops / max(pair_flops, 1.0)
     for f in (1, 2, 4, 8):
         if f > 1 and (f // 2) >= state.shape[0]:  # taller tiles than the rows there are
             break
@@ -246,7 +182,7 @@ def _choose_rows(state: torch.Tensor, g: int, pair_flops: float, key_bytes: floa
         width, step = last - first, first.diff(prepend=first[:1])
         same = (width[1:] == width[:-1]) & (step[1:] == step[:-1])
         calls = 1 + int((~same).sum())
-        cost = pairs * (_kernel_cost(R) + key_pairs / R) + calls * call_pairs
+        cost = pairs * (_kernel_cost(cfg, R) + key_pairs / R) + calls * call_pairs
         if cost < best_cost:
             best, best_cost = R, cost
     return best
@@ -264,10 +200,10 @@ class _Item:
     alone: bool  #: the tile's only segment (its key window may grow without counting twice)
 
 
-def _items(state: torch.Tensor, g: int, R: int, L: int, S: int) -> list[_Item]:
+def _items(cfg: BlockedConfig, state: torch.Tensor, g: int, R: int, L: int, S: int) -> list[_Item]:
     """Tiles of one map row (rows with identical segments merged) and their segments."""
     coarse = _coarsen(state, R // g)
-    segs_per_row = [_segments(r) for r in _runs(coarse)]
+    segs_per_row = [_segments(r, cfg) for r in _runs(coarse)]
     items: list[_Item] = []
     tile = -1
     row = 0
@@ -278,7 +214,7 @@ def _items(state: torch.Tensor, g: int, R: int, L: int, S: int) -> list[_Item]:
         while (
             end < len(segs_per_row)
             and segs_per_row[end] == segs
-            and (end + 1 - row) * R * widest <= TILE_MASK_CAP
+            and (end + 1 - row) * R * widest <= cfg.tile_mask_cap
         ):
             end += 1
         q0, q1 = row * R, min(end * R, L)
@@ -299,9 +235,9 @@ def _extends(c: Call, it: _Item) -> bool:
     return it.q0 == c.q0 + c.n * c.q_step and it.k0 == c.k0 + c.n * c.k_step
 
 
-def _widen(items: list[_Item], S: int, call_pairs: float) -> list[_Item]:
+def _widen(cfg: BlockedConfig, items: list[_Item], S: int, call_pairs: float) -> list[_Item]:
     """Give narrow masked items the most common width of their kind where the work that adds
-    is small (:data:`WIDEN_WASTE`) or costs less than the calls it saves: the clipped first
+    is small (``widen_waste``) or costs less than the calls it saves: the clipped first
     tiles of a band then run in one call."""
     out = list(items)
     kinds: dict[tuple[bool, int], list[int]] = {}
@@ -314,7 +250,7 @@ def _widen(items: list[_Item], S: int, call_pairs: float) -> list[_Item]:
         narrow = [i for i in idx if common > items[i].W]
         extra = sum(items[i].R * (common - items[i].W) for i in narrow)
         allowed = max(
-            WIDEN_WASTE * sum(items[i].R * items[i].W for i in idx), len(narrow) * call_pairs
+            cfg.widen_waste * sum(items[i].R * items[i].W for i in idx), len(narrow) * call_pairs
         )
         if not narrow or extra > allowed:
             continue
@@ -326,11 +262,16 @@ def _widen(items: list[_Item], S: int, call_pairs: float) -> list[_Item]:
 
 
 def _calls(
-    items: list[_Item], b: int | None, h: int | None, S: int, call_pairs: float
+    cfg: BlockedConfig,
+    items: list[_Item],
+    b: int | None,
+    h: int | None,
+    S: int,
+    call_pairs: float,
 ) -> list[Call]:
     """Batch items of one shape whose query and key starts step evenly into calls."""
     order = sorted(
-        _widen(items, S, call_pairs),
+        _widen(cfg, items, S, call_pairs),
         key=lambda it: (not it.first, it.masked, it.W, it.R, it.q0, it.k0),
     )
     calls: list[Call] = []
@@ -365,10 +306,10 @@ def allowed(plan: Plan, c: Call, start: int, stop: int, device: torch.device) ->
     return ok.expand(stop - start, c.R, c.W)
 
 
-def _fill_masks(plan: Plan, device: torch.device) -> None:
+def _fill_masks(cfg: BlockedConfig, plan: Plan, device: torch.device) -> None:
     """Evaluate the masks of the masked calls: one per call when the spec is shift-invariant
-    over its tiles, else one per tile; beyond :data:`STORE_BUDGET` they are built per call."""
-    budget = STORE_BUDGET
+    over its tiles, else one per tile; beyond ``store_budget`` they are built per call."""
+    budget = cfg.store_budget
     for c in plan.calls:
         if not c.masked:
             continue
@@ -404,6 +345,7 @@ def make_plan(
     pair_flops: float,
     key_bytes: float,
     device: torch.device,
+    cfg: BlockedConfig,
 ) -> Plan:
     """The calls that cover ``L`` query rows against ``S`` keys under ``spec`` (None: all).
 
@@ -412,22 +354,25 @@ def make_plan(
     is chosen: the backward, whose tiles' key gradients overlap, plans taller tiles.
     """
     if L == 0 or S == 0:
-        return Plan([], spec, L, S, q_start, k_start, off, GRAIN, GRAIN, 1.0)
+        return Plan([], spec, L, S, q_start, k_start, off, cfg.grain, cfg.grain, 1.0)
     if spec is None:
         call = Call(None, None, 1, L, S, 0, L, 0, 0, masked=False, first=True)
-        return Plan([call], None, L, S, q_start, k_start, off, GRAIN, L, 0.0, 1, True)
-    g = _grain((spec.batch or 1) * (spec.heads or 1), L, S)
-    state = block_states(spec, L, S, g, q_start, k_start, off, device)  # (B', H', nq, nk)
+        return Plan([call], None, L, S, q_start, k_start, off, cfg.grain, L, 0.0, 1, True)
+    g = _grain(cfg, (spec.batch or 1) * (spec.heads or 1), L, S)
+    state = block_states(  # (B', H', nq, nk)
+        spec, L, S, g, q_start=q_start, k_start=k_start, off=off, device=device
+    )
     Bm, Hm = state.shape[0], state.shape[1]
     calls: list[Call] = []
     rows = g
     for bi in range(Bm):
         for hi in range(Hm):
             s = state[bi, hi]
-            rows = _choose_rows(s, g, pair_flops / (Bm * Hm), key_bytes / (Bm * Hm))
-            items = _items(s, g, rows, L, S)
-            call_pairs = CALL_SECONDS * FLOPS * Bm * Hm / max(pair_flops, 1.0)
-            calls += _calls(items, bi if Bm > 1 else None, hi if Hm > 1 else None, S, call_pairs)
+            rows = _choose_rows(cfg, s, g, pair_flops / (Bm * Hm), key_bytes / (Bm * Hm))
+            items = _items(cfg, s, g, rows, L, S)
+            call_pairs = cfg.call_seconds * cfg.flops * Bm * Hm / max(pair_flops, 1.0)
+            b, h = (bi if Bm > 1 else None), (hi if Hm > 1 else None)
+            calls += _calls(cfg, items, b, h, S, call_pairs)
     empty = float((state == EMPTY).float().mean())
     written = sum(c.n * c.R for c in calls if c.first)
     plan = Plan(
@@ -445,5 +390,5 @@ def make_plan(
         written == L * Bm * Hm,
         tuple(spec.tensors()),
     )
-    _fill_masks(plan, device)
+    _fill_masks(cfg, plan, device)
     return plan

@@ -24,12 +24,13 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 import torch
 
-__all__ = ["available", "backward", "build", "forward", "main", "status"]
+__all__ = ["BandPlan", "available", "backward", "build", "forward", "main", "plan", "status"]
 
 #: set to "0" to keep the blocked backend on torch's kernel for bands
 ENV = "ATTNKIT_BAND_KERNEL"
@@ -65,7 +66,7 @@ def build() -> Any:
         try:
             from torch.utils.cpp_extension import load_inline
 
-            source = resources.files("attnkit.backends").joinpath("csrc/band_window.cpp")
+            source = resources.files("attnkit.backends.blocked").joinpath("csrc/band_window.cpp")
             t0 = time.perf_counter()
             _module = load_inline(  # type: ignore[no-untyped-call]
                 name=NAME,
@@ -97,35 +98,58 @@ def status() -> str:
     return f"torch's fused kernel (attnkit's band kernel is off: {_reason})"
 
 
-def _refuses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """Why the kernel cannot take these tensors, or ``None``."""
+@dataclass(frozen=True)
+class BandPlan:
+    """Whether the band kernel serves one call: decided once, read by the forward, the backward
+    and :func:`attnkit.explain`.
+
+    ``window`` is the causal window when the mask is exactly ``causal() & sliding_window(w)``
+    over the whole sequence (else ``None``: not a band); ``reason`` is ``None`` when the kernel
+    runs the band, else why not (in explain's words).
+    """
+
+    window: int | None
+    reason: str | None
+
+    @property
+    def serves(self) -> bool:
+        return self.window is not None and self.reason is None
+
+
+NOT_A_BAND = BandPlan(None, "not a causal sliding window over the whole sequence")
+
+
+def plan(window: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> BandPlan:
+    """The band decision for a whole-sequence call whose mask is a causal window ``window``."""
+    if window is None:
+        return NOT_A_BAND
     if q.device.type != "cpu":
-        return f"attnkit's band kernel is CPU-only (q is on {q.device.type})"
+        return BandPlan(window, f"attnkit's band kernel is CPU-only (q is on {q.device.type})")
     if not q.dtype == k.dtype == v.dtype == torch.float32:
-        return f"attnkit's band kernel is float32-only (q is {q.dtype}): torch's fused kernel runs"
+        return BandPlan(
+            window,
+            f"attnkit's band kernel is float32-only (q is {q.dtype}): torch's fused kernel runs",
+        )
     if not q.shape == k.shape == v.shape:
-        return "attnkit's band kernel needs q, k, v of one shape (L = S, H = Hkv, Dk = Dv)"
-    return None
+        return BandPlan(
+            window, "attnkit's band kernel needs q, k, v of one shape (L = S, H = Hkv, Dk = Dv)"
+        )
+    return BandPlan(window, None if build() is not None else status())
 
 
-def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the kernel takes these tensors (then :func:`forward` may be called)."""
-    return _refuses(q, k, v) is None and available()
-
-
-def status_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
-    """Why the kernel does not take these tensors (or that it does)."""
-    return _refuses(q, k, v) or status()
+def _kernel() -> Any:
+    if _module is None:
+        raise RuntimeError(f"the band kernel is not loaded: {status()}")
+    return _module
 
 
 def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``out (B, H, L, D)`` and natural-log ``lse (B, H, L)``, float32, of causal sliding-window
-    attention with window ``w`` (query ``i`` sees keys ``i - w < j <= i``)."""
-    module = build()
-    assert module is not None, status()
-    out, lse = module.band_forward(q, k, v, int(window), float(scale))
+    attention with window ``w`` (query ``i`` sees keys ``i - w < j <= i``). Call only where
+    :func:`plan` says the kernel serves."""
+    out, lse = _kernel().band_forward(q, k, v, int(window), float(scale))
     return out, lse
 
 
@@ -141,9 +165,7 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv (B, H, L, D)`` float32: the flash-attention backward of :func:`forward`,
     given its (final) ``out`` and ``lse``."""
-    module = build()
-    assert module is not None, status()
-    dq, dk, dv = module.band_backward(q, k, v, out, dout, lse, int(window), float(scale))
+    dq, dk, dv = _kernel().band_backward(q, k, v, out, dout, lse, int(window), float(scale))
     return dq, dk, dv
 
 

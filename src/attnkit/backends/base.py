@@ -1,0 +1,50 @@
+"""What a backend is: a class with ``run``, ``check``, ``rule`` and ``note`` on one call.
+
+See :mod:`attnkit.backends` for how the dispatcher uses them and how to add one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnkit.call import AttentionCall
+
+__all__ = ["Backend"]
+
+
+class Backend:
+    """Base class of every backend; subclass it, set the class attributes, register an instance.
+
+    Class attributes:
+        name: what ``attention(..., backend=name)`` selects.
+        description: one line for :func:`attnkit.explain` and ``attnkit doctor``.
+        priority: ``auto`` tries backends from the highest priority down; ``None`` keeps the
+            backend out of ``auto`` (used only when named).
+        fused: it never materialises the ``(B, H, L, S)`` scores (for traces and docs).
+
+    Every method takes the validated :class:`~attnkit.AttentionCall` and nothing else.
+    """
+
+    name: str = ""
+    description: str = ""
+    priority: int | None = None
+    fused: bool = False
+
+    def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(out (B, H, L, Dv), weights (B, H, L, S) or None)``. Called only after
+        :meth:`check` passed; never validates again and never falls back to another backend."""
+        raise NotImplementedError
+
+    def check(self, call: AttentionCall) -> str | None:
+        """``None`` when this backend can serve the call, else the reason it cannot (shown by
+        :func:`attnkit.explain`, and in the error when the backend was named)."""
+        return None
+
+    def rule(self, call: AttentionCall) -> tuple[bool, str] | None:
+        """``auto``'s rule for this backend: ``(fires, why)``, or ``None`` for no rule (it is
+        taken wherever :meth:`check` passes and no backend of higher priority was)."""
+        return None
+
+    def note(self, call: AttentionCall) -> str | None:
+        """An extra line for :func:`attnkit.explain` (a plan, a compile state), or ``None``."""
+        return None

@@ -1,0 +1,155 @@
+"""The ``blocked`` backend: exact attention that visits only the blocks a mask leaves non-empty.
+
+Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
+Dk query/key head dim, Dv value head dim.
+
+The package, in the order a call goes through it:
+
+* ``__init__`` (here): the backend (``check``, ``rule``, ``note``, ``run``) and the autograd
+  function, which plans once and hands the same plan to the forward and the backward;
+* ``blocks``: :func:`plan_blocks` (band kernel or tiles) and the public block functions
+  :func:`forward_with_lse` / :func:`backward_from_lse`, which ring attention builds on;
+* ``plan``: the tile planner, reading the spec's block map (:func:`attnkit.masks.block_states`);
+  its knobs are one frozen :class:`~attnkit.backends.blocked.config.BlockedConfig`
+  (``config``), part of every plan's cache key;
+* ``tiles``: the tile kernels (torch's fused CPU flash kernel, or matmul), their launches over
+  ``as_strided`` views, and :func:`~attnkit.backends.blocked.tiles.merge` (the log-sum-exp
+  rule, shared with ring attention);
+* ``band`` and ``csrc/band_window.cpp``: attnkit's own AVX2 kernel for causal sliding windows,
+  forward and backward in one pass each.
+
+Training keeps q, k, v, the output and ``lse (B, H, L)``: memory grows with L, not L x S.
+Grouped-query heads go to the kernels as they are (``Hkv`` heads, never repeated). A query row
+with nothing to attend to gets output 0, log-sum-exp ``-inf`` and gradient 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from attnkit.backends.base import Backend
+from attnkit.backends.blocked import band
+from attnkit.backends.blocked.blocks import (
+    BlockPlan,
+    backward_from_lse,
+    clear_plans,
+    forward_with_lse,
+    plan_blocks,
+)
+from attnkit.backends.blocked.config import BlockedConfig, configure, current
+from attnkit.backends.blocked.tiles import fused, merge
+from attnkit.call import AttentionCall
+
+__all__ = [
+    "BlockPlan",
+    "BlockedBackend",
+    "BlockedConfig",
+    "backward_from_lse",
+    "clear_plans",
+    "configure",
+    "forward_with_lse",
+    "merge",
+    "plan_blocks",
+]
+
+
+class _BlockedAttention(torch.autograd.Function):
+    """Autograd over :func:`forward_with_lse` / :func:`backward_from_lse` with one plan: saves
+    q, k, v, the output and ``lse (B, H, L)``, nothing of size L x S."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        plan: BlockPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        out, lse = forward_with_lse(q, k, v, mask=plan.mask, scale=scale, plan=plan)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.scale = plan, scale
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        plan: BlockPlan = ctx.plan
+        dq, dk, dv = backward_from_lse(
+            q, k, v, out, dout, lse, mask=plan.mask, scale=ctx.scale, plan=plan
+        )
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+class BlockedBackend(Backend):
+    name = "blocked"
+    description = (
+        "block-sparse online softmax: visits only non-empty blocks of a mask spec, "
+        "torch's fused kernel per block (attnkit's own for causal windows), own backward "
+        "(memory grows with L)"
+    )
+    priority = 30
+    fused = True
+
+    def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        q, k, v = call.q, call.k, call.v
+        plan = plan_blocks(q, k, v, call.mask)
+        if call.needs_grad:
+            out: torch.Tensor = _BlockedAttention.apply(q, k, v, plan, call.scale)  # type: ignore[no-untyped-call]
+            return out, None
+        out, _ = forward_with_lse(q, k, v, mask=call.mask, scale=call.scale, plan=plan)
+        return out.to(q.dtype), None
+
+    def check(self, call: AttentionCall) -> str | None:
+        if call.return_weights:
+            return "it never forms the attention weights (return_weights=True)"
+        if call.dropout_p > 0.0:
+            return "it has no dropout (dropout_p > 0)"
+        if call.mask_needs_grad:
+            return "it does not differentiate a float mask"
+        return None
+
+    def rule(self, call: AttentionCall) -> tuple[bool, str]:
+        """auto takes ``blocked`` for a mask spec on a problem of at least ``min_pairs``."""
+        spec = call.mask
+        if spec is None or spec.from_tensor or call.causal:
+            return False, "auto takes it for mask specs only"
+        L, S = call.dims.L, call.dims.S
+        pairs = current().min_pairs
+        if pairs > L * S:
+            return False, (
+                f"L x S = {L} x {S} is below {pairs} pairs, where one fused call on the "
+                "materialised mask costs less"
+            )
+        return True, (
+            f"a mask spec and L x S >= {pairs}: blocked visits only its non-empty blocks "
+            "and never builds the L x S mask"
+        )
+
+    def note(self, call: AttentionCall) -> str:
+        """The plan in one line, for :func:`attnkit.explain`."""
+        if call.mask is not None and call.mask.from_tensor:  # planning reads the whole mask
+            return "a dense mask: its empty blocks are found when it runs (one pass over the mask)"
+        q, k, v = call.q, call.k, call.v
+        plan = plan_blocks(q, k, v, call.mask)
+        w = plan.band.window
+        if plan.band.serves:
+            return (
+                f"causal sliding window {w}: forward and backward run {band.status()} "
+                "(one pass each, no tiles)"
+            )
+        prefix = "" if w is None else f"causal sliding window {w} ({plan.band.reason}): "
+        tiles = plan.tiles(q, k, v)
+        L, S = call.dims.L, call.dims.S
+        done = tiles.computed_pairs / tiles.maps
+        kernel = "torch's fused flash kernel" if fused(q, v) else "matmul kernel"
+        return prefix + (
+            f"{len(tiles.calls)} kernel calls ({kernel}), tiles of {tiles.rows} rows; "
+            f"{tiles.empty_fraction:.1%} of {tiles.grain}x{tiles.grain} blocks empty; "
+            f"computes {done / max(L * S, 1):.1%} of the L x S pairs"
+        )

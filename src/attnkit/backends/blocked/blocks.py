@@ -1,0 +1,193 @@
+"""One (query slice, key slice) block of attention with its log-sum-exp: the ``blocked``
+backend's forward and backward, public because ring attention merges them across devices.
+
+Dimension legend: B batch, H query heads, Hkv key/value heads, Lq query rows of the block, Sk
+keys of the block, Dk query/key head dim, Dv value head dim.
+
+:func:`plan_blocks` decides, once per call, how a block runs: attnkit's band kernel
+(:mod:`~attnkit.backends.blocked.band`) when the mask is a causal window over the whole
+sequence and the kernel takes the tensors, else tiles of torch's fused kernel over the non-empty
+blocks of the mask (:mod:`~attnkit.backends.blocked.plan`, cached per spec key, sizes and
+config). :func:`forward_with_lse`, :func:`backward_from_lse` and ``explain`` read that decision.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from attnkit.backends.blocked import band, tiles
+from attnkit.backends.blocked.band import BandPlan
+from attnkit.backends.blocked.config import current
+from attnkit.backends.blocked.plan import Plan, make_plan
+from attnkit.masks import MaskSpec, causal_window
+
+__all__ = ["BlockPlan", "backward_from_lse", "clear_plans", "forward_with_lse", "plan_blocks"]
+
+_PLANS: OrderedDict[Hashable, Plan] = OrderedDict()
+
+
+def clear_plans() -> None:
+    """Forget every cached tile plan."""
+    _PLANS.clear()
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """How one block runs: the band kernel (``band.serves``) or tiles (:meth:`tiles`)."""
+
+    mask: MaskSpec | None
+    q_start: int
+    k_start: int
+    off: int  #: ``S_total - L_total``: the end-aligned offset of the whole sequence
+    band: BandPlan
+
+    def tiles(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backward: bool = False
+    ) -> Plan:
+        """The tile plan for these tensors (cached when the spec has a key)."""
+        cfg = current()
+        B, H, L, Dk = q.shape
+        Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+        skey = self.mask.key() if self.mask is not None else ()
+        key: Hashable = (cfg, skey, L, S, self.q_start, self.k_start, self.off)
+        key = (key, B, H, Hkv, Dk, Dv, q.device, backward)
+        if skey is not None and key in _PLANS:
+            _PLANS.move_to_end(key)
+            return _PLANS[key]
+        plan = make_plan(
+            self.mask,
+            L=L,
+            S=S,
+            q_start=self.q_start,
+            k_start=self.k_start,
+            off=self.off,
+            batch=B,
+            heads=H,
+            pair_flops=(5.0 if backward else 2.0) * B * H * (Dk + Dv),
+            key_bytes=cfg.backward_key_bytes * B * Hkv * (Dk + Dv) if backward else 0.0,
+            device=q.device,
+            cfg=cfg,
+        )
+        if skey is not None:
+            _PLANS[key] = plan
+            while len(_PLANS) > cfg.plan_cache_size:
+                _PLANS.popitem(last=False)
+        return plan
+
+
+def plan_blocks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: MaskSpec | None,
+    q_start: int = 0,
+    k_start: int = 0,
+    L_total: int | None = None,
+    S_total: int | None = None,
+) -> BlockPlan:
+    """Decide how the block of ``q`` against ``k``/``v`` runs (see the module docstring)."""
+    L, S = q.shape[2], k.shape[2]
+    L_total = L if L_total is None else L_total
+    S_total = S if S_total is None else S_total
+    whole = q_start == 0 and k_start == 0 and (L_total, S_total) == (L, S)
+    window = causal_window(mask) if whole else None
+    return BlockPlan(mask, q_start, k_start, S_total - L_total, band.plan(window, q, k, v))
+
+
+def forward_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: MaskSpec | None,
+    scale: float,
+    q_start: int = 0,
+    k_start: int = 0,
+    L_total: int | None = None,
+    S_total: int | None = None,
+    plan: BlockPlan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a slice of queries against a slice of keys, with its log-sum-exp.
+
+    Args:
+        q: ``(B, H, Lq, Dk)``, the queries at global positions ``q_start .. q_start + Lq - 1``
+            of a sequence of ``L_total`` queries (default ``Lq``).
+        k: ``(B, Hkv, Sk, Dk)``, the keys at global positions ``k_start ..`` of ``S_total``
+            (default ``Sk``). ``H % Hkv == 0``; K/V are never repeated per query head.
+        v: ``(B, Hkv, Sk, Dv)``.
+        mask: a spec from :mod:`attnkit.masks` evaluated at the *global* positions with
+            ``off = S_total - L_total`` (end-aligned, as everywhere in attnkit), or ``None``.
+        scale: multiplies ``q @ k^T``.
+        plan: the decision of :func:`plan_blocks` for these arguments, when already made.
+
+    Returns:
+        ``out (B, H, Lq, Dv)`` and ``lse (B, H, Lq)``, both float32 (float64 when q is
+        float64): the softmax over this block's keys only. A row with no allowed key here
+        has ``out`` 0 and ``lse`` ``-inf``. Partial results merge exactly
+        (:func:`attnkit.backends.blocked.tiles.merge`)::
+
+            lse = torch.logaddexp(lse1, lse2)
+            out = out1 * (lse1 - lse).exp()[..., None] + out2 * (lse2 - lse).exp()[..., None]
+
+    Inputs are not validated (call :func:`attnkit.attention` for that); no autograd graph is
+    built.
+
+    >>> q = torch.randn(1, 4, 8, 16); k = v = torch.randn(1, 2, 8, 16)
+    >>> out, lse = forward_with_lse(q, k, v, mask=None, scale=0.25)
+    >>> out.shape, lse.shape
+    (torch.Size([1, 4, 8, 16]), torch.Size([1, 4, 8]))
+    """
+    p = plan or plan_blocks(q, k, v, mask, q_start, k_start, L_total, S_total)
+    with torch.no_grad():
+        if p.band.serves and p.band.window is not None:  # attnkit's band kernel
+            return band.forward(q, k, v, p.band.window, scale)
+        return tiles.forward(p.tiles(q, k, v), q, k, v, scale)
+
+
+def backward_from_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    mask: MaskSpec | None,
+    scale: float,
+    q_start: int = 0,
+    k_start: int = 0,
+    L_total: int | None = None,
+    S_total: int | None = None,
+    plan: BlockPlan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one (query slice, key slice) block, given the *final* output and lse.
+
+    The flash-attention backward: ``P = exp(q @ k^T * scale - lse)`` on allowed pairs,
+    ``dP = dout @ v^T``, ``D = rowsum(dout * out)``, ``dS = P * (dP - D)``; then
+    ``dq = dS @ k * scale``, ``dk = dS^T @ q * scale``, ``dv = P^T @ dout``. With the globally
+    merged ``out (B, H, Lq, Dv)`` and ``lse (B, H, Lq)`` (``-inf`` where a row sees nothing
+    anywhere), the gradients of all blocks sum to the gradients of the whole attention.
+    Positions, ``mask``, ``scale`` and ``plan`` as in :func:`forward_with_lse`.
+
+    Returns:
+        ``dq (B, H, Lq, Dk)``, ``dk (B, Hkv, Sk, Dk)``, ``dv (B, Hkv, Sk, Dv)`` in float32
+        (float64 for float64 q); ``dk``/``dv`` are summed over the query heads of each key/value
+        head.
+
+    >>> q = torch.randn(1, 4, 8, 16); k = v = torch.randn(1, 2, 8, 16)
+    >>> out, lse = forward_with_lse(q, k, v, mask=None, scale=0.25)
+    >>> dq, dk, dv = backward_from_lse(q, k, v, out, torch.ones_like(out), lse,
+    ...                                mask=None, scale=0.25)
+    >>> dk.shape
+    torch.Size([1, 2, 8, 16])
+    """
+    p = plan or plan_blocks(q, k, v, mask, q_start, k_start, L_total, S_total)
+    with torch.no_grad():
+        fp32 = out.dtype == dout.dtype == lse.dtype == torch.float32
+        if p.band.serves and p.band.window is not None and fp32:
+            return band.backward(q, k, v, out, dout, lse, p.band.window, scale)
+        return tiles.backward(p.tiles(q, k, v, backward=True), q, k, v, out, dout, lse, scale)

@@ -1,0 +1,132 @@
+"""``AttentionCall``: one validated attention call, the only thing a backend is handed.
+
+Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
+Dk query/key head dim, Dv value head dim.
+
+:func:`make_call` is the one door in: it validates the arguments
+(:func:`attnkit.validate.validate_attention`), folds the ``causal`` flag and the mask into one
+spec (:func:`attnkit.masks.as_spec`) and fixes the scale. Backends then read the call and ask it
+for the form of the mask they take: :attr:`AttentionCall.mask` (a spec, for block-sparse
+backends), :meth:`AttentionCall.dense_mask` (a tensor, materialised once per call) or
+:attr:`AttentionCall.causal` (the bare causal rule, for kernels with a causal flag).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from attnkit.masks import DenseMask, MaskSpec, as_spec, is_causal
+from attnkit.validate import Dims, validate_attention
+
+__all__ = ["AttentionCall", "make_call"]
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """A validated call of :func:`attnkit.attention`; frozen, built by :func:`make_call`.
+
+    Attributes:
+        q, k, v: ``(B, H, L, Dk)``, ``(B, Hkv, S, Dk)``, ``(B, Hkv, S, Dv)``, validated.
+        mask: the call's whole mask rule as one spec, the ``causal`` flag included (a mask
+            tensor is a :class:`~attnkit.masks.DenseMask`); ``None``: every pair allowed.
+        scale: multiplies ``q @ k^T`` (``1/sqrt(Dk)`` unless given).
+        dropout_p: probability of dropping a weight (0: none).
+        return_weights: the weights ``(B, H, L, S)`` are asked back.
+        dims: the sizes by name.
+        explaining: built by :func:`attnkit.explain`: nothing runs, and :meth:`dense_mask`
+            returns a zero-memory stand-in of the right shape and dtype.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: MaskSpec | None
+    scale: float
+    dropout_p: float
+    return_weights: bool
+    dims: Dims
+    explaining: bool = False
+    _dense: dict[str, torch.Tensor | None] = field(default_factory=dict, repr=False)
+
+    @property
+    def causal(self) -> bool:
+        """The mask is exactly the end-aligned causal rule, nothing else."""
+        return is_causal(self.mask)
+
+    @property
+    def grouped(self) -> bool:
+        """Grouped-query heads: ``H != Hkv``."""
+        return self.q.shape[1] != self.k.shape[1]
+
+    @property
+    def mask_tensor(self) -> torch.Tensor | None:
+        """The user's mask tensor when the mask is one (causal already merged into it)."""
+        return self.mask.tensor if isinstance(self.mask, DenseMask) else None
+
+    @property
+    def needs_grad(self) -> bool:
+        """Autograd will want gradients of q, k or v."""
+        return torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v))
+
+    @property
+    def mask_needs_grad(self) -> bool:
+        """A float mask tensor that autograd will want a gradient of."""
+        t = self.mask_tensor
+        return t is not None and t.requires_grad and torch.is_grad_enabled()
+
+    def dense_mask(self) -> torch.Tensor | None:
+        """The mask as one tensor broadcastable to ``(B, H, L, S)``: bool (True = may attend)
+        or float (added to the scores), built once per call; ``None`` for no mask.
+
+        A user's tensor comes back unchanged; a spec is materialised with ``to_dense``.
+        """
+        spec = self.mask
+        if spec is None:
+            return None
+        if isinstance(spec, DenseMask):
+            return spec.tensor
+        if self.explaining:  # what to_dense would return, as a zero-stride view of one element
+            d = self.dims
+            dtype = self.q.dtype if spec.has_bias else torch.bool
+            heads = (spec.heads or 1) if spec.has_bias else 1
+            one = torch.zeros((), dtype=dtype, device=self.q.device)
+            return one.expand(spec.batch or 1, heads, d.L, d.S)
+        if "dense" not in self._dense:
+            self._dense["dense"] = spec.to_dense(
+                self.dims.L, self.dims.S, device=self.q.device, dtype=self.q.dtype
+            )
+        return self._dense["dense"]
+
+
+def make_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | MaskSpec | None,
+    causal: bool,
+    scale: float | None,
+    dropout_p: float,
+    return_weights: bool,
+    *,
+    where: str,
+    explaining: bool = False,
+) -> AttentionCall:
+    """Validate the arguments of :func:`attnkit.attention` and build the call.
+
+    Raises :class:`~attnkit.AttentionInputError` for bad input.
+    """
+    dims = validate_attention(q, k, v, mask, causal, scale, dropout_p, return_weights, where=where)
+    return AttentionCall(
+        q,
+        k,
+        v,
+        as_spec(mask, causal, L=dims.L, S=dims.S),
+        float(scale) if scale is not None else 1.0 / math.sqrt(dims.Dk),
+        float(dropout_p),
+        return_weights,
+        dims,
+        explaining,
+    )

@@ -1,0 +1,130 @@
+"""``explain()``: which backend :func:`attnkit.attention` takes for a call, and why not the others.
+
+Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
+Dk query/key head dim, Dv value head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from attnkit.backends import AUTO_ORDER, available_backends, choose, get_backend, rule_of
+from attnkit.call import make_call
+from attnkit.masks import MaskSpec
+from attnkit.validate import Dims
+
+__all__ = ["Explanation", "explain"]
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What :func:`explain` found: the backend chosen and each backend's verdict.
+
+    ``verdicts`` maps each registered backend to ``None`` (it can serve the call) or the reason
+    it cannot. ``rules`` maps each backend with an auto rule to ``(fires, why)``; ``rule`` is
+    the line that decided auto's choice; ``notes`` holds what backends add (a plan, a compile
+    state). ``str()`` renders the report.
+    """
+
+    chosen: str
+    requested: str
+    dims: Dims
+    summary: str
+    verdicts: dict[str, str | None] = field(default_factory=dict)
+    rules: dict[str, tuple[bool, str]] = field(default_factory=dict)
+    rule: str = ""
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"attnkit.explain: {self.summary}"]
+        if self.requested == "auto":
+            lines.append(f"  auto takes: {self.chosen} ({get_backend(self.chosen).description})")
+            lines.append(f"  auto's rule: {self.rule}")
+            if self.chosen in self.notes:
+                lines.append(f"  {self.chosen}: {self.notes[self.chosen]}")
+            lines.append("  passed over:")
+            rank = {n: i for i, n in enumerate(AUTO_ORDER)}
+            for name, reason in self.verdicts.items():
+                if name == self.chosen:
+                    continue
+                fires, why = self.rules.get(name, (True, ""))
+                if reason is not None:
+                    lines.append(f"    {name}: cannot serve: {reason}")
+                elif name not in rank:
+                    lines.append(f"    {name}: can serve, but auto uses it only when named")
+                elif not fires:
+                    lines.append(f"    {name}: can serve, but its auto rule does not fire: {why}")
+                else:
+                    lines.append(
+                        f"    {name}: can serve, but auto prefers {self.chosen} "
+                        f"(order: {' > '.join(AUTO_ORDER)})"
+                    )
+                if name in self.notes and reason is None:
+                    lines.append(f"      {self.notes[name]}")
+        else:
+            lines.append(f"  backend={self.requested!r} named; it can serve the call")
+            if self.chosen in self.notes:
+                lines.append(f"  {self.chosen}: {self.notes[self.chosen]}")
+            for name, reason in self.verdicts.items():
+                verdict = "can serve" if reason is None else f"cannot serve: {reason}"
+                if name != self.chosen:
+                    lines.append(f"    {name}: {verdict}")
+        return "\n".join(lines)
+
+
+def explain(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | MaskSpec | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    backend: str = "auto",
+) -> Explanation:
+    """Which backend :func:`attention` takes for these arguments, and why not the others.
+
+    Same arguments as :func:`attention`; validates them the same way and runs nothing.
+
+    >>> q = torch.randn(1, 8, 128, 64)
+    >>> print(explain(q, q, q, return_weights=True))  # doctest: +ELLIPSIS
+    attnkit.explain: q (B=1, H=8, L=128, Dk=64) ...
+      auto takes: math (...)
+      auto's rule: the first in auto's order (...) that can serve
+      passed over:
+        sdpa: cannot serve: fused kernels do not return the attention weights ...
+    ...
+    """
+    where = "attnkit.explain"
+    # explaining=True: runs nothing, and never builds an L x S mask
+    call = make_call(
+        q, k, v, mask, causal, scale, dropout_p, return_weights, where=where, explaining=True
+    )
+    chosen = choose(call, backend, where)
+    backends = {name: get_backend(name) for name in available_backends()}
+    verdicts = {name: b.check(call) for name, b in backends.items()}
+    rules = {name: rule for name, b in backends.items() if (rule := b.rule(call)) is not None}
+    notes = {
+        name: note
+        for name, b in backends.items()
+        if verdicts[name] is None and (note := b.note(call)) is not None
+    }
+    d = call.dims
+    if mask is None:
+        mask_str = "none"
+    elif isinstance(mask, MaskSpec):
+        mask_str = f"spec {mask!r}"
+    else:
+        mask_str = f"{'bool' if mask.dtype == torch.bool else 'float'} {tuple(mask.shape)}"
+    summary = (
+        f"q (B={d.B}, H={d.H}, L={d.L}, Dk={d.Dk})  k (Hkv={d.Hkv}, S={d.S})  v (Dv={d.Dv})\n"
+        f"  {q.dtype} on {q.device}; mask: {mask_str}; causal: {causal}; "
+        f"scale: {call.scale:.4g}; dropout_p: {call.dropout_p}; "
+        f"return_weights: {call.return_weights}"
+    )
+    why = rule_of(chosen, call)[1]
+    return Explanation(chosen.name, backend, d, summary, verdicts, rules, why, notes)

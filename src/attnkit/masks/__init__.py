@@ -1,0 +1,78 @@
+"""Masks in attnkit's convention, True = may attend: dense helpers and mask *specs*.
+
+Dimension legend: B batch, H heads, L query length, S key length; ``b, h, q, kv`` are indices.
+
+A mask spec is a predicate on ``(b, h, q_idx, kv_idx)`` that a backend evaluates block by block,
+so it never has to become an ``L x S`` tensor:
+
+>>> spec = causal() & sliding_window(3)
+>>> print(spec)
+causal() & sliding_window(3), drawn for L = S = 8 (1 = may attend):
+1 . . . . . . .
+1 1 . . . . . .
+1 1 1 . . . . .
+. 1 1 1 . . . .
+. . 1 1 1 . . .
+. . . 1 1 1 . .
+. . . . 1 1 1 .
+. . . . . 1 1 1
+
+Every spec aligns queries to the *end* of the keys, as ``causal`` does: query ``i`` of ``L``
+stands at position ``i + S - L`` among ``S`` keys (what KV-cache decoding needs); predicates get
+the raw indices and that offset ``off = S - L``. Specs combine
+with ``&``, ``|`` and ``~``. Each has ``to_dense(L, S)`` and ``block_map(L, S, block_q,
+block_k)``, which says for every (query block, key block) pair whether it is empty, partial or
+full, computed from the block bounds without building ``L x S``.
+
+Block maps are exact for the built-in specs; combinations keep two guarantees that make
+skipping safe: a block called *empty* has no allowed pair, and a block called *full* has no
+blocked pair (a combination may call a block *partial* that is in fact empty or full; a backend
+then evaluates the predicate inside it).
+
+Where things live: the protocol, combinators and :func:`block_states` in ``spec.py``; the
+built-in rules in ``rules.py``; ALiBi in ``alibi.py``; the KV cache's per-sequence causal rule
+in ``sequence.py``; a mask tensor as a spec in ``dense.py``; and :func:`as_spec`, the one place
+where the ``causal`` flag and a mask combine, in ``normalize.py``. Constructors raise
+:class:`~attnkit.AttentionInputError` with the fix.
+"""
+
+from attnkit.masks.alibi import alibi, alibi_slopes
+from attnkit.masks.dense import DenseMask
+from attnkit.masks.normalize import as_spec
+from attnkit.masks.rules import (
+    causal,
+    causal_mask,
+    causal_window,
+    document,
+    is_causal,
+    key_mask,
+    padding,
+    prefix_lm,
+    sliding_window,
+)
+from attnkit.masks.sequence import sequence_causal
+from attnkit.masks.spec import EMPTY, FULL, PARTIAL, BlockMap, MaskSpec, block_states, tensor_key
+
+__all__ = [
+    "EMPTY",
+    "FULL",
+    "PARTIAL",
+    "BlockMap",
+    "DenseMask",
+    "MaskSpec",
+    "alibi",
+    "alibi_slopes",
+    "as_spec",
+    "block_states",
+    "causal",
+    "causal_mask",
+    "causal_window",
+    "document",
+    "is_causal",
+    "key_mask",
+    "padding",
+    "prefix_lm",
+    "sequence_causal",
+    "sliding_window",
+    "tensor_key",
+]

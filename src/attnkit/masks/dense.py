@@ -1,0 +1,80 @@
+"""A mask tensor seen as a spec, so that block-sparse backends skip its empty blocks too.
+
+Dimension legend: B batch, H heads, L query length, S key length; ``B'``, ``H'``, ``L'``, ``S'``
+the mask's own sizes (1 where it broadcasts).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+
+import torch
+
+from attnkit.masks.spec import MaskSpec
+
+__all__ = ["DenseMask"]
+
+
+class DenseMask(MaskSpec):
+    """A materialised mask (what :func:`attnkit.masks.as_spec` makes of a tensor).
+
+    ``mask`` broadcasts to ``(B, H, L, S)``: bool (True = may attend) or float (added to the
+    scores; ``-inf`` blocks). Block bounds come from 2-D prefix sums of the allowed pairs, built
+    on first use. Its :meth:`key` is ``None``: a plan of a dense mask reads the whole mask, so
+    it is made per call instead of keeping user tensors alive in a cache.
+    """
+
+    from_tensor = True
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        self.tensor = mask  # as the user gave it: dense backends take it unchanged
+        m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (B', H', L', S')
+        self.m = m
+        self.ok = m if m.dtype == torch.bool else m != -math.inf
+        self.has_bias = m.is_floating_point()
+        self.batch = m.shape[0] if m.shape[0] > 1 else None
+        self.heads = m.shape[1] if m.shape[1] > 1 else None
+        self._sums: torch.Tensor | None = None
+
+    def key(self) -> Hashable | None:
+        return None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.tensor]
+
+    def to_dense(self, L, S, *, device=None, dtype=torch.float32):  # type: ignore[no-untyped-def]
+        return self.m
+
+    def _index(
+        self, t: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
+    ) -> torch.Tensor:
+        sizes = t.shape
+        idx = [
+            x if n > 1 else torch.zeros_like(x) for x, n in zip((b, h, q, kv), sizes, strict=True)
+        ]
+        return t[idx[0], idx[1], idx[2], idx[3]]
+
+    def allowed(self, b, h, q, kv, off):  # type: ignore[no-untyped-def]
+        return self._index(self.ok, b, h, q, kv)
+
+    def bias(self, b, h, q, kv, off):  # type: ignore[no-untyped-def]
+        return self._index(self.m, b, h, q, kv) if self.has_bias else None
+
+    def block_bounds(self, q_lo, q_hi, k_lo, k_hi, off):  # type: ignore[no-untyped-def]
+        if self._sums is None:
+            ok = self.ok.to(torch.int64)
+            self._sums = torch.nn.functional.pad(ok.cumsum(2).cumsum(3), (1, 0, 1, 0))
+        c = self._sums  # (B', H', L'+1, S'+1)
+        Lm, Sm = self.ok.shape[2], self.ok.shape[3]
+        # a broadcast (size-1) dim stands for every position: clamp the bounds into it
+        qa, qb = (q_lo.clamp(max=0), q_hi.clamp(max=0)) if Lm == 1 else (q_lo, q_hi)
+        ka, kb = (k_lo.clamp(max=0), k_hi.clamp(max=0)) if Sm == 1 else (k_lo, k_hi)
+        qa, qb, ka, kb = (x.view(x.shape[-2], x.shape[-1]) for x in (qa, qb, ka, kb))
+        n = c[:, :, qb + 1, kb + 1] - c[:, :, qa, kb + 1] - c[:, :, qb + 1, ka] + c[:, :, qa, ka]
+        area = (qb - qa + 1) * (kb - ka + 1)
+        return n > 0, n == area
+
+    def __repr__(self) -> str:
+        kind = "bool" if self.m.dtype == torch.bool else "float"
+        return f"dense {kind} mask {tuple(self.m.shape)}"

@@ -1,0 +1,440 @@
+"""The mask spec protocol, its combinators, block states and cache keys.
+
+Dimension legend: B batch, H heads, L query length, S key length; ``b, h, q, kv`` are indices;
+``nq``, ``nk`` the numbers of query and key blocks.
+
+A :class:`MaskSpec` is a predicate on ``(b, h, q_idx, kv_idx)``, True = may attend, evaluated at
+raw indices with the end-aligned offset ``off = S - L`` (query ``q`` stands at key position
+``q + off``). :func:`block_states` is the one function that turns a spec into per-block states
+(empty / partial / full): :meth:`MaskSpec.block_map`, the ``blocked`` planner and the ``flex``
+block mask all read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import NoReturn
+
+import torch
+
+from attnkit.errors import AttentionInputError
+
+__all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMap", "MaskSpec", "block_states", "tensor_key"]
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+WHERE = "attnkit.masks"
+
+
+def spec_error(
+    call: str, argument: str, problem: str, got: str, expected: str, fix: str
+) -> NoReturn:
+    """Raise the :class:`~attnkit.AttentionInputError` of a spec constructor."""
+    raise AttentionInputError(
+        f"{WHERE}.{call}", argument, problem, got=got, expected=expected, fix=fix
+    )
+
+
+def tensor_key(t: torch.Tensor) -> Hashable:
+    """A tensor's part of a cache key: its identity and version (an in-place edit bumps it).
+
+    A cache that keys on it must hold the tensor (so that the identity is not reused while the
+    entry lives): plans keep :meth:`MaskSpec.tensors` alive.
+    """
+    return (id(t), t._version)
+
+
+@dataclass(frozen=True)
+class BlockMap:
+    """Which (query block, key block) pairs a mask leaves empty, partial or full.
+
+    ``state`` is ``(B', H', nq, nk)`` uint8 with ``EMPTY = 0``, ``PARTIAL = 1``, ``FULL = 2``;
+    ``B'`` and ``H'`` are 1 when the mask does not depend on the batch or the head.
+    """
+
+    state: torch.Tensor
+    L: int
+    S: int
+    block_q: int
+    block_k: int
+
+    @property
+    def density(self) -> float:
+        """Fraction of block pairs that are not empty (the work a block-sparse kernel does)."""
+        return (self.state != EMPTY).float().mean().item()
+
+    def counts(self) -> dict[str, int]:
+        """How many block pairs are empty, partial and full."""
+        return {
+            name: int((self.state == code).sum())
+            for name, code in (("empty", EMPTY), ("partial", PARTIAL), ("full", FULL))
+        }
+
+    def __str__(self) -> str:
+        glyph = {EMPTY: ".", PARTIAL: "p", FULL: "#"}
+        rows = [" ".join(glyph[int(c)] for c in row) for row in self.state[0, 0]]
+        c = self.counts()
+        head = (
+            f"BlockMap(L={self.L}, S={self.S}, blocks {self.block_q}x{self.block_k}: "
+            f"{c['full']} full, {c['partial']} partial, {c['empty']} empty)"
+        )
+        return "\n".join([head, *rows])
+
+
+class MaskSpec:
+    """A mask as a predicate on ``(b, h, q_idx, kv_idx)``; True = may attend.
+
+    Subclasses implement :meth:`allowed` (the predicate on broadcastable index tensors),
+    :meth:`block_bounds` (per block pair, an over-approximation of "some pair is allowed" and an
+    under-approximation of "every pair is allowed") and :meth:`key` (what identifies the spec
+    for the plan and kernel caches; ``None`` means "never cache"). ``off = S - L`` end-aligns
+    the queries: query ``q`` stands at key position ``q + off``.
+    """
+
+    #: the batch size the spec's tensors imply (None: it does not depend on the batch)
+    batch: int | None = None
+    #: True when the spec also adds a bias to the scores (ALiBi); see :meth:`bias`
+    has_bias: bool = False
+    #: the number of heads a head-dependent spec is built for (None: any)
+    heads: int | None = None
+    #: True when the spec wraps a user's mask tensor (:class:`~attnkit.masks.DenseMask`)
+    from_tensor: bool = False
+    #: the key length a position-indexed spec is built for (``key_mask``, ``document``), or None
+    length: int | None = None
+
+    def key(self) -> Hashable | None:
+        """What identifies this spec in a cache (``None``: do not cache it)."""
+        return None
+
+    def bias(
+        self, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, off: int
+    ) -> torch.Tensor | None:
+        """A float added to the scaled scores of allowed pairs (None: no bias).
+
+        A spec with a bias (``has_bias``) materialises as a float mask; a block-sparse backend
+        adds it on every visited block, full ones included.
+        """
+        return None
+
+    def allowed(
+        self, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, off: int
+    ) -> torch.Tensor:
+        """The predicate on broadcastable index tensors (raw query and key indices)."""
+        raise NotImplementedError
+
+    def block_bounds(
+        self,
+        q_lo: torch.Tensor,
+        q_hi: torch.Tensor,
+        k_lo: torch.Tensor,
+        k_hi: torch.Tensor,
+        off: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(any, all)`` per block pair from inclusive raw index bounds ``(nq, 1)`` and
+        ``(1, nk)``; the results broadcast to ``(B', 1, nq, nk)``."""
+        raise NotImplementedError
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors the spec holds (for device and batch checks)."""
+        return []
+
+    def to_dense(
+        self,
+        L: int,
+        S: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """The mask as a bool tensor ``(B', 1, L, S)`` (``B' = 1`` unless batch-dependent).
+
+        A spec with a score bias (``has_bias``) gives a float mask ``(B', H', L, S)`` of
+        ``dtype`` instead (``H'`` = ``heads``, or 1): the bias where allowed, ``-inf`` elsewhere.
+        """
+        dev = torch.device(device) if device is not None else self.device
+        B = self.batch or 1
+        H = (self.heads or 1) if self.has_bias else 1
+        b = torch.arange(B, device=dev).view(B, 1, 1, 1)
+        h = torch.arange(H, device=dev).view(1, H, 1, 1)
+        q = torch.arange(L, device=dev).view(1, 1, L, 1)
+        kv = torch.arange(S, device=dev).view(1, 1, 1, S)
+        allowed = self.allowed(b, h, q, kv, S - L).expand(B, H, L, S)
+        bias = self.bias(b, h, q, kv, S - L) if self.has_bias else None
+        if bias is None:
+            return allowed
+        return torch.where(allowed, bias.to(dtype), float("-inf")).expand(B, H, L, S)
+
+    def block_map(self, L: int, S: int, block_q: int = 128, block_k: int = 128) -> BlockMap:
+        """Empty / partial / full per (query block, key block), without building ``L x S``."""
+        dev = self.device or torch.device("cpu")
+        state = block_states(self, L, S, block_q, block_k, device=dev)
+        return BlockMap(state, L, S, block_q, block_k)
+
+    @property
+    def device(self) -> torch.device | None:
+        ts = self.tensors()
+        return ts[0].device if ts else None
+
+    def select_heads(self, start: int, stop: int) -> MaskSpec:
+        """The spec seen by query heads ``start .. stop - 1`` only, renumbered from 0.
+
+        For running a group of heads at a time (ring attention passes head groups around the
+        ring): head ``h`` of the result is head ``start + h`` of this spec. A spec that does
+        not depend on the head is returned as it is.
+
+        >>> from attnkit.masks import alibi
+        >>> alibi(8).select_heads(2, 4)
+        alibi(8).select_heads(2, 4)
+        """
+        if self.heads is None and not self.has_bias:
+            return self
+        limit = self.heads
+        if not (0 <= start < stop) or (limit is not None and stop > limit):
+            spec_error(
+                "select_heads",
+                "start, stop",
+                f"select_heads({start}, {stop}) is not a range of this spec's heads.",
+                got=f"start={start}, stop={stop}, spec={self!r}",
+                expected="0 <= start < stop" + (f" <= heads = {limit}" if limit else ""),
+                fix="pass the head group's first head and one past its last",
+            )
+        return _HeadSlice(self, start, stop)
+
+    def __and__(self, other: MaskSpec) -> MaskSpec:
+        return _And(self, _spec(other, "&"))
+
+    def __or__(self, other: MaskSpec) -> MaskSpec:
+        return _Or(self, _spec(other, "|"))
+
+    def __invert__(self) -> MaskSpec:
+        return _Not(self)
+
+    def __str__(self) -> str:
+        n = 8
+        dense = self.to_dense(n, n)[0, 0]
+        if dense.is_floating_point():
+            dense = dense > float("-inf")
+        rows = [" ".join("1" if x else "." for x in row) for row in dense.tolist()]
+        return "\n".join([f"{self!r}, drawn for L = S = {n} (1 = may attend):", *rows])
+
+
+def block_states(
+    spec: MaskSpec,
+    L: int,
+    S: int,
+    block_q: int,
+    block_k: int | None = None,
+    *,
+    q_start: int = 0,
+    k_start: int = 0,
+    off: int | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """``(B', H', nq, nk)`` uint8 states (``EMPTY``, ``PARTIAL``, ``FULL``) of ``spec`` over
+    ``L`` local rows and ``S`` local keys in ``block_q x block_k`` blocks, evaluated at global
+    positions ``q_start + i`` and ``k_start + j`` with offset ``off`` (default ``S - L``)."""
+    block_k = block_q if block_k is None else block_k
+    off = S - L if off is None else off
+    dev = device if device is not None else (spec.device or torch.device("cpu"))
+    q_lo = torch.arange(0, L, block_q, device=dev)
+    k_lo = torch.arange(0, S, block_k, device=dev)
+    q_hi = torch.clamp(q_lo + block_q, max=L) - 1
+    k_hi = torch.clamp(k_lo + block_k, max=S) - 1
+    any_, all_ = spec.block_bounds(
+        (q_lo + q_start)[:, None],
+        (q_hi + q_start)[:, None],
+        (k_lo + k_start)[None, :],
+        (k_hi + k_start)[None, :],
+        off,
+    )
+    # (torch.broadcast_shapes would import sympy on first use: seconds)
+    dims = [(1,) * (4 - t.dim()) + tuple(t.shape) for t in (any_, all_)]
+    shape = (*(max(a, b) for a, b in zip(*dims, strict=True)),)
+    shape = (*shape[:2], len(q_lo), len(k_lo))
+    any_, all_ = any_.expand(shape), all_.expand(shape)
+    state = torch.where(all_ & any_, FULL, torch.where(any_, PARTIAL, EMPTY))
+    return state.to(torch.uint8)
+
+
+def _spec(x: object, op: str) -> MaskSpec:
+    if not isinstance(x, MaskSpec):
+        spec_error(
+            op,
+            "other",
+            f"mask specs combine with mask specs, not with a {type(x).__name__}.",
+            got=f"spec {op} {type(x).__name__}",
+            expected="a spec from attnkit.masks on both sides",
+            fix="wrap a mask tensor with attnkit.masks.as_spec(tensor) first",
+        )
+    return x
+
+
+def _same(attr: str, what: str, *specs: MaskSpec) -> int | None:
+    sizes = {getattr(s, attr) for s in specs if getattr(s, attr) is not None}
+    if len(sizes) > 1:
+        spec_error(
+            "&",
+            "other",
+            f"mask specs for different {what} were combined: {sorted(sizes)}.",
+            got=" and ".join(repr(s) for s in specs),
+            expected=f"specs that agree on their {what}",
+            fix=f"build every part from the same batch's tensors ({what} must agree)",
+        )
+    return sizes.pop() if sizes else None
+
+
+def _combined_key(name: str, *specs: MaskSpec) -> Hashable | None:
+    keys = [s.key() for s in specs]
+    return None if any(k is None for k in keys) else (name, *keys)
+
+
+class _Combined(MaskSpec):
+    """The shared parts of ``&`` and ``|``."""
+
+    op = ""
+
+    def __init__(self, a: MaskSpec, b: MaskSpec) -> None:
+        self.a, self.b = a, b
+        self.batch = _same("batch", "batch sizes", a, b)
+        self.heads = _same("heads", "head counts", a, b)
+        self.length = _same("length", "key lengths", a, b)
+        self.from_tensor = a.from_tensor or b.from_tensor
+
+    def key(self) -> Hashable | None:
+        return _combined_key(self.op, self.a, self.b)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.a.tensors() + self.b.tensors()
+
+
+class _And(_Combined):
+    op = "&"
+
+    def __init__(self, a: MaskSpec, b: MaskSpec) -> None:
+        super().__init__(a, b)
+        self.has_bias = a.has_bias or b.has_bias
+
+    def bias(self, b, h, q, kv, off):  # type: ignore[no-untyped-def]
+        total: torch.Tensor | None = None
+        for spec in (self.a, self.b):
+            part = spec.bias(b, h, q, kv, off) if spec.has_bias else None
+            if part is not None:
+                total = part if total is None else total + part
+        return total
+
+    def allowed(self, b, h, q, kv, off):  # type: ignore[no-untyped-def]
+        return self.a.allowed(b, h, q, kv, off) & self.b.allowed(b, h, q, kv, off)
+
+    def block_bounds(self, q_lo, q_hi, k_lo, k_hi, off):  # type: ignore[no-untyped-def]
+        any_a, all_a = self.a.block_bounds(q_lo, q_hi, k_lo, k_hi, off)
+        any_b, all_b = self.b.block_bounds(q_lo, q_hi, k_lo, k_hi, off)
+        return any_a & any_b, all_a & all_b
+
+    def to_dense(self, L, S, *, device=None, dtype=torch.float32):  # type: ignore[no-untyped-def]
+        if not self.from_tensor:  # one pass of the predicate
+            return super().to_dense(L, S, device=device, dtype=dtype)
+        # a user's tensor inside: combine the parts' dense forms (no gather over L x S)
+        a = self.a.to_dense(L, S, device=device, dtype=dtype)
+        b = self.b.to_dense(L, S, device=device, dtype=dtype)
+        if not a.is_floating_point() and not b.is_floating_point():
+            return a & b
+        if not a.is_floating_point():
+            a, b = b, a
+        if not b.is_floating_point():
+            return a.masked_fill(~b, float("-inf"))
+        return a + b
+
+    def __repr__(self) -> str:
+        return f"{self.a!r} & {self.b!r}"
+
+
+class _Or(_Combined):
+    op = "|"
+
+    def __init__(self, a: MaskSpec, b: MaskSpec) -> None:
+        if a.has_bias or b.has_bias:
+            spec_error(
+                "|",
+                "other",
+                "a spec with a score bias (ALiBi) combines with & only.",
+                got=f"{a!r} | {b!r}",
+                expected="specs without a bias on both sides of |",
+                fix="combine the bias last: (a | b) & alibi(H)",
+            )
+        super().__init__(a, b)
+
+    def allowed(self, b, h, q, kv, off):  # type: ignore[no-untyped-def]
+        return self.a.allowed(b, h, q, kv, off) | self.b.allowed(b, h, q, kv, off)
+
+    def block_bounds(self, q_lo, q_hi, k_lo, k_hi, off):  # type: ignore[no-untyped-def]
+        any_a, all_a = self.a.block_bounds(q_lo, q_hi, k_lo, k_hi, off)
+        any_b, all_b = self.b.block_bounds(q_lo, q_hi, k_lo, k_hi, off)
+        return any_a | any_b, all_a | all_b
+
+    def __repr__(self) -> str:
+        return f"({self.a!r} | {self.b!r})"
+
+
+class _Not(MaskSpec):
+    def __init__(self, a: MaskSpec) -> None:
+        if a.has_bias:
+            spec_error(
+                "~",
+                "spec",
+                "a spec with a score bias (ALiBi) cannot be inverted.",
+                got=f"~{a!r}",
+                expected="a spec without a bias",
+                fix="invert the mask part only, then combine: ~mask & alibi(H)",
+            )
+        self.a = a
+        self.batch, self.heads, self.length = a.batch, a.heads, a.length
+        self.from_tensor = a.from_tensor
+
+    def key(self) -> Hashable | None:
+        return _combined_key("~", self.a)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.a.tensors()
+
+    def allowed(self, b, h, q, kv, off):  # type: ignore[no-untyped-def]
+        return ~self.a.allowed(b, h, q, kv, off)
+
+    def block_bounds(self, q_lo, q_hi, k_lo, k_hi, off):  # type: ignore[no-untyped-def]
+        any_a, all_a = self.a.block_bounds(q_lo, q_hi, k_lo, k_hi, off)
+        return ~all_a, ~any_a
+
+    def __repr__(self) -> str:
+        return f"~{self.a!r}"
+
+
+class _HeadSlice(MaskSpec):
+    """Heads ``start .. stop - 1`` of a head-dependent spec, renumbered from 0."""
+
+    def __init__(self, a: MaskSpec, start: int, stop: int) -> None:
+        self.a, self.start, self.stop = a, start, stop
+        self.batch, self.length = a.batch, a.length
+        self.heads = stop - start
+        self.has_bias = a.has_bias
+        self.from_tensor = a.from_tensor
+
+    def key(self) -> Hashable | None:
+        inner = self.a.key()
+        return None if inner is None else ("heads", inner, self.start, self.stop)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.a.tensors()
+
+    def bias(self, b, h, q, kv, off):  # type: ignore[no-untyped-def]
+        return self.a.bias(b, h + self.start, q, kv, off)
+
+    def allowed(self, b, h, q, kv, off):  # type: ignore[no-untyped-def]
+        return self.a.allowed(b, h + self.start, q, kv, off)
+
+    def block_bounds(self, q_lo, q_hi, k_lo, k_hi, off):  # type: ignore[no-untyped-def]
+        return self.a.block_bounds(q_lo, q_hi, k_lo, k_hi, off)
+
+    def __repr__(self) -> str:
+        inner = repr(self.a)
+        inner = f"({inner})" if " " in inner else inner
+        return f"{inner}.select_heads({self.start}, {self.stop})"
