@@ -66,6 +66,7 @@ def current() -> BlockedConfig:
 def configure(**changes: object) -> BlockedConfig:
     """Replace some settings (by field name); returns the previous config, for restoring.
 
+    >>> import dataclasses
     >>> old = configure(grain=16)
     >>> current().grain
     16
