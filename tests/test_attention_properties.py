@@ -20,9 +20,18 @@ from hypothesis import strategies as st
 import attnkit
 from attnkit import AttentionInputError, AttentionMaskWarning
 from oracle import reference_attention
+from strategies import Sizes, qkv
 
-SIZES = [1, 2, 5, 7, 16, 33, 97]
-HEAD_DIMS = [1, 7, 16, 33, 64]
+SIZES = (1, 2, 5, 7, 16, 33, 97)
+HEAD_DIMS = (1, 7, 16, 33, 64)
+QKV_SIZES = Sizes(
+    batch=(1, 2, 3),
+    kv_heads=(1, 2, 3),
+    groups=(1, 2, 4),
+    lengths=SIZES,
+    head_dims=HEAD_DIMS,
+    value_dims=HEAD_DIMS,
+)
 MASK_KINDS = [
     "none",
     "bool",
@@ -56,19 +65,12 @@ class Case:
 
 @st.composite
 def cases(draw: st.DrawFn, dtype: torch.dtype = torch.float64) -> Case:
-    B = draw(st.sampled_from([1, 2, 3]))
-    Hkv = draw(st.sampled_from([1, 2, 3]))
-    H = Hkv * draw(st.sampled_from([1, 2, 4]))
-    L = draw(st.sampled_from(SIZES))
-    S = draw(st.sampled_from(SIZES))
-    Dk = draw(st.sampled_from(HEAD_DIMS))
-    Dv = draw(st.one_of(st.just(Dk), st.sampled_from(HEAD_DIMS)))
+    q, k, v = draw(qkv(QKV_SIZES, dtype))
+    B, H, L, _ = q.shape
+    S = k.shape[2]
     kind = draw(st.sampled_from(MASK_KINDS))
     shape_kind = draw(st.sampled_from(MASK_SHAPES))
-    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-    q = torch.randn(B, H, L, Dk, generator=g, dtype=torch.float64).to(dtype)
-    k = torch.randn(B, Hkv, S, Dk, generator=g, dtype=torch.float64).to(dtype)
-    v = torch.randn(B, Hkv, S, Dv, generator=g, dtype=torch.float64).to(dtype)
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))  # the mask's values
     shape = {"LS": (L, S), "B1LS": (B, 1, L, S), "1HLS": (1, H, L, S), "BHLS": (B, H, L, S)}[
         shape_kind
     ]

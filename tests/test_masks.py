@@ -13,44 +13,7 @@ from attnkit.backends import get_backend
 from attnkit.call import make_call
 from attnkit.masks import EMPTY, FULL, PARTIAL
 from oracle import reference_attention
-
-
-def _lengths(draw: st.DrawFn, B: int, S: int) -> torch.Tensor:
-    return torch.tensor(draw(st.lists(st.integers(0, S), min_size=B, max_size=B)))
-
-
-@st.composite
-def atoms(draw: st.DrawFn, B: int, S: int) -> masks.MaskSpec:
-    kind = draw(st.sampled_from(["causal", "window", "padding", "keys", "document", "prefix"]))
-    if kind == "causal":
-        return masks.causal()
-    if kind == "window":
-        return masks.sliding_window(draw(st.integers(1, S + 2)))
-    if kind == "padding":
-        q_lengths = _lengths(draw, B, S) if draw(st.booleans()) else None
-        return masks.padding(_lengths(draw, B, S), q_lengths)
-    if kind == "keys":
-        bits = draw(st.lists(st.booleans(), min_size=B * S, max_size=B * S))
-        return masks.key_mask(torch.tensor(bits).view(B, S))
-    if kind == "document":
-        cuts = sorted(draw(st.lists(st.integers(0, S), max_size=4)))
-        ids = torch.zeros(S, dtype=torch.long)
-        for c in cuts:
-            ids[c:] += 1
-        return masks.document(ids.expand(B, S).clone() if draw(st.booleans()) else ids)
-    return masks.prefix_lm(draw(st.integers(0, S)))
-
-
-@st.composite
-def specs(draw: st.DrawFn, B: int, S: int, depth: int = 2) -> masks.MaskSpec:
-    if depth == 0 or draw(st.booleans()):
-        return draw(atoms(B, S))
-    op = draw(st.sampled_from(["and", "or", "not"]))
-    a = draw(specs(B, S, depth - 1))
-    if op == "not":
-        return ~a
-    b = draw(specs(B, S, depth - 1))
-    return a & b if op == "and" else a | b
+from strategies import atoms, specs
 
 
 @settings(max_examples=150)
@@ -59,7 +22,7 @@ def test_block_map_never_overclaims(data: st.DataObject) -> None:
     B = data.draw(st.integers(1, 3))
     L = data.draw(st.integers(1, 40))
     S = data.draw(st.integers(1, 40))
-    spec = data.draw(specs(B, S))
+    spec = data.draw(specs(B, L, S))
     bq, bk = data.draw(st.integers(1, 9)), data.draw(st.integers(1, 9))
     dense = spec.to_dense(L, S).expand(B, 1, L, S)
     state = spec.block_map(L, S, bq, bk).state.expand(B, 1, -1, -1)
@@ -77,7 +40,7 @@ def test_block_maps_of_the_built_in_specs_are_exact(data: st.DataObject) -> None
     B = data.draw(st.integers(1, 2))
     L = data.draw(st.integers(1, 40))
     S = data.draw(st.integers(1, 40))
-    spec = data.draw(atoms(B, S))
+    spec = data.draw(atoms(B, L, S))
     bq, bk = data.draw(st.integers(1, 9)), data.draw(st.integers(1, 9))
     dense = spec.to_dense(L, S).expand(B, 1, L, S)
     state = spec.block_map(L, S, bq, bk).state.expand(B, 1, -1, -1)

@@ -1,103 +1,24 @@
-"""Input validation: every bad input raises AttentionInputError with a message that helps.
+"""Input validation of attnkit.attention: every bad input raises AttentionInputError with a message
+that helps (the modules' cases: tests/modules/test_module_validation.py).
 
-Each case reads the message: the argument it names (``exc.argument`` and the text), the shapes it
-got with their dim names, the expected part and, where one exists, the likely fix. The message
-layout is the same everywhere (see ``attnkit.errors``)::
-
-    attnkit.attention: <problem>
-      got:      <shapes with dim names>
-      expected: <what was expected>
-      fix:      <the likely fix>           (only where a common mistake explains it)
+Each case is a ``validation_cases.Case`` whose message ``check_error`` reads part by part: the
+argument it names, the shapes it got with their dim names, the expected part and the fix.
 
 Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
-Dk query/key head dim, Dv value head dim, E model width.
+Dk query/key head dim, Dv value head dim.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 import torch
 
 import attnkit
-from attnkit import (
-    AttentionInputError,
-    AttentionMaskWarning,
-    CrossAttention,
-    MultiHeadAttention,
-    attention,
-    explain,
-)
-
-B, H, L, S, Dk = 2, 6, 5, 7, 16
-
-
-def r(*shape: int, **kw: Any) -> torch.Tensor:
-    return torch.randn(*shape, **kw)
-
-
-def qkv(
-    *, Hkv: int = H, S: int = L, Dv: int = Dk
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Valid q (B, H, L, Dk), k (B, Hkv, S, Dk), v (B, Hkv, S, Dv)."""
-    return r(B, H, L, Dk), r(B, Hkv, S, Dk), r(B, Hkv, S, Dv)
-
-
-Q = f"q (B={B}, H={H}, L={L}, Dk={Dk})"  # how a valid q is printed
-
-
-@dataclass
-class Case:
-    """One bad input and what its error must say.
-
-    ``problem``: substrings of the first line (they name the argument); ``got``: substrings of
-    the got part (shapes with dim names); ``expected``: a substring of the expected part;
-    ``fix``: a substring of the fix, or None where the error has no fix line.
-    """
-
-    call: Callable[[], object]
-    argument: str
-    problem: tuple[str, ...]
-    got: tuple[str, ...]
-    expected: str
-    fix: str | None
-    where: str = "attnkit.attention"
-    marks: tuple[Any, ...] = field(default=())
-
-
-def check_error(exc: AttentionInputError, case: Case) -> None:
-    """The parts of the message, as text and as attributes."""
-    assert isinstance(exc, ValueError)
-    for attr in ("argument", "got", "expected", "fix"):
-        assert hasattr(exc, attr)
-    assert exc.argument == case.argument
-    lines = str(exc).splitlines()
-    assert lines[0] == f"{case.where}: {exc.problem}"
-    assert lines[1] == f"  got:      {exc.got}"
-    assert lines[2] == f"  expected: {exc.expected}"
-    for part in case.problem:
-        assert part in exc.problem, (part, str(exc))
-    for part in case.got:
-        assert part in exc.got, (part, str(exc))
-    assert case.expected in exc.expected, str(exc)
-    if case.fix is None:
-        assert exc.fix is None
-        assert len(lines) == 3
-    else:
-        assert exc.fix is not None, str(exc)
-        assert case.fix in exc.fix, str(exc)
-        assert lines[3] == f"  fix:      {exc.fix}"
-        assert len(lines) == 4
-
-
-def param(case_id: str, case: Case) -> Any:
-    return pytest.param(case, id=case_id, marks=case.marks)
-
+from attnkit import AttentionInputError, AttentionMaskWarning, attention, explain
+from validation_cases import B, Case, Dk, H, L, Q, S, check_error, param, qkv, r
 
 # ------------------------------------------------------------------ attention(): q, k, v shapes
 
@@ -583,279 +504,6 @@ def test_error_type() -> None:
     assert str(exc) == "f: bad.\n  got:      x (B=1)\n  expected: good"
 
 
-# -------------------------------------------------------------------------------- modules
-
-MHA = "attnkit.MultiHeadAttention"
-E = 16
-
-
-def mha(**kw: Any) -> MultiHeadAttention:
-    return MultiHeadAttention(E, 4, **kw)
-
-
-def _kpm(*shape: int) -> torch.Tensor:
-    return torch.ones(*shape, dtype=torch.bool)
-
-
-MODULE_CASES = [
-    param(
-        "embed-dim-not-divisible",
-        Case(
-            lambda: MultiHeadAttention(10, 3),
-            "embed_dim",
-            ("embed_dim=10 is not divisible by num_heads=3",),
-            ("embed_dim=10", "num_heads=3"),
-            "embed_dim % num_heads == 0",
-            "choose num_heads from [1, 2, 5, 10], or pass head_dim=",
-            where=MHA,
-        ),
-    ),
-    param(
-        "kv-heads-not-dividing",
-        Case(
-            lambda: MultiHeadAttention(E, 4, num_kv_heads=3),
-            "num_kv_heads",
-            ("num_kv_heads=3 does not divide num_heads=4",),
-            ("num_heads=4", "num_kv_heads=3"),
-            "num_heads % num_kv_heads == 0",
-            "num_kv_heads=1 is multi-query",
-            where=MHA,
-        ),
-    ),
-    param(
-        "num-heads-zero",
-        Case(
-            lambda: MultiHeadAttention(E, 0),
-            "num_heads",
-            ("`num_heads` must be a positive int, got 0",),
-            ("num_heads=0",),
-            "an int >= 1",
-            None,
-            where=MHA,
-        ),
-    ),
-    param(
-        "embed-dim-float",
-        Case(
-            lambda: MultiHeadAttention(16.0, 4),  # type: ignore[arg-type]
-            "embed_dim",
-            ("`embed_dim` must be a positive int, got 16.0",),
-            ("embed_dim=16.0",),
-            "an int >= 1",
-            None,
-            where=MHA,
-        ),
-    ),
-    param(
-        "dropout-one",
-        Case(
-            lambda: mha(dropout=1.0),
-            "dropout",
-            ("`dropout` must be in [0, 1), got 1.0",),
-            ("dropout=1.0",),
-            "0 <= dropout < 1",
-            "dropout=0.0 turns it off",
-            where=MHA,
-        ),
-    ),
-    param(
-        "dropout-negative",
-        Case(
-            lambda: mha(dropout=-0.1),
-            "dropout",
-            ("got -0.1",),
-            ("dropout=-0.1",),
-            "0 <= dropout < 1",
-            "dropout=0.0 turns it off",
-            where=MHA,
-        ),
-    ),
-    param(
-        "query-width",
-        Case(
-            lambda: mha()(r(B, L, 12)),
-            "query",
-            ("`query` has width 12 but the module expects embed_dim=16",),
-            (f"query (B={B}, L={L}, E=12)",),
-            "query.shape[-1] == embed_dim == 16",
-            "build the module with embed_dim=12",
-            where=MHA,
-        ),
-    ),
-    param(
-        "key-width-kdim",
-        Case(
-            lambda: mha(kdim=8, vdim=12)(r(B, L, E), r(B, S, 10), r(B, S, 12)),
-            "key",
-            ("`key` has width 10 but the module expects kdim=8",),
-            (f"key (B={B}, S={S}, E=10)",),
-            "key.shape[-1] == kdim == 8",
-            "build the module with kdim=10",
-            where=MHA,
-        ),
-    ),
-    param(
-        "value-width-vdim",
-        Case(
-            lambda: mha(kdim=8, vdim=12)(r(B, L, E), r(B, S, 8), r(B, S, 10)),
-            "value",
-            ("`value` has width 10 but the module expects vdim=12",),
-            (f"value (B={B}, S={S}, E=10)",),
-            "value.shape[-1] == vdim == 12",
-            "build the module with vdim=10",
-            where=MHA,
-        ),
-    ),
-    param(
-        "query-2d",
-        Case(
-            lambda: mha()(r(L, E)),
-            "query",
-            ("`query` must be 3-D (B, L, E)",),
-            (f"query (2-D: {L}, {E})",),
-            f"query (B, L, E) with E={E}",
-            "add a batch dim with x.unsqueeze(0)",
-            where=MHA,
-        ),
-    ),
-    param(
-        "query-4d",
-        Case(
-            lambda: mha()(r(B, 4, L, 4)),
-            "query",
-            ("`query` must be 3-D",),
-            (f"query (4-D: {B}, 4, {L}, 4)",),
-            "query (B, L, E)",
-            "attnkit.attention(q, k, v)",
-            where=MHA,
-        ),
-    ),
-    param(
-        "query-not-tensor",
-        Case(
-            lambda: mha()("hello"),
-            "query",
-            ("`query` must be 3-D",),
-            ("str",),
-            "query (B, L, E)",
-            "attnkit.attention",
-            where=MHA,
-        ),
-    ),
-    param(
-        "seq-first-to-batch-first",
-        # nn.MultiheadAttention's layout: query (L, B, E), key (S, B, E) with L != S.
-        Case(
-            lambda: mha()(r(L, B, E), r(S, B, E)),
-            "key",
-            ("disagree on batch or key length",),
-            (f"query (B={L}, L={B}, E={E})", f"key (B={S}, S={B}, E={E})"),
-            "the same B in all three",
-            "these look like (seq, batch, embed) tensors: pass batch_first=False",
-            where=MHA,
-        ),
-    ),
-    param(
-        "key-value-length",
-        Case(
-            lambda: mha()(r(B, L, E), r(B, S, E), r(B, S + 1, E)),
-            "value",
-            ("disagree on batch or key length",),
-            (f"key (B={B}, S={S}, E={E})", f"value (B={B}, S={S + 1}, E={E})"),
-            "the same S in key and value",
-            "key and value must come from the same sequence",
-            where=MHA,
-        ),
-    ),
-    param(
-        "kpm-with-seq-first-input",
-        # x is (S, B, E) but the key_padding_mask is the real (B, S).
-        Case(
-            lambda: mha()(r(S, B, E), key_padding_mask=_kpm(B, S)),
-            "key_padding_mask",
-            ("`key_padding_mask` does not match (B, S)",),
-            (f"key_padding_mask (B={B}, S={S})", f"target (B={S}, S={B})"),
-            "key_padding_mask (B, S), True = a real key",
-            "the inputs look like (seq, batch, embed): pass batch_first=False",
-            where=MHA,
-        ),
-    ),
-    param(
-        "kpm-transposed",
-        Case(
-            lambda: CrossAttention(E, 4)(r(B, L, E), r(B, S, E), key_padding_mask=_kpm(S, B)),
-            "key_padding_mask",
-            ("does not match (B, S)",),
-            (f"key_padding_mask (B={S}, S={B})", f"target (B={B}, S={S})"),
-            "key_padding_mask (B, S)",
-            "it looks transposed: use key_padding_mask.T",
-            where="attnkit.CrossAttention",
-        ),
-    ),
-    param(
-        "kpm-wrong-shape",
-        Case(
-            lambda: mha()(r(B, S, E), key_padding_mask=_kpm(B, S + 1)),
-            "key_padding_mask",
-            ("does not match (B, S)",),
-            (f"key_padding_mask (B={B}, S={S + 1})", f"target (B={B}, S={S})"),
-            "key_padding_mask (B, S)",
-            "build it as (batch, key length)",
-            where=MHA,
-        ),
-    ),
-    param(
-        "kpm-float",
-        Case(
-            lambda: mha()(r(B, S, E), key_padding_mask=torch.ones(B, S)),
-            "key_padding_mask",
-            ("`key_padding_mask` must be a bool tensor (True = a real key, may attend)",),
-            ("key_padding_mask dtype=torch.float32",),
-            "bool (B, S)",
-            "attnkit.interop.mask_from_torch",
-            where=MHA,
-        ),
-    ),
-    param(
-        "kpm-int",
-        Case(
-            lambda: mha()(r(B, S, E), key_padding_mask=torch.ones(B, S, dtype=torch.long)),
-            "key_padding_mask",
-            ("must be a bool tensor",),
-            ("dtype=torch.int64",),
-            "bool (B, S)",
-            "arange(S) < lengths[:, None]",
-            where=MHA,
-        ),
-    ),
-    param(
-        "module-mask-integer",
-        # a module's mask is checked by attnkit.attention, with attention's message
-        Case(
-            lambda: mha()(r(B, L, E), mask=torch.ones(L, L, dtype=torch.int32)),
-            "mask",
-            ("integer masks are ambiguous",),
-            (f"mask (L={L}, S={L}) dtype=torch.int32",),
-            "a bool mask",
-            "mask.bool()",
-        ),
-    ),
-]
-
-
-@pytest.mark.parametrize("case", MODULE_CASES)
-def test_module_bad_input_message(case: Case) -> None:
-    with pytest.raises(AttentionInputError) as info:
-        case.call()
-    check_error(info.value, case)
-
-
-def test_seq_first_module_accepts_seq_first_input() -> None:
-    """The same tensors that fail above are fine with batch_first=False."""
-    out = mha(batch_first=False)(r(L, B, E), r(S, B, E)).output
-    assert out.shape == (L, B, E)
-
-
 # ------------------------------------------------------------------------------ warnings
 
 INVERTED_FIX = ("causal=True", "~mask", "True = may attend")
@@ -876,11 +524,6 @@ def test_inverted_causal_float_mask_warns() -> None:
     inverted = torch.zeros(L, L).masked_fill(~torch.ones(L, L).triu(1).bool(), float("-inf"))
     with pytest.warns(AttentionMaskWarning, match=r"causal=True .* ~mask"):
         attention(*qkv(), mask=inverted)
-
-
-def test_inverted_causal_mask_warns_through_module() -> None:
-    with pytest.warns(AttentionMaskWarning, match="inverted causal mask"):
-        mha()(r(B, L, E), mask=torch.ones(L, L).triu(1).bool())
 
 
 @pytest.mark.parametrize(
@@ -904,34 +547,7 @@ def test_correct_masks_do_not_warn(mask: torch.Tensor) -> None:
         attention(*qkv(), causal=True)
 
 
-def test_key_padding_mask_with_empty_row_warns() -> None:
-    """An all-False row: probably torch's True = ignore convention, with nothing padded."""
-    kpm = torch.ones(B, S, dtype=torch.bool)
-    kpm[1] = False
-    with pytest.warns(AttentionMaskWarning, match="attend to no key at all") as record:
-        out = mha()(r(B, S, E), key_padding_mask=kpm).output
-    message = str(record[0].message)
-    assert "~key_padding_mask" in message
-    assert "attnkit.interop.mask_from_torch" in message
-    assert not out.isnan().any()  # the empty row gives 0, not NaN
-
-
-def test_full_key_padding_mask_does_not_warn() -> None:
-    kpm = torch.ones(B, S, dtype=torch.bool)
-    kpm[1, 3:] = False
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", AttentionMaskWarning)
-        mha()(r(B, S, E), key_padding_mask=kpm)
-
-
 def test_mask_warning_points_at_caller() -> None:
     with pytest.warns(AttentionMaskWarning) as record:
         attention(*qkv(), mask=torch.ones(L, L).triu(1).bool())
-    assert record[0].filename == __file__
-
-
-def test_key_padding_warning_points_at_caller() -> None:
-    kpm = torch.zeros(B, S, dtype=torch.bool)
-    with pytest.warns(AttentionMaskWarning) as record:
-        mha()(r(B, S, E), key_padding_mask=kpm)
     assert record[0].filename == __file__

@@ -27,6 +27,7 @@ from attnkit.backends.blocked import backward_from_lse, forward_with_lse
 from attnkit.backends.blocked import config as blocked_config
 from attnkit.masks import MaskSpec
 from oracle import reference_attention
+from strategies import Sizes, qkv, specs
 
 FLOOR = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -68,62 +69,23 @@ def config(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
     blocked.clear_plans()
 
 
-def _lengths(draw: st.DrawFn, B: int, n: int) -> torch.Tensor:
-    return torch.tensor(draw(st.lists(st.integers(0, n), min_size=B, max_size=B)))
-
-
-@st.composite
-def atoms(draw: st.DrawFn, B: int, L: int, S: int) -> MaskSpec:
-    kind = draw(st.sampled_from(["causal", "window", "padding", "keys", "document", "prefix"]))
-    if kind == "causal":
-        return masks.causal()
-    if kind == "window":
-        return masks.sliding_window(draw(st.integers(1, S + 2)))
-    if kind == "padding":
-        q_lengths = _lengths(draw, B, L) if draw(st.booleans()) else None
-        return masks.padding(_lengths(draw, B, S), q_lengths)
-    if kind == "keys":
-        bits = draw(st.lists(st.booleans(), min_size=B * S, max_size=B * S))
-        return masks.key_mask(torch.tensor(bits).view(B, S))
-    if kind == "document":
-        cuts = sorted(draw(st.lists(st.integers(0, S), max_size=4)))
-        ids = torch.zeros(S, dtype=torch.long)
-        for c in cuts:
-            ids[c:] += 1
-        return masks.document(ids.expand(B, S).clone() if draw(st.booleans()) else ids)
-    if draw(st.booleans()):
-        return masks.prefix_lm(_lengths(draw, B, S))
-    return masks.prefix_lm(draw(st.integers(0, S)))
-
-
-@st.composite
-def specs(draw: st.DrawFn, B: int, L: int, S: int, depth: int = 2) -> MaskSpec:
-    if depth == 0 or draw(st.booleans()):
-        return draw(atoms(B, L, S))
-    op = draw(st.sampled_from(["and", "or", "not"]))
-    a = draw(specs(B, L, S, depth - 1))
-    if op == "not":
-        return ~a
-    b = draw(specs(B, L, S, depth - 1))
-    return a & b if op == "and" else a | b
+# what q, k, v are drawn from (33 is listed twice: drawn twice as often)
+SIZES = Sizes(
+    batch=(1, 2),
+    kv_heads=(1, 2),
+    groups=(1, 3),
+    lengths=(1, 7, 20, 33, 33, 97),
+    head_dims=(1, 8, 16),
+    value_dims=(5,),
+)
 
 
 @st.composite
 def problems(
     draw: st.DrawFn, dtype: torch.dtype = torch.float64
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, MaskSpec]:
-    B = draw(st.sampled_from([1, 2]))
-    Hkv = draw(st.sampled_from([1, 2]))
-    H = Hkv * draw(st.sampled_from([1, 3]))
-    L = draw(st.sampled_from([1, 7, 20, 33, 33, 97]))
-    S = draw(st.sampled_from([1, 7, 20, 33, 33, 97]))
-    Dk = draw(st.sampled_from([1, 8, 16]))
-    Dv = draw(st.sampled_from([Dk, Dk, 5]))
-    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
-    q = torch.randn(B, H, L, Dk, generator=g, dtype=torch.float64).to(dtype)
-    k = torch.randn(B, Hkv, S, Dk, generator=g, dtype=torch.float64).to(dtype)
-    v = torch.randn(B, Hkv, S, Dv, generator=g, dtype=torch.float64).to(dtype)
-    return q, k, v, draw(specs(B, L, S))
+    q, k, v = draw(qkv(SIZES, dtype))
+    return q, k, v, draw(specs(q.shape[0], q.shape[2], k.shape[2]))
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:

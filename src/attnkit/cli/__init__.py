@@ -9,9 +9,15 @@ starts fast and never loads matplotlib or transformers.
 
 from __future__ import annotations
 
-import attnkit.cli.bench  # registers `attnkit bench`
-import attnkit.cli.train  # noqa: F401  (registers `attnkit train`)
-from attnkit.cli import inspect, walkthrough  # noqa: F401  (registers their commands)
+# Each import registers its commands; `attnkit --help` lists them in this order.
+# isort: off
+import attnkit.cli.bench  # bench
+import attnkit.cli.train  # train
+import attnkit.cli.inspect  # show, trace
+import attnkit.cli.doctor  # doctor
+import attnkit.cli.walkthrough  # noqa: F401  demo, version
+
+# isort: on
 from attnkit.cli.app import app
 
 __all__ = ["app", "main"]

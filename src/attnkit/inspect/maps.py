@@ -25,6 +25,7 @@ import math
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from importlib import resources
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -42,6 +43,9 @@ Float32: TypeAlias = "npt.NDArray[np.float32]"
 ATTENTION_DIMS = ("N", "H", "T", "T")
 HIDDEN_DIMS = ("T", "E")
 FILES = {"html": "attention.html", "png": "attention.png", "npz": "attention.npz"}
+# the HTML page, package data: inline CSS and vanilla JS; _html fills in __TITLE__, __SUBTITLE__
+# and __DATA__ (the maps as JSON in a <script> block)
+TEMPLATE = ("templates", "attention.html")
 DECIMALS = 5  # weights in the HTML; the NPZ keeps full float32
 PNG_DPI = 90
 PNG_MAP_IN = 1.0  # inches per heatmap in the PNG grid
@@ -298,8 +302,11 @@ def _html(path: Path, att: Float32, toks: list[str], title: str | None) -> None:
     # inside <script> only "</script" could end the data early; escaping every <, >, & is simpler
     data = data.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
     heading = html.escape(title if title is not None else "attention maps")
+    folder, name = TEMPLATE
+    template = resources.files("attnkit.inspect").joinpath(folder).joinpath(name)
     page = (
-        _TEMPLATE.replace("__TITLE__", heading)
+        template.read_text(encoding="utf-8")
+        .replace("__TITLE__", heading)
         .replace("__SUBTITLE__", f"{N} layers × {H} heads, {T} tokens")
         .replace("__DATA__", data)
     )
@@ -428,210 +435,3 @@ def write_all(
         _html(paths["html"], att, toks, title)
         _png(paths["png"], att, toks, title)
     return paths
-
-
-# ---------------------------------------------------------------------------------------------
-# the HTML page: inline CSS and vanilla JS; the data sits in a JSON <script> block
-
-_TEMPLATE = """<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>__TITLE__</title>
-<style>
-:root { --fg: #1f2328; --muted: #59636e; --line: #d1d9e0; --accent: #cf222e; --panel: #f6f8fa; }
-* { box-sizing: border-box; }
-body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; color: var(--fg);
-       margin: 20px 28px; background: #fff; }
-h1 { font-size: 19px; margin: 0; }
-h2 { font-size: 14px; margin: 0 0 6px; color: var(--muted); font-weight: 600; }
-.sub { color: var(--muted); margin: 2px 0 14px; }
-.controls { display: flex; gap: 18px; align-items: center; flex-wrap: wrap; margin-bottom: 10px; }
-.controls label { font-weight: 600; }
-select { font: inherit; padding: 2px 6px; margin-left: 4px; }
-#legend { display: flex; align-items: center; gap: 6px; color: var(--muted); font-size: 12px; }
-#readout { font: 13px/1.4 ui-monospace, SFMono-Regular, Menlo, Consolas, monospace;
-           min-height: 2.1em; padding: 5px 10px; background: var(--panel);
-           border: 1px solid var(--line); border-radius: 6px; margin-bottom: 12px;
-           white-space: pre; overflow-x: auto; }
-.layout { display: flex; gap: 40px; align-items: flex-start; flex-wrap: wrap; }
-table.heatmap { border-collapse: collapse; }
-.heatmap th { font: var(--label-px, 12px)/1.1 ui-monospace, SFMono-Regular, Menlo, Consolas,
-              monospace; font-weight: normal; white-space: pre; color: var(--fg); padding: 0; }
-.heatmap thead th.key { writing-mode: vertical-rl; transform: rotate(180deg); text-align: left;
-                        vertical-align: bottom; padding: 0 0 6px; }
-.heatmap tbody th { text-align: right; padding-right: 8px; }
-.heatmap th.axis { color: var(--muted); font: italic 12px system-ui, sans-serif; }
-td.cell { padding: 0; text-align: center; font-size: 10px; border: 1px solid #fff;
-          font-variant-numeric: tabular-nums; cursor: crosshair; }
-td.cell.hover { outline: 2px solid var(--accent); outline-offset: -1px; }
-.heatmap th.hl { color: var(--accent); font-weight: bold; }
-table.overview { border-collapse: collapse; }
-.overview th { font-size: 11px; font-weight: normal; color: var(--muted); padding: 0 3px; }
-.overview td { padding: 1px; }
-canvas.thumb { width: 38px; height: 38px; image-rendering: pixelated; display: block;
-               border: 2px solid transparent; cursor: pointer; }
-canvas.thumb:hover { border-color: #8c959f; }
-canvas.thumb.selected { border-color: var(--accent); }
-</style>
-</head>
-<body>
-<h1>__TITLE__</h1>
-<p class="sub">__SUBTITLE__. Rows are query tokens, columns are key tokens; each row sums to 1.</p>
-<div class="controls">
-  <label>Layer <select id="layer"></select></label>
-  <label>Head <select id="head"></select></label>
-  <span id="legend">0 <canvas id="legend-bar" width="160" height="10"></canvas> 1
-    <span>(colour: √weight)</span></span>
-</div>
-<div id="readout">Hover a cell to read its weight.</div>
-<div class="layout">
-  <section><table class="heatmap" id="heatmap"></table></section>
-  <section><h2>All layers × heads (click to select)</h2>
-    <table class="overview" id="overview"></table></section>
-</div>
-<script type="application/json" id="attn-data">__DATA__</script>
-<script>
-"use strict";
-const DATA = JSON.parse(document.getElementById("attn-data").textContent);
-const TOKENS = DATA.tokens, T = TOKENS.length, NL = DATA.layers, NH = DATA.heads;
-const RAMP = [[247, 251, 255], [222, 235, 247], [198, 219, 239], [158, 202, 225],
-              [107, 174, 214], [66, 146, 198], [33, 113, 181], [8, 81, 156], [8, 48, 107]];
-const CELL_PX = Math.max(6, Math.min(34, Math.floor(600 / T)));
-const SHOW_NUMBERS = CELL_PX >= 28;
-const layerSel = document.getElementById("layer"), headSel = document.getElementById("head");
-const readout = document.getElementById("readout");
-const averages = [];
-let current = null;
-
-function rgb(w) {  // Blues, on a sqrt scale: weak weights stay visible
-  const x = Math.sqrt(Math.min(Math.max(w, 0), 1)) * (RAMP.length - 1);
-  const i = Math.min(Math.floor(x), RAMP.length - 2), f = x - i;
-  return RAMP[i].map((a, c) => Math.round(a + (RAMP[i + 1][c] - a) * f));
-}
-function weight(w) { return w === 0 || w >= 1e-3 ? w.toFixed(4) : w.toExponential(2); }
-function round(w) { return Number(w.toFixed(DATA.decimals)); }
-function short(t) { return t.length <= 14 ? t : t.slice(0, 13) + "\\u2026"; }
-function matrix(layer, head) {  // head is a number or "avg" (mean over the layer's heads)
-  if (head !== "avg") return DATA.attentions[layer][head];
-  if (!averages[layer]) {
-    const heads = DATA.attentions[layer];
-    averages[layer] = heads[0].map((row, q) => row.map((_, k) =>
-      round(heads.reduce((s, m) => s + m[q][k], 0) / NH)));
-  }
-  return averages[layer];
-}
-function option(select, value, text) {
-  const o = document.createElement("option");
-  o.value = String(value); o.textContent = text; select.appendChild(o);
-}
-function header(text, cls) {
-  const th = document.createElement("th");
-  th.textContent = text; if (cls) th.className = cls; return th;
-}
-
-for (let l = 0; l < NL; l++) option(layerSel, l, String(l));
-for (let h = 0; h < NH; h++) option(headSel, h, String(h));
-option(headSel, "avg", "head average");
-
-const table = document.getElementById("heatmap");  // labels shrink with the cells for long inputs
-table.style.setProperty("--label-px", Math.min(12, Math.max(5, CELL_PX - 3)) + "px");
-const keyRow = table.createTHead().insertRow();
-keyRow.appendChild(header("query \\u2193  key \\u2192", "axis"));
-TOKENS.forEach((t) => {
-  const th = header(short(t), "key"); th.title = t; keyRow.appendChild(th);
-});
-const body = table.createTBody(), cells = [];
-TOKENS.forEach((t, q) => {
-  const tr = body.insertRow(), th = header(short(t), "query");
-  th.title = t; tr.appendChild(th);
-  cells.push(TOKENS.map((_, k) => {
-    const td = tr.insertCell();
-    td.className = "cell"; td.dataset.q = String(q); td.dataset.k = String(k);
-    td.style.width = td.style.height = td.style.minWidth = CELL_PX + "px";
-    return td;
-  }));
-});
-
-function describe(q, k, w) {
-  const which = current.head === "avg" ? "head average" : "head " + current.head;
-  return "query " + q + " " + JSON.stringify(TOKENS[q]) + "  \\u2192  key " + k + " " +
-    JSON.stringify(TOKENS[k]) + "\\nweight " + weight(w) + "   (layer " + current.layer +
-    ", " + which + ")";
-}
-function draw() {
-  const layer = Number(layerSel.value);
-  const head = headSel.value === "avg" ? "avg" : Number(headSel.value);
-  current = { layer: layer, head: head };
-  const m = matrix(layer, head);
-  for (let q = 0; q < T; q++) for (let k = 0; k < T; k++) {
-    const td = cells[q][k], w = m[q][k], c = rgb(w);
-    td.dataset.w = String(w);
-    td.style.background = "rgb(" + c.join(",") + ")";
-    td.style.color = Math.sqrt(w) > 0.55 ? "#fff" : "#1f2328";
-    td.textContent = SHOW_NUMBERS ? w.toFixed(2).replace(/^0/, "") : "";
-  }
-  document.querySelectorAll("canvas.thumb").forEach((cv) => {
-    cv.classList.toggle("selected",
-      Number(cv.dataset.layer) === layer && cv.dataset.head === String(head));
-  });
-  readout.textContent = "Hover a cell to read its weight.";
-}
-
-let hovered = null;
-function unhover() {
-  if (!hovered) return;
-  hovered.classList.remove("hover");
-  document.querySelectorAll(".heatmap th.hl").forEach((th) => th.classList.remove("hl"));
-  hovered = null;
-}
-body.addEventListener("mouseover", (ev) => {
-  const td = ev.target.closest("td.cell");
-  if (!td || td === hovered) return;
-  unhover(); hovered = td; td.classList.add("hover");
-  const q = Number(td.dataset.q), k = Number(td.dataset.k);
-  keyRow.cells[k + 1].classList.add("hl"); body.rows[q].cells[0].classList.add("hl");
-  readout.textContent = describe(q, k, Number(td.dataset.w));
-});
-body.addEventListener("mouseleave", unhover);
-
-const overview = document.getElementById("overview");
-const ohead = overview.createTHead().insertRow();
-ohead.appendChild(header("", ""));
-for (let h = 0; h < NH; h++) ohead.appendChild(header("H" + h, ""));
-ohead.appendChild(header("avg", ""));
-const obody = overview.createTBody();
-for (let l = 0; l < NL; l++) {
-  const tr = obody.insertRow();
-  tr.appendChild(header("L" + l, ""));
-  [...Array(NH).keys(), "avg"].forEach((h) => {
-    const cv = document.createElement("canvas");
-    cv.className = "thumb"; cv.width = cv.height = T;
-    cv.dataset.layer = String(l); cv.dataset.head = String(h);
-    cv.title = "layer " + l + (h === "avg" ? ", head average" : ", head " + h);
-    const ctx = cv.getContext("2d"), img = ctx.createImageData(T, T), m = matrix(l, h);
-    for (let q = 0; q < T; q++) for (let k = 0; k < T; k++) {
-      const c = rgb(m[q][k]), i = 4 * (q * T + k);
-      img.data[i] = c[0]; img.data[i + 1] = c[1]; img.data[i + 2] = c[2]; img.data[i + 3] = 255;
-    }
-    ctx.putImageData(img, 0, 0);
-    cv.addEventListener("click", () => {
-      layerSel.value = String(l); headSel.value = String(h); draw();
-    });
-    tr.insertCell().appendChild(cv);
-  });
-}
-
-const bar = document.getElementById("legend-bar"), bctx = bar.getContext("2d");
-for (let x = 0; x < bar.width; x++) {
-  const c = rgb((x / (bar.width - 1)) ** 2);  // linear in sqrt(w), like the cells
-  bctx.fillStyle = "rgb(" + c.join(",") + ")"; bctx.fillRect(x, 0, 1, bar.height);
-}
-layerSel.addEventListener("change", draw);
-headSel.addEventListener("change", draw);
-draw();
-</script>
-</body>
-</html>
-"""

@@ -25,7 +25,7 @@ import torch
 from attnkit.errors import AttentionInputError
 from attnkit.inspect.maps import write_all
 from attnkit.inspect.tracing import trace
-from attnkit.models.bert import BertEncoder, encode, load_minilm
+from attnkit.models import BertEncoder, encode, load_minilm
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

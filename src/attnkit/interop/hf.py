@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from attnkit.errors import AttentionInputError
-from attnkit.models.bert import BertConfig, BertEncoder, hf_bert_state_dict
+from attnkit.models import BertConfig, BertEncoder, hf_bert_state_dict
 from attnkit.models.gpt import GPT, GPTConfig
 from attnkit.modules.transformer import Activation
 

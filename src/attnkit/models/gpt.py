@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from attnkit.errors import AttentionInputError, shape_str
+from attnkit.models.token_ids import check_token_ids
 from attnkit.modules.kv_cache import KVCache
 from attnkit.modules.positions import LearnedPositions
 from attnkit.modules.transformer import Activation, TransformerConfig, TransformerStack
@@ -272,34 +273,7 @@ class GPT(nn.Module):
         where: str = WHERE,
     ) -> torch.Tensor | None:
         """Validate; return the mask as bool ``(B, T)`` (True = real) or ``None``."""
-        V = self.config.vocab_size
-        if (
-            not isinstance(input_ids, torch.Tensor)
-            or input_ids.dim() != 2
-            or input_ids.is_floating_point()
-            or input_ids.dtype == torch.bool
-        ):
-            got = (
-                f"{shape_str('input_ids', input_ids, ('B', 'T'))} dtype={input_ids.dtype}"
-                if isinstance(input_ids, torch.Tensor)
-                else f"input_ids: {type(input_ids).__name__}"
-            )
-            raise AttentionInputError(
-                where,
-                "input_ids",
-                "`input_ids` must be a 2-D tensor of integer token ids.",
-                got=got,
-                expected="input_ids (B, T), int64",
-                fix="add a batch dim with input_ids.unsqueeze(0)",
-            )
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= V):
-            raise AttentionInputError(
-                where,
-                "input_ids",
-                f"token ids must be in [0, {V}).",
-                got=f"ids from {int(input_ids.min())} to {int(input_ids.max())}",
-                expected=f"0 <= id < vocab_size = {V}",
-            )
+        check_token_ids(where, input_ids, self.config.vocab_size)
         if attention_mask is None:
             return None
         if (

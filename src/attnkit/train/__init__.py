@@ -2,11 +2,12 @@
 
 - :mod:`~attnkit.train.tasks`: the tasks (``reverse``, ``sort``, ``kv_recall``), their seeded data
   and a held-out split that is disjoint from training by construction.
-- :mod:`~attnkit.train.model`: embeddings + :class:`attnkit.modules.TransformerStack` + a head.
+- :mod:`~attnkit.train.task_model`: embeddings + :class:`attnkit.modules.TransformerStack` + a head.
 - :mod:`~attnkit.train.loop`: AdamW, evaluation, early stop, resume.
 - :mod:`~attnkit.train.ddp`: ``--ddp N``, DistributedDataParallel over gloo.
 - :mod:`~attnkit.train.checkpoint`: safetensors checkpoints of the model and the optimizer.
-- :mod:`~attnkit.train.maps`: the trained model's attention maps and the alignment they show.
+- :mod:`~attnkit.train.head_alignment`: the trained model's attention maps and the alignment
+  they show.
 """
 
 from attnkit.train.checkpoint import (
@@ -16,6 +17,13 @@ from attnkit.train.checkpoint import (
     save_checkpoint,
 )
 from attnkit.train.ddp import DistributedTrainingError
+from attnkit.train.head_alignment import (
+    HeadAlignment,
+    MapsReport,
+    alignment_scores,
+    layer_scores,
+    write_maps,
+)
 from attnkit.train.loop import (
     FitSummary,
     Progress,
@@ -28,14 +36,7 @@ from attnkit.train.loop import (
     resume_config,
     train,
 )
-from attnkit.train.maps import (
-    HeadAlignment,
-    MapsReport,
-    alignment_scores,
-    layer_scores,
-    write_maps,
-)
-from attnkit.train.model import ModelConfig, ModelOutput, TaskModel
+from attnkit.train.task_model import ModelConfig, ModelOutput, TaskModel
 from attnkit.train.tasks import TASKS, Accuracy, KVRecall, Reverse, Sort, Task, make_task
 
 __all__ = [

@@ -36,8 +36,8 @@ from torch import nn
 
 from attnkit.errors import AttentionInputError
 from attnkit.train.checkpoint import CHECKPOINT_NAME, load_checkpoint, read_info, save_checkpoint
-from attnkit.train.maps import MapsReport, write_maps
-from attnkit.train.model import ModelConfig, TaskModel
+from attnkit.train.head_alignment import MapsReport, write_maps
+from attnkit.train.task_model import ModelConfig, TaskModel
 from attnkit.train.tasks import IGNORE, Accuracy, Task, accuracy_from_predictions, make_task
 
 __all__ = [
@@ -491,7 +491,7 @@ def train(
 
     After the fit (unless it stopped early), the trained model is checked on ``test_size``
     fresh held-out sequences and the attention maps of one of them are written to ``out``
-    (``attention.html``, ``.png``, ``.npz``; see :func:`attnkit.train.maps.write_maps`).
+    (``attention.html``, ``.png``, ``.npz``; see :func:`attnkit.train.head_alignment.write_maps`).
     """
     t0 = time.perf_counter()
     config = check_run(

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from attnkit.train.model import TaskModel
+from attnkit.train.task_model import TaskModel
 from attnkit.train.tasks import IGNORE, Task
 
 __all__ = ["HeadAlignment", "MapsReport", "alignment_scores", "layer_scores", "write_maps"]

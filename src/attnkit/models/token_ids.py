@@ -1,0 +1,60 @@
+"""The input check every model shares: ``input_ids (B, T)``, integer ids inside the vocabulary.
+
+Dimension legend: B batch, T tokens, V vocabulary size.
+
+>>> check_token_ids("attnkit.models.GPT", torch.tensor([[0, 7]]), vocab_size=8)
+>>> check_token_ids("attnkit.models.GPT", torch.tensor([[0, 8]]), vocab_size=8)
+Traceback (most recent call last):
+    ...
+attnkit.errors.AttentionInputError: attnkit.models.GPT: token ids must be in [0, 8).
+  got:      ids from 0 to 8
+  expected: 0 <= id < vocab_size = 8
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnkit.errors import AttentionInputError, shape_str
+
+__all__ = ["check_token_ids"]
+
+UNSQUEEZE = "add a batch dim with input_ids.unsqueeze(0)"
+
+
+def check_token_ids(
+    where: str, input_ids: object, vocab_size: int, *, source: str | None = None
+) -> None:
+    """Raise an :class:`~attnkit.AttentionInputError` unless ``input_ids`` is ``(B, T)`` integer
+    ids in ``[0, vocab_size)``.
+
+    ``where`` names the model in the message; ``source``, when given, says where valid ids come
+    from and opens the fix of a wrong-rank or wrong-dtype input.
+    """
+    if (
+        not isinstance(input_ids, torch.Tensor)
+        or input_ids.dim() != 2
+        or input_ids.is_floating_point()
+        or input_ids.dtype == torch.bool
+    ):
+        got = (
+            f"{shape_str('input_ids', input_ids, ('B', 'T'))} dtype={input_ids.dtype}"
+            if isinstance(input_ids, torch.Tensor)
+            else f"input_ids: {type(input_ids).__name__}"
+        )
+        raise AttentionInputError(
+            where,
+            "input_ids",
+            "`input_ids` must be a 2-D tensor of integer token ids.",
+            got=got,
+            expected="input_ids (B, T), int64",
+            fix=UNSQUEEZE if source is None else f"{source}; {UNSQUEEZE}",
+        )
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
+        raise AttentionInputError(
+            where,
+            "input_ids",
+            f"token ids must be in [0, {vocab_size}).",
+            got=f"ids from {int(input_ids.min())} to {int(input_ids.max())}",
+            expected=f"0 <= id < vocab_size = {vocab_size}",
+        )
