@@ -458,14 +458,16 @@ def test_issue15_row1_torch_key_padding_mask_means_padding() -> None:
     x = torch.rand(5, 2, 16)  # (L, B, E), as in seed 002
     pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])  # torch: True = ignore
     expected, expected_w = m(x, x, x, key_padding_mask=pad)
-    got, got_w = ours(x, x, x, key_padding_mask=pad)
-    torch.testing.assert_close(got, expected, **TOL)
-    torch.testing.assert_close(got_w, expected_w, **TOL)
-    # the same meaning on attnkit's own module, and its positive twin
-    plain = MultiHeadAttention(16, 4, batch_first=False)
+    plain = MultiHeadAttention(16, 4, batch_first=False)  # attnkit's own module: same meaning
     plain.load_state_dict(ours.state_dict())
-    torch.testing.assert_close(plain(x, key_padding_mask=pad).output, expected, **TOL)
-    torch.testing.assert_close(plain(x, attention_mask=~pad).output, expected, **TOL)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, got_w = ours(x, x, x, key_padding_mask=pad)
+        torch.testing.assert_close(got, expected, **TOL)
+        torch.testing.assert_close(got_w, expected_w, **TOL)
+        torch.testing.assert_close(plain(x, key_padding_mask=pad).output, expected, **TOL)
+        torch.testing.assert_close(plain(x, attention_mask=~pad).output, expected, **TOL)
+    assert [str(w.message) for w in caught] == []  # every row has real keys: nothing to say
 
 
 @pytest.mark.parametrize("need_weights", [True, False])
@@ -476,7 +478,8 @@ def test_issue15_row2_a_batch_row_all_padding(need_weights: bool) -> None:
     x = torch.randn(3, 5, 16)
     pad = torch.tensor([[False] * 5, [True] * 5, [False] * 3 + [True] * 2])
     expected, expected_w = m(x, x, x, key_padding_mask=pad, need_weights=need_weights)
-    with pytest.warns(attnkit.AttentionMaskWarning, match=r"batch rows \[1\] with no key"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         got, got_w = ours(x, x, x, key_padding_mask=pad, need_weights=need_weights)
     others = [0, 2]
     torch.testing.assert_close(got[others], expected[others], **TOL)
@@ -485,6 +488,11 @@ def test_issue15_row2_a_batch_row_all_padding(need_weights: bool) -> None:
         assert bool(expected_w[1].isnan().all())  # torch's answer for that row
         torch.testing.assert_close(got_w[others], expected_w[others], **TOL)
         assert bool((got_w[1] == 0).all())
+    assert len(caught) == 1
+    assert caught[0].category is attnkit.AttentionMaskWarning
+    assert "key_padding_mask leaves batch rows [1] with no key to attend to" in str(
+        caught[0].message
+    )
 
 
 def test_float_key_padding_mask_is_added_as_torch_adds_it() -> None:
