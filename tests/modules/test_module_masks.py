@@ -271,6 +271,7 @@ def test_issue15_row12_every_input_and_every_module() -> None:
     with pytest.raises(AttentionInputError, match=r"torch\.float32") as info:
         MultiHeadAttention.from_torch(m)(x32.double(), x32.double(), x32.double())
     assert "dtype=torch.float64" in info.value.got
+    assert info.value.where == "attnkit.interop.TorchMultiheadAttention"
 
 
 def test_autocast_may_feed_another_float_dtype() -> None:

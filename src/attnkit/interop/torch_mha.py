@@ -11,6 +11,8 @@ Dimension legend: B batch, H heads, L query length, S key length, E model width.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -39,15 +41,21 @@ class TorchMultiheadAttention(MultiHeadAttention):
       ``average_attn_weights=False`` (batch first whatever the layout, as torch's).
 
     The one difference: where a query has no key to attend to (a batch row all padding),
-    torch gives NaN; attnkit gives attention output 0 (so the output is ``out_proj``'s
-    bias) and weights 0. attnkit's own keywords (``mask``, ``attention_mask``, ``kv_cache``,
-    ``positions``) still work.
+    torch gives NaN (with weights, or on its fast path); attnkit gives attention output 0
+    (so the output is ``out_proj``'s bias, as torch's other path gives) and weights 0.
+    attnkit's own keywords (``mask``, ``attention_mask``, ``kv_cache``, ``positions``) still
+    work. Construct it with :class:`~attnkit.MultiHeadAttention`'s arguments, or with
+    ``MultiHeadAttention.from_torch(m)``.
 
     >>> m = nn.MultiheadAttention(8, 2)
     >>> out, w = MultiHeadAttention.from_torch(m)(*[torch.randn(5, 3, 8)] * 3)
     >>> out.shape, w.shape
     (torch.Size([5, 3, 8]), torch.Size([3, 5, 5]))
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._where = "attnkit.interop.TorchMultiheadAttention"  # named so in its messages
 
     def forward(
         self,
