@@ -2,17 +2,14 @@
 
 Dimension legend: B batch, H query heads, L query length, S key length.
 
-The modules take masks in three conventions, each under its own name:
+The modules take masks in three conventions, each under its own names:
 
-=========================  ===============================================================
-``mask``                   attnkit's: bool True = may attend, or float added; or a mask spec
-``key_padding_mask``       torch's (``nn.MultiheadAttention``): bool ``(B, S)`` True =
-                           padding, ignored; or float ``(B, S)`` added to the scores
-``attention_mask``         Hugging Face's: ``(B, S)`` bool or 0/1 ints, True/1 = a real key
-``attn_mask``, ``is_causal``  torch's: bool ``(L, S)`` or ``(B * H, L, S)`` True = *not*
-                           allowed, or float added; ``is_causal`` is torch's hint and needs
-                           ``attn_mask``, which is what is applied
-=========================  ===============================================================
+- ``mask``, attnkit's: bool True = may attend, or float added; or a mask spec.
+- ``key_padding_mask`` and ``attn_mask``, torch's (``nn.MultiheadAttention``): bool True =
+  padding / not allowed, or float added; ``key_padding_mask (B, S)``, ``attn_mask (L, S)``
+  or ``(B * H, L, S)``. ``is_causal`` is torch's hint that ``attn_mask`` is causal: it needs
+  the ``attn_mask``, which is what is applied.
+- ``attention_mask``, Hugging Face's: ``(B, S)`` bool or 0/1 ints, True/1 = a real key.
 
 torch's two are translated by :func:`attnkit.interop.mask_from_torch` (the only place that
 does it); :func:`combine` is the only place two masks are merged (both must allow).
@@ -58,6 +55,11 @@ def combine(a: Mask | None, b: Mask | None, L: int, S: int, dtype: torch.dtype) 
     bool is ``-inf`` where the bool blocks; float with float is the sum (as torch adds them).
     A tensor that is neither bool nor float is returned as it is, for
     :func:`attnkit.attention` to refuse with its message.
+
+    >>> keep = torch.tensor([[True, True, False]])[:, None, None, :]  # (B, 1, 1, S)
+    >>> combine(torch.ones(2, 3).tril(1).bool(), keep, 2, 3, torch.float32).int()
+    tensor([[[[1, 1, 0],
+              [1, 1, 0]]]], dtype=torch.int32)
     """
     if a is None or b is None:
         return b if a is None else a
