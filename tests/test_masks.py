@@ -139,7 +139,7 @@ def test_modules_take_specs_with_key_padding() -> None:
     mha = attnkit.MultiHeadAttention(16, 4, causal=True).double()
     x = torch.randn(2, 6, 16, dtype=torch.float64)
     kpm = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
-    got = mha(x, mask=masks.sliding_window(3), key_padding_mask=kpm).output
+    got = mha(x, mask=masks.sliding_window(3), attention_mask=kpm).output
     dense = masks.sliding_window(3).to_dense(6, 6) & kpm[:, None, None, :]
     want = mha(x, mask=dense).output
     assert torch.allclose(got, want, atol=1e-12)

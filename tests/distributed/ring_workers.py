@@ -166,13 +166,13 @@ def run_module(world: int) -> dict[str, Any]:
     x = torch.randn(2, 8 * world, 16, dtype=torch.float64)
     kpm = torch.ones(2, 8 * world, dtype=torch.bool)
     kpm[1, -3:] = False
-    ref = model(x, key_padding_mask=kpm).last_hidden_state
+    ref = model(x, attention_mask=kpm).last_hidden_state  # True = a real token
     ref.square().sum().backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     keys = list(model.state_dict())
     model.zero_grad()
     akd.parallelize(model)
-    out = model(akd.shard(x, causal=True), key_padding_mask=kpm).last_hidden_state
+    out = model(akd.shard(x, causal=True), key_padding_mask=~kpm).last_hidden_state
     out.square().sum().backward()
     grad_err = 0.0
     for n, p in model.named_parameters():

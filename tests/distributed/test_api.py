@@ -112,11 +112,12 @@ def test_sequence_parallel_of_one_is_the_module(group_of_one: None) -> None:
     x = torch.randn(2, 10, 16)
     keep = torch.ones(2, 10, dtype=torch.bool)
     keep[1, 7:] = False
-    want = mha(x, key_padding_mask=keep).output
+    want = mha(x, key_padding_mask=~keep).output
     sp = akd.SequenceParallel(mha)
     assert list(sp.state_dict()) == list(mha.state_dict())
-    got = sp(x, key_padding_mask=keep).output
+    got = sp(x, key_padding_mask=~keep).output
     assert (got - want).abs().max() <= 1e-5
+    assert (sp(x, attention_mask=keep.long()).output - want).abs().max() <= 1e-5
 
 
 def test_outside_a_process_group_the_error_says_how_to_start_one() -> None:
@@ -175,6 +176,11 @@ def test_sequence_parallel_refuses_what_it_cannot_do_exactly(group_of_one: None)
     with pytest.raises(attnkit.AttentionInputError, match="covers the whole sequence") as e:
         sp(x, key_padding_mask=torch.ones(6, 2, dtype=torch.bool))
     assert "target (B=2, N=6)" in str(e.value)
+    with pytest.raises(attnkit.AttentionInputError, match="takes no float mask") as e:
+        sp(x, key_padding_mask=torch.zeros(2, 6))
+    assert e.value.argument == "key_padding_mask"
+    with pytest.raises(attnkit.AttentionInputError, match="values other than 0 and 1: \\[2\\]"):
+        sp(x, attention_mask=torch.full((2, 6), 2))
     with pytest.raises(attnkit.AttentionInputError, match=r"wraps an attnkit\.MultiHeadAttention"):
         akd.SequenceParallel(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
 

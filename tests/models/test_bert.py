@@ -5,8 +5,9 @@ Both models are built from the same config.json and the same model.safetensors (
 downloaded). Also: the transformer layer against its formula written out by hand, in float64.
 
 Padding: Hugging Face adds a large negative number to the scores of padded *keys* only, so a
-padded *query* row still attends to the real tokens; attnkit's ``key_padding_mask`` does the
-same. Every row is therefore compared, padded query rows included.
+padded *query* row still attends to the real tokens; attnkit's key masks (``attention_mask``,
+or ``key_padding_mask`` with torch's True = padding) do the same. Every row is therefore
+compared, padded query rows included.
 """
 
 from __future__ import annotations
@@ -349,13 +350,21 @@ def test_layer_matches_its_formula(
     keep = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
     context = torch.randn(2, 7, 6, dtype=torch.float64) if cross else None
     context_keep = torch.tensor([[True] * 7, [True] * 4 + [False] * 3]) if cross else None
-    out = layer(
+    out = layer(  # torch's meaning: True = padding
         x,
-        key_padding_mask=keep,
+        key_padding_mask=~keep,
         context=context,
-        context_padding_mask=context_keep,
+        context_padding_mask=None if context_keep is None else ~context_keep,
         need_weights=True,
     )
+    twin = layer(  # the positive twins: True = a real token
+        x,
+        attention_mask=keep,
+        context=context,
+        context_attention_mask=context_keep,
+        need_weights=True,
+    )
+    torch.testing.assert_close(twin.hidden, out.hidden, rtol=0, atol=0)
     expected, weights = _by_hand(layer, x, keep, context, context_keep)
     torch.testing.assert_close(out.hidden, expected)
     torch.testing.assert_close(out.weights, weights)
@@ -384,6 +393,17 @@ def test_cross_attention_shapes_and_errors() -> None:
     plain = TransformerLayer(TransformerConfig(dim=16, num_heads=4))
     with pytest.raises(AttentionInputError, match="has no cross-attention"):
         plain(x, context=context)
+    with pytest.raises(AttentionInputError, match="`context_attention_mask` was given") as e:
+        plain(x, context_attention_mask=torch.ones(3, 11, dtype=torch.bool))
+    assert e.value.argument == "context_attention_mask"
+    with pytest.raises(AttentionInputError, match="two forms of the same key mask") as e:
+        layer(
+            x,
+            context=context,
+            context_padding_mask=torch.zeros(3, 11, dtype=torch.bool),
+            context_attention_mask=torch.ones(3, 11, dtype=torch.bool),
+        )
+    assert e.value.where == "attnkit.CrossAttention"
 
 
 def test_config_errors_read_well() -> None:

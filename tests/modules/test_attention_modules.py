@@ -239,29 +239,33 @@ def test_return_type_is_attention_output(need_weights: bool) -> None:
 # --------------------------------------------------------------------------- masks
 
 
-def _kpm(B: int, S: int, seed: int = 0) -> torch.Tensor:
+def _real(B: int, S: int, seed: int = 0) -> torch.Tensor:
     """Random bool (B, S), True = a real key; key 0 is always real."""
     g = torch.Generator().manual_seed(seed)
-    kpm = torch.rand(B, S, generator=g) > 0.4
-    kpm[:, 0] = True
-    return kpm
+    real = torch.rand(B, S, generator=g) > 0.4
+    real[:, 0] = True
+    return real
 
 
 def test_key_padding_mask_equals_explicit_mask() -> None:
     torch.manual_seed(11)
     mod = MultiHeadAttention(12, 3, dtype=F64)
     x = torch.randn(3, 5, 12, dtype=F64)
-    kpm = _kpm(3, 5)
-    assert not bool(kpm.all())  # some keys are really padded
-    res = mod(x, key_padding_mask=kpm, need_weights=True)
-    via_mask = mod(x, mask=kpm[:, None, None, :], need_weights=True)
+    real = _real(3, 5)
+    assert not bool(real.all())  # some keys are really padded
+    res = mod(x, key_padding_mask=~real, need_weights=True)  # torch's: True = padding
+    via_mask = mod(x, mask=real[:, None, None, :], need_weights=True)
+    for positive in (real, real.long(), real.int()):  # attention_mask: 1 = a real key
+        twin = mod(x, attention_mask=positive, need_weights=True)
+        torch.testing.assert_close(twin.output, res.output, rtol=0, atol=0)
+        torch.testing.assert_close(twin.weights, res.weights, rtol=0, atol=0)
     torch.testing.assert_close(res.output, via_mask.output, rtol=0, atol=0)
-    expected, expected_w = manual_forward(mod, x, mask=kpm[:, None, None, :])
+    expected, expected_w = manual_forward(mod, x, mask=real[:, None, None, :])
     torch.testing.assert_close(res.output, expected, **TOL64)
     assert res.weights is not None
     torch.testing.assert_close(res.weights, expected_w, **TOL64)
     # padded keys get weight exactly 0
-    assert bool((res.weights.masked_select(~kpm[:, None, None, :]) == 0).all())
+    assert bool((res.weights.masked_select(~real[:, None, None, :]) == 0).all())
 
 
 def test_key_padding_mask_combined_with_bool_mask() -> None:
@@ -269,11 +273,11 @@ def test_key_padding_mask_combined_with_bool_mask() -> None:
     mod = MultiHeadAttention(8, 2, dtype=F64)
     query = torch.randn(2, 4, 8, dtype=F64)
     key = torch.randn(2, 6, 8, dtype=F64)
-    kpm = _kpm(2, 6, seed=1)
+    real = _real(2, 6, seed=1)
     mask = torch.rand(4, 6) > 0.5  # (L, S), True = may attend
     mask[:, 0] = True
-    res = mod(query, key, mask=mask, key_padding_mask=kpm, need_weights=True)
-    combined = mask & kpm[:, None, None, :]
+    res = mod(query, key, mask=mask, key_padding_mask=~real, need_weights=True)
+    combined = mask & real[:, None, None, :]
     expected, expected_w = manual_forward(mod, query, key, mask=combined)
     torch.testing.assert_close(res.output, expected, **TOL64)
     assert res.weights is not None
@@ -286,11 +290,11 @@ def test_key_padding_mask_combined_with_float_mask() -> None:
     mod = MultiHeadAttention(8, 2, dtype=F64)
     query = torch.randn(2, 4, 8, dtype=F64)
     key = torch.randn(2, 6, 8, dtype=F64)
-    kpm = _kpm(2, 6, seed=2)
+    real = _real(2, 6, seed=2)
     bias = torch.randn(1, 2, 4, 6, dtype=F64)  # additive, per head
     bias[..., 3] = float("-inf")
-    res = mod(query, key, mask=bias, key_padding_mask=kpm, need_weights=True)
-    combined = bias.masked_fill(~kpm[:, None, None, :], float("-inf"))  # (B, H, L, S)
+    res = mod(query, key, mask=bias, attention_mask=real, need_weights=True)
+    combined = bias.masked_fill(~real[:, None, None, :], float("-inf"))  # (B, H, L, S)
     expected, expected_w = manual_forward(mod, query, key, mask=combined)
     torch.testing.assert_close(res.output, expected, **TOL64)
     assert res.weights is not None
@@ -328,25 +332,26 @@ def test_causal_with_key_padding_mask() -> None:
     torch.manual_seed(16)
     mod = MultiHeadAttention(8, 2, num_kv_heads=1, causal=True, dtype=F64)
     x = torch.randn(2, 5, 8, dtype=F64)
-    kpm = _kpm(2, 5, seed=3)
-    expected, _ = manual_forward(mod, x, mask=kpm[:, None, None, :], causal=True)
-    torch.testing.assert_close(mod(x, key_padding_mask=kpm).output, expected, **TOL64)
+    real = _real(2, 5, seed=3)
+    expected, _ = manual_forward(mod, x, mask=real[:, None, None, :], causal=True)
+    torch.testing.assert_close(mod(x, key_padding_mask=~real).output, expected, **TOL64)
+    torch.testing.assert_close(mod(x, attention_mask=real).output, expected, **TOL64)
 
 
 def test_fully_masked_key_padding_row_gives_out_proj_bias() -> None:
     torch.manual_seed(17)
     mod = MultiHeadAttention(8, 2, dtype=F64)
     x = torch.randn(2, 4, 8, dtype=F64, requires_grad=True)
-    kpm = torch.tensor([[True, True, False, True], [False, False, False, False]])
-    with pytest.warns(attnkit.AttentionMaskWarning, match="attend to no key"):
-        res = mod(x, key_padding_mask=kpm, need_weights=True)
+    real = torch.tensor([[True, True, False, True], [False, False, False, False]])
+    with pytest.warns(attnkit.AttentionMaskWarning, match=r"rows \[1\] with no key"):
+        res = mod(x, key_padding_mask=~real, need_weights=True)
     out = res.output
     assert not bool(out.isnan().any())
     # batch row 1 attends to nothing: attention output 0, so out_proj(0) = out_proj.bias
     torch.testing.assert_close(out[1], mod.out_proj.bias.detach().expand(4, 8), rtol=0, atol=0)
     assert res.weights is not None
     assert bool((res.weights[1] == 0).all())
-    expected, _ = manual_forward(mod, x, mask=kpm[:, None, None, :])
+    expected, _ = manual_forward(mod, x, mask=real[:, None, None, :])
     torch.testing.assert_close(out, expected, **TOL64)
     out.sum().backward()
     assert x.grad is not None
@@ -362,9 +367,9 @@ def test_fully_masked_row_without_weights_is_finite() -> None:
     torch.manual_seed(18)
     mod = MultiHeadAttention(8, 2)
     x = torch.randn(2, 3, 8, requires_grad=True)
-    kpm = torch.tensor([[True, True, True], [False, False, False]])
+    real = torch.tensor([[True, True, True], [False, False, False]])
     with pytest.warns(attnkit.AttentionMaskWarning):
-        out = mod(x, key_padding_mask=kpm).output
+        out = mod(x, attention_mask=real).output
     torch.testing.assert_close(out[1], mod.out_proj.bias.detach().expand(3, 8), rtol=0, atol=0)
     out.sum().backward()
     assert x.grad is not None
@@ -382,10 +387,10 @@ def test_batch_first_false_is_the_transpose() -> None:
     _copy(sf, bf)
     query = torch.randn(2, 3, 8, dtype=F64)  # (B, L, E)
     memory = torch.randn(2, 5, 6, dtype=F64)  # (B, S, kdim)
-    kpm = _kpm(2, 5, seed=4)
-    res_bf = bf(query, memory, key_padding_mask=kpm, need_weights=True)
+    real = _real(2, 5, seed=4)
+    res_bf = bf(query, memory, key_padding_mask=~real, need_weights=True)
     res_sf = sf(
-        query.transpose(0, 1), memory.transpose(0, 1), key_padding_mask=kpm, need_weights=True
+        query.transpose(0, 1), memory.transpose(0, 1), key_padding_mask=~real, need_weights=True
     )
     assert res_sf.output.shape == (3, 2, 8)  # (L, B, E)
     torch.testing.assert_close(res_sf.output, res_bf.output.transpose(0, 1), **TOL64)
@@ -520,9 +525,10 @@ def test_self_attention_causal_and_padding() -> None:
     torch.manual_seed(24)
     sa = SelfAttention(8, 4, causal=True, dtype=F64)
     x = torch.randn(2, 5, 8, dtype=F64)
-    kpm = _kpm(2, 5, seed=5)
-    expected, _ = manual_forward(sa, x, mask=kpm[:, None, None, :], causal=True)
-    torch.testing.assert_close(sa(x, key_padding_mask=kpm).output, expected, **TOL64)
+    real = _real(2, 5, seed=5)
+    expected, _ = manual_forward(sa, x, mask=real[:, None, None, :], causal=True)
+    torch.testing.assert_close(sa(x, key_padding_mask=~real).output, expected, **TOL64)
+    torch.testing.assert_close(sa(x, attention_mask=real).output, expected, **TOL64)
 
 
 # --------------------------------------------------------------------------- CrossAttention
@@ -536,13 +542,13 @@ def test_cross_attention_equals_multihead_with_kdim_vdim() -> None:
     _copy(mha, cross)
     x = torch.randn(2, 4, 12, dtype=F64)
     context = torch.randn(2, 9, 7, dtype=F64)
-    kpm = _kpm(2, 9, seed=6)
-    a = cross(x, context, key_padding_mask=kpm, need_weights=True)
-    b = mha(x, context, context, key_padding_mask=kpm, need_weights=True)
+    real = _real(2, 9, seed=6)
+    a = cross(x, context, key_padding_mask=~real, need_weights=True)
+    b = mha(x, context, context, attention_mask=real, need_weights=True)
     assert a.output.shape == (2, 4, 12)
     torch.testing.assert_close(a.output, b.output, rtol=0, atol=0)
     torch.testing.assert_close(a.weights, b.weights, rtol=0, atol=0)
-    expected, _ = manual_forward(cross, x, context, mask=kpm[:, None, None, :])
+    expected, _ = manual_forward(cross, x, context, mask=real[:, None, None, :])
     torch.testing.assert_close(a.output, expected, **TOL64)
 
 
@@ -594,8 +600,8 @@ def test_bad_arguments_are_named() -> None:
         MultiHeadAttention(12, 4, num_kv_heads=3)
     mod = MultiHeadAttention(8, 2)
     x = torch.randn(2, 3, 8)
-    with pytest.raises(attnkit.AttentionInputError, match="must be a bool tensor"):
-        mod(x, key_padding_mask=torch.zeros(2, 3))
+    with pytest.raises(attnkit.AttentionInputError, match=r"has dtype torch\.int64"):
+        mod(x, key_padding_mask=torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(attnkit.AttentionInputError, match=r"key_padding_mask\.T"):
         mod(x[:, :2], torch.randn(2, 3, 8), key_padding_mask=torch.ones(3, 2, dtype=torch.bool))
     with pytest.raises(attnkit.AttentionInputError, match="kdim"):
@@ -612,7 +618,7 @@ def test_compile_fullgraph_matches_eager() -> None:
     plain = MultiHeadAttention(8, 2).eval()
     gqa = MultiHeadAttention(8, 4, num_kv_heads=2, causal=True).eval()
     x = torch.randn(2, 3, 8)
-    kpm = torch.tensor([[True, True, False], [True, False, False]])
+    real = torch.tensor([[True, True, False], [True, False, False]])
     # one compile thread: no worker pool to start and shut down on this small machine
     with torch.no_grad(), torch._inductor.config.patch(compile_threads=1):
         compiled_plain = torch.compile(plain, fullgraph=True)
@@ -623,12 +629,17 @@ def test_compile_fullgraph_matches_eager() -> None:
         torch.testing.assert_close(got.output, plain(x).output, **TOL32)
         torch.testing.assert_close(compiled_gqa(x).output, gqa(x).output, **TOL32)
         torch.testing.assert_close(
-            compiled_gqa(x, key_padding_mask=kpm).output,
-            gqa(x, key_padding_mask=kpm).output,
+            compiled_gqa(x, key_padding_mask=~real).output,
+            gqa(x, key_padding_mask=~real).output,
             **TOL32,
         )
-    expected, _ = manual_forward(gqa, x, mask=kpm[:, None, None, :], causal=True)
-    torch.testing.assert_close(gqa(x, key_padding_mask=kpm).output.double(), expected, **TOL32)
+        torch.testing.assert_close(
+            compiled_gqa(x, attention_mask=real.long()).output,
+            gqa(x, attention_mask=real).output,
+            **TOL32,
+        )
+    expected, _ = manual_forward(gqa, x, mask=real[:, None, None, :], causal=True)
+    torch.testing.assert_close(gqa(x, attention_mask=real).output.double(), expected, **TOL32)
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method`:DeprecationWarning")
@@ -637,11 +648,11 @@ def test_compile_fullgraph_backward_matches_eager() -> None:
     torch.manual_seed(29)
     mod = MultiHeadAttention(8, 2, num_kv_heads=1)
     x = torch.randn(2, 4, 8)
-    kpm = _kpm(2, 4, seed=7)
+    real = _real(2, 4, seed=7)
     compiled = torch.compile(mod, fullgraph=True, backend="aot_eager")
-    compiled(x, key_padding_mask=kpm).output.square().sum().backward()
+    compiled(x, key_padding_mask=~real).output.square().sum().backward()
     compiled_grads = [p.grad.clone() for p in mod.parameters()]
     mod.zero_grad()
-    mod(x, key_padding_mask=kpm).output.square().sum().backward()
+    mod(x, attention_mask=real).output.square().sum().backward()
     for p, g in zip(mod.parameters(), compiled_grads, strict=True):
         torch.testing.assert_close(g, p.grad, **TOL32)

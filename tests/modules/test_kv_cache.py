@@ -189,7 +189,9 @@ def test_module_level_cache_errors() -> None:
     with pytest.raises(AttentionInputError, match="serve self-attention"):
         mha(x, torch.randn(1, 3, 16), kv_cache=cache)
     with pytest.raises(AttentionInputError, match="padding is the cache's per-sequence lengths"):
-        mha(x, key_padding_mask=torch.ones(1, 3, dtype=torch.bool), kv_cache=cache)
+        mha(x, key_padding_mask=torch.zeros(1, 3, dtype=torch.bool), kv_cache=cache)
+    with pytest.raises(AttentionInputError, match="`attention_mask` is not taken"):
+        mha(x, attention_mask=torch.ones(1, 3, dtype=torch.bool), kv_cache=cache)
     with pytest.raises(AttentionInputError, match="no rotary embedding"):
         mha(x, positions=torch.arange(3))
     mha(x, kv_cache=cache)

@@ -25,7 +25,7 @@ def mha(**kw: Any) -> MultiHeadAttention:
 
 
 def _kpm(*shape: int) -> torch.Tensor:
-    return torch.ones(*shape, dtype=torch.bool)
+    return torch.zeros(*shape, dtype=torch.bool)  # torch's meaning: no key is padding
 
 
 MODULE_CASES = [
@@ -206,7 +206,7 @@ MODULE_CASES = [
             "key_padding_mask",
             ("`key_padding_mask` does not match (B, S)",),
             (f"key_padding_mask (B={B}, S={S})", f"target (B={S}, S={B})"),
-            "key_padding_mask (B, S), True = a real key",
+            "key_padding_mask (B, S), True = padding",
             "the inputs look like (seq, batch, embed): pass batch_first=False",
             where=MHA,
         ),
@@ -236,14 +236,15 @@ MODULE_CASES = [
         ),
     ),
     param(
-        "kpm-float",
+        "kpm-float-of-another-dtype",
+        # a float key_padding_mask is added to the scores, as torch adds it: of q's dtype
         Case(
-            lambda: mha()(r(B, S, E), key_padding_mask=torch.ones(B, S)),
+            lambda: mha()(r(B, S, E), key_padding_mask=torch.zeros(B, S, dtype=torch.float64)),
             "key_padding_mask",
-            ("`key_padding_mask` must be a bool tensor (True = a real key, may attend)",),
-            ("key_padding_mask dtype=torch.float32",),
-            "bool (B, S)",
-            "attnkit.interop.mask_from_torch",
+            ("float `key_padding_mask` has dtype torch.float64 but the query has torch.float32",),
+            ("key_padding_mask.dtype=torch.float64", "query.dtype=torch.float32"),
+            "a float key_padding_mask of dtype torch.float32, or a bool one",
+            "key_padding_mask.to(torch.float32)",
             where=MHA,
         ),
     ),
@@ -252,10 +253,10 @@ MODULE_CASES = [
         Case(
             lambda: mha()(r(B, S, E), key_padding_mask=torch.ones(B, S, dtype=torch.long)),
             "key_padding_mask",
-            ("must be a bool tensor",),
-            ("dtype=torch.int64",),
-            "bool (B, S)",
-            "arange(S) < lengths[:, None]",
+            ("`key_padding_mask` has dtype torch.int64", "bool (True = padding) or float"),
+            (f"key_padding_mask (B={B}, S={S}) dtype=torch.int64",),
+            "bool (B, S), True = padding; or float (B, S)",
+            "0/1 ints with 1 = a real token are attention_mask=...",
             where=MHA,
         ),
     ),
@@ -296,27 +297,37 @@ def test_inverted_causal_mask_warns_through_module() -> None:
 
 
 def test_key_padding_mask_with_empty_row_warns() -> None:
-    """An all-False row: probably torch's True = ignore convention, with nothing padded."""
-    kpm = torch.ones(B, S, dtype=torch.bool)
-    kpm[1] = False
-    with pytest.warns(AttentionMaskWarning, match="attend to no key at all") as record:
+    """An all-True row is all padding (torch's meaning): perhaps True was meant as a real key."""
+    kpm = torch.zeros(B, S, dtype=torch.bool)
+    kpm[1] = True
+    with pytest.warns(AttentionMaskWarning, match=r"batch rows \[1\] with no key") as record:
         out = mha()(r(B, S, E), key_padding_mask=kpm).output
     message = str(record[0].message)
-    assert "~key_padding_mask" in message
-    assert "attnkit.interop.mask_from_torch" in message
+    assert "True = padding, as in nn.MultiheadAttention" in message
+    assert "attention_mask=" in message
     assert not out.isnan().any()  # the empty row gives 0, not NaN
 
 
-def test_full_key_padding_mask_does_not_warn() -> None:
-    kpm = torch.ones(B, S, dtype=torch.bool)
-    kpm[1, 3:] = False
+def test_attention_mask_with_empty_row_warns() -> None:
+    """An all-0 row of the positive form: perhaps 1 was meant as padding."""
+    real = torch.ones(B, S, dtype=torch.long)
+    real[0] = 0
+    with pytest.warns(AttentionMaskWarning, match=r"batch rows \[0\] with no key") as record:
+        mha()(r(B, S, E), attention_mask=real)
+    assert "pass it as key_padding_mask=" in str(record[0].message)
+
+
+def test_key_masks_with_real_keys_do_not_warn() -> None:
+    kpm = torch.zeros(B, S, dtype=torch.bool)
+    kpm[1, 3:] = True
     with warnings.catch_warnings():
         warnings.simplefilter("error", AttentionMaskWarning)
         mha()(r(B, S, E), key_padding_mask=kpm)
+        mha()(r(B, S, E), attention_mask=~kpm)
 
 
 def test_key_padding_warning_points_at_caller() -> None:
-    kpm = torch.zeros(B, S, dtype=torch.bool)
+    kpm = torch.ones(B, S, dtype=torch.bool)
     with pytest.warns(AttentionMaskWarning) as record:
         mha()(r(B, S, E), key_padding_mask=kpm)
     assert record[0].filename == __file__

@@ -27,6 +27,7 @@ from attnkit.heads import merge_heads, split_heads
 from attnkit.masks import MaskSpec, key_mask
 from attnkit.modules.attention import MultiHeadAttention
 from attnkit.modules.kv_cache import KVCache
+from attnkit.modules.masking import key_part
 
 __all__ = ["SequenceParallel", "parallelize"]
 
@@ -42,7 +43,9 @@ class SequenceParallel(nn.Module):
     to the query and, when given, are shards of the same kind.
 
     - ``mask``: ``None`` or a spec from :mod:`attnkit.masks` over the whole sequence.
-    - ``key_padding_mask``: bool ``(B, N)`` over the whole sequence, True = a real key.
+    - ``key_padding_mask``: bool ``(B, N)`` over the whole sequence, True = padding (as in
+      torch); or its positive twin ``attention_mask``, bool or 0/1 ints ``(B, N)``, True/1 =
+      a real key.
     - ``positions``: for a module with a rotary embedding, the global positions of the shard's
       tokens; default :func:`~attnkit.distributed.shard_positions`.
 
@@ -99,6 +102,7 @@ class SequenceParallel(nn.Module):
         *,
         mask: MaskSpec | None = None,
         key_padding_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
         need_weights: bool = False,
         kv_cache: KVCache | None = None,
         positions: torch.Tensor | None = None,
@@ -138,8 +142,8 @@ class SequenceParallel(nn.Module):
         self._check_input("value", value, self.vdim, "vdim")
         if not self.batch_first:  # (n, B, E) -> (B, n, E)
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
-        if key_padding_mask is not None:
-            mask = self._with_padding(key_padding_mask, mask, key)
+        if key_padding_mask is not None or attention_mask is not None:
+            mask = self._with_padding(key_padding_mask, attention_mask, mask, key)
         q = split_heads(self.q_proj(query), self.num_heads)  # (B, H, n, Dk)
         k = split_heads(self.k_proj(key), self.num_kv_heads)  # (B, Hkv, n, Dk)
         v = split_heads(self.v_proj(value), self.num_kv_heads)  # (B, Hkv, n, Dv)
@@ -167,25 +171,34 @@ class SequenceParallel(nn.Module):
         return group_rank_and_size(self.group, WHERE)[1]
 
     def _with_padding(
-        self, kpm: torch.Tensor, mask: MaskSpec | None, key: torch.Tensor
+        self,
+        kpm: torch.Tensor | None,
+        real: torch.Tensor | None,
+        mask: MaskSpec | None,
+        key: torch.Tensor,
     ) -> MaskSpec:
+        """``mask`` and the key mask (either form) over the whole sequence, as one spec."""
         B, N = key.shape[0], key.shape[1] * self._world()
-        if not isinstance(kpm, torch.Tensor) or kpm.dtype != torch.bool or kpm.shape != (B, N):
+        name, t = ("key_padding_mask", kpm) if kpm is not None else ("attention_mask", real)
+        if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.shape != (B, N):
             got = (
-                shape_str("key_padding_mask", kpm, ("B", "N")) + f" {kpm.dtype}"
-                if isinstance(kpm, torch.Tensor)
-                else type(kpm).__name__
+                shape_str(name, t, ("B", "N")) + f" {t.dtype}"
+                if isinstance(t, torch.Tensor)
+                else type(t).__name__
             )
+            meaning = "bool, True = padding" if kpm is not None else "True/1 = a real key"
             raise AttentionInputError(
                 WHERE,
-                "key_padding_mask",
-                "`key_padding_mask` covers the whole sequence: bool (B, N), N = world size * "
-                "shard length.",
+                name,
+                f"`{name}` covers the whole sequence: (B, N), N = world size * shard length; "
+                "ring attention takes no float mask.",
                 got=f"{got}  target (B={B}, N={N})",
-                expected="key_padding_mask bool (B, N) over all ranks' tokens, True = a real key",
+                expected=f"{name} (B, N) over all ranks' tokens, {meaning}",
                 fix="pass the same full mask on every rank (not a shard of it)",
             )
-        keep = key_mask(kpm)
+        keys = key_part(WHERE, kpm, real, B, N, key.dtype)  # (B, 1, 1, N) bool, True = real
+        assert keys is not None  # one of the two was given
+        keep = key_mask(keys[:, 0, 0, :])
         return keep if mask is None else mask & keep
 
 

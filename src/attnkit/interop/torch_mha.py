@@ -1,30 +1,121 @@
-"""The boundary with ``torch.nn.MultiheadAttention``: weights both ways, and its masks.
+"""The boundary with ``torch.nn.MultiheadAttention``: weights both ways, its masks, its call.
 
 torch's masks say True = *ignore* (``key_padding_mask``, bool ``attn_mask``); attnkit's say
-True = *may attend*. This file is the only place that translates one into the other.
+True = *may attend*. :func:`mask_from_torch` is the only place that translates one into the
+other; the modules' ``key_padding_mask`` and ``attn_mask`` go through it.
+:class:`TorchMultiheadAttention` (what ``MultiHeadAttention.from_torch`` returns) takes
+torch's call and returns what torch returns.
 
 Dimension legend: B batch, H heads, L query length, S key length, E model width.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
 
 from attnkit.errors import AttentionInputError, shape_str
+from attnkit.functional import AttentionOutput
+from attnkit.modules.attention import MultiHeadAttention
+from attnkit.modules.kv_cache import KVCache
+from attnkit.modules.masking import Mask
 
-if TYPE_CHECKING:
-    from attnkit.modules.attention import MultiHeadAttention
-
-__all__ = ["from_torch", "mask_from_torch", "to_torch"]
+__all__ = ["TorchMultiheadAttention", "from_torch", "mask_from_torch", "to_torch"]
 
 
-def from_torch(
-    cls: type[MultiHeadAttention], m: nn.MultiheadAttention, *, backend: str = "auto"
-) -> MultiHeadAttention:
-    """Build ``cls`` with the weights of ``m`` (see ``MultiHeadAttention.from_torch``)."""
+class TorchMultiheadAttention(MultiHeadAttention):
+    """A :class:`~attnkit.MultiHeadAttention` called as ``nn.MultiheadAttention`` is.
+
+    What ``MultiHeadAttention.from_torch(m)`` returns: ``m``'s weights and settings, and
+    ``forward(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+    average_attn_weights=True, is_causal=False)`` with torch's defaults, meanings and layout:
+
+    - inputs ``(L, B, E)``, or ``(B, L, E)`` if ``m`` was ``batch_first``; unbatched
+      ``(L, E)`` too (then ``key_padding_mask (S,)``, ``attn_mask (L, S)`` or ``(H, L, S)``);
+    - ``key_padding_mask (B, S)`` and ``attn_mask (L, S)`` / ``(B * H, L, S)``: bool True =
+      ignore, or float added; ``is_causal=True`` needs ``attn_mask``, which is applied;
+    - returns the tuple ``(output, weights or None)``: output in the input's layout; weights
+      ``(B, L, S)`` averaged over heads, or ``(B, H, L, S)`` with
+      ``average_attn_weights=False`` (batch first whatever the layout, as torch's).
+
+    The one difference: where a query has no key to attend to (a batch row all padding),
+    torch gives NaN (with weights, or on its fast path); attnkit gives attention output 0
+    (so the output is ``out_proj``'s bias, as torch's other path gives) and weights 0.
+    attnkit's own keywords (``mask``, ``attention_mask``, ``kv_cache``, ``positions``) still
+    work. Construct it with :class:`~attnkit.MultiHeadAttention`'s arguments, or with
+    ``MultiHeadAttention.from_torch(m)``.
+
+    >>> m = nn.MultiheadAttention(8, 2)
+    >>> out, w = MultiHeadAttention.from_torch(m)(*[torch.randn(5, 3, 8)] * 3)
+    >>> out.shape, w.shape
+    (torch.Size([5, 3, 8]), torch.Size([3, 5, 5]))
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._where = "attnkit.interop.TorchMultiheadAttention"  # named so in its messages
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+        *,
+        mask: Mask | None = None,
+        attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> AttentionOutput:
+        key = query if key is None else key
+        value = key if value is None else value
+        unbatched = isinstance(query, torch.Tensor) and query.dim() == 2
+        if unbatched:  # torch's (L, E): a batch of one
+            d = 0 if self.batch_first else 1
+            same_key, same_value = key is query, value is key
+            query = query.unsqueeze(d)
+            key = query if same_key else _batch_of_one(key, 2, d)
+            value = key if same_value else _batch_of_one(value, 2, d)
+            if key_padding_mask is not None:
+                key_padding_mask = _batch_of_one(key_padding_mask, 1, 0)
+            if attention_mask is not None:
+                attention_mask = _batch_of_one(attention_mask, 1, 0)
+        out = super().forward(
+            query,
+            key,
+            value,
+            mask=mask,
+            key_padding_mask=key_padding_mask,
+            attention_mask=attention_mask,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            need_weights=need_weights,
+            average_attn_weights=average_attn_weights,
+            kv_cache=kv_cache,
+            positions=positions,
+        )
+        if not unbatched:
+            return out
+        weights = None if out.weights is None else out.weights.squeeze(0)
+        return AttentionOutput(out.output.squeeze(0 if self.batch_first else 1), weights)
+
+
+def _batch_of_one(t: torch.Tensor, unbatched_dims: int, d: int) -> torch.Tensor:
+    """``t`` with a batch dim of 1 at ``d`` when it has ``unbatched_dims`` dims, else ``t``."""
+    if isinstance(t, torch.Tensor) and t.dim() == unbatched_dims:
+        return t.unsqueeze(d)
+    return t
+
+
+def from_torch(m: nn.MultiheadAttention, *, backend: str = "auto") -> TorchMultiheadAttention:
+    """A :class:`TorchMultiheadAttention` with the weights of ``m`` (see
+    ``MultiHeadAttention.from_torch``)."""
     where = "attnkit.MultiHeadAttention.from_torch"
     if not isinstance(m, nn.MultiheadAttention):
         raise AttentionInputError(
@@ -44,7 +135,7 @@ def from_torch(
         )
     ref = m.out_proj.weight
     has_bias = m.in_proj_bias is not None
-    mod = cls(
+    mod = TorchMultiheadAttention(
         m.embed_dim,
         m.num_heads,
         kdim=m.kdim,
@@ -155,6 +246,17 @@ def mask_from_torch(
     tensor([[[[1, 1, 0]]]], dtype=torch.int32)
     """
     where = "attnkit.interop.mask_from_torch"
+    for name, t in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
+        if t is not None and t.dtype != torch.bool and not t.is_floating_point():
+            raise AttentionInputError(
+                where,
+                name,
+                f"`{name}` has dtype {t.dtype}; torch's masks are bool (True = ignore) or float "
+                "(added to the scores).",
+                got=f"{shape_str(name, t, None)} dtype={t.dtype}",
+                expected=f"a bool or float {name}",
+                fix=f"{name}.bool() if 1 means ignore",
+            )
     parts: list[torch.Tensor] = []
     if attn_mask is not None:
         if attn_mask.dim() == 3:

@@ -187,11 +187,11 @@ class BertEncoder(nn.Module):
         self._check(input_ids, attention_mask, token_type_ids)
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        key_padding_mask = None if attention_mask is None else attention_mask != 0  # (B, T)
+        real = None if attention_mask is None else attention_mask != 0  # (B, T)
         x = self.embeddings(input_ids, token_type_ids)  # (B, T, E)
         out: TransformerOutput = self.encoder(
             x,
-            key_padding_mask=key_padding_mask,
+            attention_mask=real,
             need_weights=need_weights,
             output_hidden_states=output_hidden_states,
         )

@@ -159,11 +159,11 @@ class GPT(nn.Module):
         real = self._check(input_ids, attention_mask, kv_cache)  # (B, T) bool or None
         T = input_ids.shape[1]
         steps = torch.arange(T, device=input_ids.device)  # (T,)
-        key_padding_mask = None
+        keys_real = None  # (B, T), True = a real token; with a cache, the cache's lengths
         start: int | torch.Tensor = 0
         if kv_cache is None:
             positions = steps[None] if real is None else (real.long().cumsum(1) - 1).clamp(min=0)
-            key_padding_mask = real
+            keys_real = real
         else:
             start = kv_cache[0].next_pos()  # int, or (B,) for a ragged batch
             positions = (
@@ -171,7 +171,7 @@ class GPT(nn.Module):
             )
         x = self.drop(self.tok_emb(input_ids) + self.pos_emb(positions))  # (B, T, E)
         h: torch.Tensor = self.stack(
-            x, key_padding_mask=key_padding_mask, kv_cache=kv_cache
+            x, attention_mask=keys_real, kv_cache=kv_cache
         ).last_hidden_state  # (B, T, E)
         if kv_cache is not None and real is not None:  # keep each sequence's real tokens
             for cache in kv_cache:

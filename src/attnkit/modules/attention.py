@@ -7,36 +7,32 @@ Every module projects, splits heads, calls :func:`attnkit.attention`, merges hea
 projects back; they differ only in which inputs they take. They return an
 :class:`~attnkit.AttentionOutput` ``(output, weights)`` always, ``weights`` being ``None``
 unless ``need_weights=True``.
+
+Masks keep the meaning of their names (see :mod:`attnkit.modules.masking`): ``mask`` is
+attnkit's (True = may attend), ``key_padding_mask`` and ``attn_mask`` are torch's (True =
+ignore), ``attention_mask`` is Hugging Face's (True/1 = a real key).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from attnkit.errors import AttentionInputError, shape_str, warn_user
+from attnkit.errors import AttentionInputError
 from attnkit.functional import AttentionOutput, run_attention
 from attnkit.heads import merge_heads, split_heads
 from attnkit.inspect.tracing import active_trace, record_module_end, record_module_start
-from attnkit.masks import MaskSpec, key_mask
+from attnkit.modules.checks import check_batch, check_input, positive_int
 from attnkit.modules.kv_cache import KVCache
+from attnkit.modules.masking import Mask, MaskArgs, combine, module_mask
 from attnkit.modules.positions import RotaryEmbedding
 
+if TYPE_CHECKING:
+    from attnkit.interop.torch_mha import TorchMultiheadAttention
+
 __all__ = ["CrossAttention", "MultiHeadAttention", "SelfAttention"]
-
-
-def _positive_int(where: str, name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise AttentionInputError(
-            where,
-            name,
-            f"`{name}` must be a positive int, got {value!r}.",
-            got=f"{name}={value!r}",
-            expected="an int >= 1",
-        )
-    return value
 
 
 class _Attention(nn.Module):
@@ -65,9 +61,9 @@ class _Attention(nn.Module):
         super().__init__()
         where = f"attnkit.{type(self).__name__}"
         self._where = where
-        E = _positive_int(where, "embed_dim", embed_dim)
-        H = _positive_int(where, "num_heads", num_heads)
-        Hkv = _positive_int(where, "num_kv_heads", H if num_kv_heads is None else num_kv_heads)
+        E = positive_int(where, "embed_dim", embed_dim)
+        H = positive_int(where, "num_heads", num_heads)
+        Hkv = positive_int(where, "num_kv_heads", H if num_kv_heads is None else num_kv_heads)
         if head_dim is None and E % H != 0:
             divisors = [h for h in range(1, E + 1) if E % h == 0]
             raise AttentionInputError(
@@ -100,15 +96,15 @@ class _Attention(nn.Module):
                 expected="0 <= dropout < 1 (the probability of dropping an attention weight)",
                 fix="dropout=0.0 turns it off",
             )
-        Dk = _positive_int(where, "head_dim", E // H if head_dim is None else head_dim)
-        Dv = _positive_int(where, "v_head_dim", Dk if v_head_dim is None else v_head_dim)
+        Dk = positive_int(where, "head_dim", E // H if head_dim is None else head_dim)
+        Dv = positive_int(where, "v_head_dim", Dk if v_head_dim is None else v_head_dim)
         self.embed_dim = E
         self.num_heads = H
         self.num_kv_heads = Hkv
         self.head_dim = Dk
         self.v_head_dim = Dv
-        self.kdim = _positive_int(where, "kdim", E if kdim is None else kdim)
-        self.vdim = _positive_int(where, "vdim", E if vdim is None else vdim)
+        self.kdim = positive_int(where, "kdim", E if kdim is None else kdim)
+        self.vdim = positive_int(where, "vdim", E if vdim is None else vdim)
         self.dropout = float(dropout)
         self.batch_first = batch_first
         self.causal = causal
@@ -139,42 +135,17 @@ class _Attention(nn.Module):
         )
 
     def _check_input(self, name: str, x: object, width: int, width_name: str) -> torch.Tensor:
-        dims = ("B", "L", "E") if name == "query" else ("B", "S", "E")
-        if not self.batch_first:
-            dims = (dims[1], dims[0], dims[2])
-        if not isinstance(x, torch.Tensor) or x.dim() != 3:
-            got = shape_str(name, x, dims) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise AttentionInputError(
-                self._where,
-                name,
-                f"`{name}` must be 3-D ({', '.join(dims)}).",
-                got=got,
-                expected=f"{name} ({', '.join(dims)}) with E={width}",
-                fix="add a batch dim with x.unsqueeze(0)"
-                if isinstance(x, torch.Tensor) and x.dim() == 2
-                else "attention on 4-D heads is attnkit.attention(q, k, v)",
-            )
-        if x.shape[-1] != width:
-            raise AttentionInputError(
-                self._where,
-                name,
-                f"`{name}` has width {x.shape[-1]} but the module expects {width_name}={width}.",
-                got=shape_str(name, x, dims),
-                expected=f"{name}.shape[-1] == {width_name} == {width}",
-                fix=f"build the module with {width_name}={x.shape[-1]}"
-                if name != "query"
-                else f"build the module with embed_dim={x.shape[-1]}",
-            )
-        return x
+        w = self.q_proj.weight
+        return check_input(self._where, name, x, width, width_name, self.batch_first, w.dtype)
 
     def _attend(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        mask: torch.Tensor | MaskSpec | None,
-        key_padding_mask: torch.Tensor | None,
+        masks: MaskArgs,
         need_weights: bool,
+        average_attn_weights: bool,
         kv_cache: KVCache | None = None,
         positions: torch.Tensor | None = None,
     ) -> AttentionOutput:
@@ -185,30 +156,16 @@ class _Attention(nn.Module):
         self._check_input("value", value, self.vdim, "vdim")
         if not self.batch_first:  # (L, B, E) -> (B, L, E)
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
-        B = query.shape[0]
-        S = key.shape[1]
-        if key.shape[0] != B or value.shape[0] != B or value.shape[1] != S:
-            seq_first = self.batch_first and query.shape[1] == key.shape[1]
-            raise AttentionInputError(
-                where,
-                "key" if key.shape[0] != B else "value",
-                "query, key and value disagree on batch or key length.",
-                got="  ".join(
-                    shape_str(n, t, d)
-                    for n, t, d in (
-                        ("query", query, ("B", "L", "E")),
-                        ("key", key, ("B", "S", "E")),
-                        ("value", value, ("B", "S", "E")),
-                    )
-                ),
-                expected="the same B in all three, the same S in key and value",
-                fix="these look like (seq, batch, embed) tensors: pass batch_first=False "
-                "or x.transpose(0, 1)"
-                if seq_first
-                else "key and value must come from the same sequence",
-            )
-        if key_padding_mask is not None:
-            mask = self._merge_key_padding(query, key_padding_mask, mask, B, S)
+        check_batch(where, query, key, value, self.batch_first)
+        B, L, S = query.shape[0], query.shape[1], key.shape[1]
+        mask = module_mask(
+            where,
+            masks,
+            size=(B, self.num_heads, L, S),
+            dtype=query.dtype,
+            kv_cache=kv_cache is not None,
+            seq_first=(L, B) if self.batch_first else None,
+        )
         qp = self.q_proj(query)  # (B, L, H*Dk)
         kp = self.k_proj(key)  # (B, S, Hkv*Dk)
         vp = self.v_proj(value)  # (B, S, Hkv*Dv)
@@ -224,7 +181,7 @@ class _Attention(nn.Module):
         causal = self.causal
         if self.rope is not None or positions is not None or kv_cache is not None:
             q, k, v, mask, causal = self._rope_and_cache(
-                q, k, v, mask, self_attention, key_padding_mask, kv_cache, positions
+                q, k, v, mask, self_attention, kv_cache, positions
             )
         out, weights = run_attention(
             q,
@@ -243,6 +200,8 @@ class _Attention(nn.Module):
             record_module_end(tr, self, merged, y, isinstance(self.out_proj, nn.Linear))
         if not self.batch_first:
             y = y.transpose(0, 1)  # (L, B, E)
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(dim=1)  # (B, H, L, S) -> (B, L, S), as torch averages
         return AttentionOutput(y, weights)
 
     def _rope_and_cache(
@@ -250,12 +209,11 @@ class _Attention(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        mask: torch.Tensor | MaskSpec | None,
+        mask: Mask | None,
         self_attention: bool,
-        key_padding_mask: torch.Tensor | None,
         kv_cache: KVCache | None,
         positions: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | MaskSpec | None, bool]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Mask | None, bool]:
         """RoPE on the new q and k at their positions, then the new k and v into the cache.
 
         With a cache, the new tokens start at ``kv_cache.next_pos()`` and attend to every
@@ -269,15 +227,6 @@ class _Attention(nn.Module):
                 "RoPE and the KV cache serve self-attention; a separate key was given.",
                 got="key is not query",
                 expected="key=None and value=None (self-attention)",
-            )
-        if kv_cache is not None and key_padding_mask is not None:
-            raise AttentionInputError(
-                where,
-                "key_padding_mask",
-                "with a kv_cache, padding is the cache's per-sequence lengths.",
-                got="kv_cache and key_padding_mask both given",
-                expected="key_padding_mask=None",
-                fix="write right-padded sequences, then kv_cache.truncate(real lengths)",
             )
         if positions is not None and self.rope is None:
             raise AttentionInputError(
@@ -303,63 +252,7 @@ class _Attention(nn.Module):
         rule = kv_cache.rule(L, causal=causal)
         if rule is None:  # one new token sees every cached key: causal needs no mask then
             return q, k, v, mask, causal and L > 1
-        if mask is None or isinstance(mask, MaskSpec):
-            return q, k, v, rule if mask is None else mask & rule, False
-        allowed = rule.to_dense(L, k.shape[2], device=q.device)  # (B, 1, L, S)
-        if mask.dtype == torch.bool:
-            return q, k, v, mask & allowed, False
-        return q, k, v, mask.masked_fill(~allowed, float("-inf")), False
-
-    def _merge_key_padding(
-        self,
-        query: torch.Tensor,
-        kpm: torch.Tensor,
-        mask: torch.Tensor | MaskSpec | None,
-        B: int,
-        S: int,
-    ) -> torch.Tensor | MaskSpec:
-        where = self._where
-        if not isinstance(kpm, torch.Tensor) or kpm.dtype != torch.bool:
-            raise AttentionInputError(
-                where,
-                "key_padding_mask",
-                "`key_padding_mask` must be a bool tensor (True = a real key, may attend).",
-                got=f"key_padding_mask dtype={getattr(kpm, 'dtype', type(kpm).__name__)}",
-                expected="bool (B, S)",
-                fix="lengths -> arange(S) < lengths[:, None]; torch's masks (True = ignore) "
-                "go through attnkit.interop.mask_from_torch",
-            )
-        if tuple(kpm.shape) != (B, S):
-            fix = "build it as (batch, key length)"
-            if tuple(kpm.shape) == (S, B):
-                fix = "it looks transposed: use key_padding_mask.T"
-            if self.batch_first and tuple(kpm.shape) == (query.shape[1], query.shape[0]):
-                fix = "the inputs look like (seq, batch, embed): pass batch_first=False"
-            raise AttentionInputError(
-                where,
-                "key_padding_mask",
-                "`key_padding_mask` does not match (B, S).",
-                got=shape_str("key_padding_mask", kpm, ("B", "S")) + f"  target (B={B}, S={S})",
-                expected="key_padding_mask (B, S), True = a real key",
-                fix=fix,
-            )
-        if not torch.compiler.is_compiling() and S > 0 and bool((~kpm.any(dim=1)).any()):
-            warn_user(
-                "attnkit: key_padding_mask lets some batch rows attend to no key at all (their "
-                "output is 0). attnkit's convention is True = a real key that may be attended; "
-                "nn.MultiheadAttention's is True = ignore. If this is a torch mask, pass "
-                "~key_padding_mask, or convert it with attnkit.interop.mask_from_torch."
-            )
-        keep = kpm[:, None, None, :]  # (B, 1, 1, S)
-        if isinstance(mask, MaskSpec):
-            return mask & key_mask(kpm)
-        if mask is None:
-            return keep
-        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
-            return mask & keep
-        if isinstance(mask, torch.Tensor) and mask.is_floating_point():
-            return mask.masked_fill(~keep, float("-inf"))
-        return mask  # anything else is rejected, with its message, by attnkit.attention
+        return q, k, v, combine(mask, rule, L, k.shape[2], q.dtype), False
 
 
 class MultiHeadAttention(_Attention):
@@ -385,11 +278,27 @@ class MultiHeadAttention(_Attention):
             and keys of self-attention (``rope.dim <= Dk``), or ``None``.
 
     ``forward(query, key=None, value=None, *, mask=None, key_padding_mask=None,
-    need_weights=False, kv_cache=None, positions=None)``: ``query (B, L, E)``, ``key (B, S,
-    kdim)`` (default: the query), ``value (B, S, vdim)`` (default: the key). ``mask`` follows
-    attnkit's convention (bool, True = may attend, or float added; broadcastable to
-    ``(B, H, L, S)``); ``key_padding_mask`` is bool ``(B, S)``, True = a real key. Returns
-    :class:`~attnkit.AttentionOutput` ``(output (B, L, E), weights (B, H, L, S) or None)``.
+    attention_mask=None, attn_mask=None, is_causal=False, need_weights=False,
+    average_attn_weights=False, kv_cache=None, positions=None)``: ``query (B, L, E)``,
+    ``key (B, S, kdim)`` (default: the query), ``value (B, S, vdim)`` (default: the key).
+    Every mask given must allow a key for it to be attended:
+
+    - ``mask``: attnkit's convention (bool True = may attend, or float added;
+      broadcastable to ``(B, H, L, S)``), or a mask spec.
+    - ``key_padding_mask``: as in ``nn.MultiheadAttention``, bool ``(B, S)``, **True =
+      padding** (ignored), or float ``(B, S)`` added to the scores.
+    - ``attention_mask``: its positive twin, as in Hugging Face: ``(B, S)`` bool or 0/1
+      ints, **True/1 = a real key**. Not together with ``key_padding_mask``.
+    - ``attn_mask``: as in ``nn.MultiheadAttention``, ``(L, S)`` or ``(B * H, L, S)``, bool
+      **True = not allowed**, or float added; ``is_causal=True`` is torch's hint that it is
+      causal (it needs the ``attn_mask``, which is what is applied).
+
+    A batch row whose keys are all padding gets attention output 0 (``nn.MultiheadAttention``
+    gives NaN), so its output is ``out_proj(0)``, the output bias; the other rows are
+    unaffected. Returns :class:`~attnkit.AttentionOutput` ``(output (B, L, E), weights or
+    None)``: weights ``(B, H, L, S)`` with ``need_weights=True``, averaged over heads to
+    ``(B, L, S)`` with ``average_attn_weights=True`` as well. (A module made by
+    :meth:`from_torch` takes and returns exactly what ``nn.MultiheadAttention`` does.)
 
     Decoding (self-attention only): with ``kv_cache`` (a :class:`~attnkit.KVCache`), the
     ``L`` new tokens' keys and values are written at ``kv_cache.next_pos()`` and the queries
@@ -409,28 +318,35 @@ class MultiHeadAttention(_Attention):
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
         *,
-        mask: torch.Tensor | MaskSpec | None = None,
+        mask: Mask | None = None,
         key_padding_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
         need_weights: bool = False,
+        average_attn_weights: bool = False,
         kv_cache: KVCache | None = None,
         positions: torch.Tensor | None = None,
     ) -> AttentionOutput:
         key = query if key is None else key
         value = key if value is None else value
+        masks = MaskArgs(mask, key_padding_mask, attention_mask, attn_mask, is_causal)
         return self._attend(
-            query, key, value, mask, key_padding_mask, need_weights, kv_cache, positions
+            query, key, value, masks, need_weights, average_attn_weights, kv_cache, positions
         )
 
-    @classmethod
-    def from_torch(cls, m: nn.MultiheadAttention, *, backend: str = "auto") -> MultiHeadAttention:
-        """An attnkit module with ``m``'s weights (copied exactly) and settings.
+    @staticmethod
+    def from_torch(m: nn.MultiheadAttention, *, backend: str = "auto") -> TorchMultiheadAttention:
+        """A drop-in for ``m``: its weights (copied exactly) and settings, and torch's call.
 
-        Masks keep attnkit's convention; translate torch's with
-        :func:`attnkit.interop.mask_from_torch`.
+        The result is a :class:`~attnkit.interop.TorchMultiheadAttention` (a
+        ``MultiHeadAttention``): ``forward(query, key, value, key_padding_mask=None,
+        need_weights=True, attn_mask=None, average_attn_weights=True, is_causal=False)``
+        returns ``(output, weights or None)`` as ``m`` does.
         """
         from attnkit.interop.torch_mha import from_torch
 
-        return from_torch(cls, m, backend=backend)
+        return from_torch(m, backend=backend)
 
     def to_torch(self) -> nn.MultiheadAttention:
         """An ``nn.MultiheadAttention`` with this module's weights (copied exactly)."""
@@ -443,7 +359,8 @@ class SelfAttention(_Attention):
     """Single-head self-attention without output projection, as written by hand in seed 000.
 
     ``x (B, L, E) -> (B, L, head_dim)``; queries, keys and values are ``Linear(E, head_dim)``
-    projections of ``x`` (no bias by default). Returns :class:`~attnkit.AttentionOutput`.
+    projections of ``x`` (no bias by default). The mask keywords are those of
+    :class:`MultiHeadAttention`. Returns :class:`~attnkit.AttentionOutput`.
 
     >>> SelfAttention(256, 64)(torch.randn(32, 50, 256)).output.shape
     torch.Size([32, 50, 64])
@@ -478,11 +395,16 @@ class SelfAttention(_Attention):
         self,
         x: torch.Tensor,
         *,
-        mask: torch.Tensor | MaskSpec | None = None,
+        mask: Mask | None = None,
         key_padding_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
         need_weights: bool = False,
+        average_attn_weights: bool = False,
     ) -> AttentionOutput:
-        return self._attend(x, x, x, mask, key_padding_mask, need_weights)
+        masks = MaskArgs(mask, key_padding_mask, attention_mask, attn_mask, is_causal)
+        return self._attend(x, x, x, masks, need_weights, average_attn_weights)
 
 
 class CrossAttention(_Attention):
@@ -534,8 +456,13 @@ class CrossAttention(_Attention):
         x: torch.Tensor,
         context: torch.Tensor,
         *,
-        mask: torch.Tensor | MaskSpec | None = None,
+        mask: Mask | None = None,
         key_padding_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
         need_weights: bool = False,
+        average_attn_weights: bool = False,
     ) -> AttentionOutput:
-        return self._attend(x, context, context, mask, key_padding_mask, need_weights)
+        masks = MaskArgs(mask, key_padding_mask, attention_mask, attn_mask, is_causal)
+        return self._attend(x, context, context, masks, need_weights, average_attn_weights)

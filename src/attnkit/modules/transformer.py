@@ -154,18 +154,22 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Self-attention, optional cross-attention and an MLP, each with a residual and LayerNorm.
 
-    ``forward(x, *, key_padding_mask=None, mask=None, context=None, context_padding_mask=None,
-    need_weights=False)``:
+    ``forward(x, *, key_padding_mask=None, attention_mask=None, mask=None, context=None,
+    context_padding_mask=None, context_attention_mask=None, need_weights=False,
+    kv_cache=None)``:
 
     - ``x (B, L, E)``.
-    - ``key_padding_mask`` bool ``(B, L)``, **True = a real token** (padded keys are not
-      attended to; padded query rows still get an output, as in BERT).
+    - ``key_padding_mask`` ``(B, L)`` as in torch, bool **True = padding** (or float added);
+      or its positive twin ``attention_mask`` ``(B, L)``, bool or 0/1 ints, **True/1 = a real
+      token** (as in Hugging Face). Padded keys are not attended to; padded query rows still
+      get an output, as in BERT. A batch row that is all padding gets attention output 0,
+      and the other rows are unaffected.
     - ``mask``: an extra self-attention mask in attnkit's convention (bool, True = may
       attend, or float added), broadcastable to ``(B, H, L, L)``, or a mask spec such as
       ``alibi(H)``; combined with ``config.causal``.
-    - ``context (B, S, context_dim)`` and ``context_padding_mask`` bool ``(B, S)`` (True = a
-      real token): the cross-attention input; required exactly when
-      ``config.cross_attention``.
+    - ``context (B, S, context_dim)``, with ``context_padding_mask`` ``(B, S)`` (True =
+      padding) or ``context_attention_mask`` ``(B, S)`` (True/1 = a real token): the
+      cross-attention input; required exactly when ``config.cross_attention``.
     - ``need_weights``: also return the attention weights (``(B, H, L, L)`` and, with
       cross-attention, ``(B, H, L, S)``).
     - ``kv_cache``: a :class:`~attnkit.KVCache` for incremental decoding; ``x`` holds the new
@@ -214,17 +218,20 @@ class TransformerLayer(nn.Module):
         x: torch.Tensor,
         *,
         key_padding_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
         mask: torch.Tensor | MaskSpec | None = None,
         context: torch.Tensor | None = None,
         context_padding_mask: torch.Tensor | None = None,
+        context_attention_mask: torch.Tensor | None = None,
         need_weights: bool = False,
         kv_cache: KVCache | None = None,
     ) -> LayerOutput:
-        self._check_context(context, context_padding_mask)
+        self._check_context(context, context_padding_mask, context_attention_mask)
         a = self.attn(
             self._norm_in(x, self.attn_norm),
             mask=mask,
             key_padding_mask=key_padding_mask,
+            attention_mask=attention_mask,
             need_weights=need_weights,
             kv_cache=kv_cache,
         )
@@ -235,6 +242,7 @@ class TransformerLayer(nn.Module):
                 self._norm_in(h, self.cross_norm),
                 context,
                 key_padding_mask=context_padding_mask,
+                attention_mask=context_attention_mask,
                 need_weights=need_weights,
             )
             h = self._add(h, c.output, self.cross_norm)  # (B, L, E)
@@ -251,7 +259,12 @@ class TransformerLayer(nn.Module):
         h: torch.Tensor = x + self.dropout(out)
         return h if self.config.norm_first else norm(h)
 
-    def _check_context(self, context: torch.Tensor | None, padding: torch.Tensor | None) -> None:
+    def _check_context(
+        self,
+        context: torch.Tensor | None,
+        padding: torch.Tensor | None,
+        real: torch.Tensor | None,
+    ) -> None:
         where = "attnkit.TransformerLayer"
         if self.config.cross_attention and context is None:
             raise AttentionInputError(
@@ -262,8 +275,17 @@ class TransformerLayer(nn.Module):
                 expected="context (B, S, context_dim)",
                 fix="pass context=encoder_output, or build the layer with cross_attention=False",
             )
-        if not self.config.cross_attention and (context is not None or padding is not None):
-            name = "context" if context is not None else "context_padding_mask"
+        given = [
+            name
+            for name, t in (
+                ("context", context),
+                ("context_padding_mask", padding),
+                ("context_attention_mask", real),
+            )
+            if t is not None
+        ]
+        if not self.config.cross_attention and given:
+            name = given[0]
             raise AttentionInputError(
                 where,
                 name,
@@ -281,8 +303,9 @@ class TransformerStack(nn.Module):
     LayerNorm (``final_norm``; an ``nn.Identity`` for post-norm). The same masks as
     :class:`TransformerLayer` go to every layer.
 
-    ``forward(x, *, key_padding_mask=None, mask=None, context=None, context_padding_mask=None,
-    need_weights=False, output_hidden_states=False, kv_cache=None)`` returns a
+    ``forward(x, *, key_padding_mask=None, attention_mask=None, mask=None, context=None,
+    context_padding_mask=None, context_attention_mask=None, need_weights=False,
+    output_hidden_states=False, kv_cache=None)`` returns a
     :class:`TransformerOutput` ``(last_hidden_state (B, L, E), hidden_states, attentions)``;
     ``kv_cache`` is one :class:`~attnkit.KVCache` per layer.
 
@@ -315,9 +338,11 @@ class TransformerStack(nn.Module):
         x: torch.Tensor,
         *,
         key_padding_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
         mask: torch.Tensor | MaskSpec | None = None,
         context: torch.Tensor | None = None,
         context_padding_mask: torch.Tensor | None = None,
+        context_attention_mask: torch.Tensor | None = None,
         need_weights: bool = False,
         output_hidden_states: bool = False,
         kv_cache: Sequence[KVCache] | None = None,
@@ -336,9 +361,11 @@ class TransformerStack(nn.Module):
             x, weights, _ = layer(
                 x,
                 key_padding_mask=key_padding_mask,
+                attention_mask=attention_mask,
                 mask=mask,
                 context=context,
                 context_padding_mask=context_padding_mask,
+                context_attention_mask=context_attention_mask,
                 need_weights=need_weights,
                 kv_cache=None if kv_cache is None else kv_cache[i],
             )

@@ -1,0 +1,109 @@
+"""The input checks of the attention modules, and their messages.
+
+Dimension legend: B batch, L query length, S key length, E model width.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnkit.errors import AttentionInputError, shape_str
+
+__all__ = ["check_batch", "check_input", "positive_int"]
+
+
+def positive_int(where: str, name: str, value: object) -> int:
+    """``value`` if it is an int >= 1, else an error naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise AttentionInputError(
+            where,
+            name,
+            f"`{name}` must be a positive int, got {value!r}.",
+            got=f"{name}={value!r}",
+            expected="an int >= 1",
+        )
+    return value
+
+
+def check_input(
+    where: str,
+    name: str,
+    x: object,
+    width: int,
+    width_name: str,
+    batch_first: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``x`` if it is a 3-D input of width ``width`` and the parameters' ``dtype``.
+
+    Under autocast a floating input of another dtype is fine (autocast casts it).
+    """
+    dims = ("B", "L", "E") if name == "query" else ("B", "S", "E")
+    if not batch_first:
+        dims = (dims[1], dims[0], dims[2])
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        got = shape_str(name, x, dims) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise AttentionInputError(
+            where,
+            name,
+            f"`{name}` must be 3-D ({', '.join(dims)}).",
+            got=got,
+            expected=f"{name} ({', '.join(dims)}) with E={width}",
+            fix="add a batch dim with x.unsqueeze(0)"
+            if isinstance(x, torch.Tensor) and x.dim() == 2
+            else "attention on 4-D heads is attnkit.attention(q, k, v)",
+        )
+    if x.shape[-1] != width:
+        raise AttentionInputError(
+            where,
+            name,
+            f"`{name}` has width {x.shape[-1]} but the module expects {width_name}={width}.",
+            got=shape_str(name, x, dims),
+            expected=f"{name}.shape[-1] == {width_name} == {width}",
+            fix=f"build the module with {width_name}={x.shape[-1]}"
+            if name != "query"
+            else f"build the module with embed_dim={x.shape[-1]}",
+        )
+    if x.dtype != dtype and not (
+        x.is_floating_point() and torch.is_autocast_enabled(x.device.type)
+    ):
+        raise AttentionInputError(
+            where,
+            name,
+            f"`{name}` has dtype {x.dtype} but the module's parameters are {dtype}; attnkit "
+            "never casts silently.",
+            got=f"{shape_str(name, x, dims)} dtype={x.dtype}  parameters: dtype={dtype}",
+            expected=f"{name} of dtype {dtype}",
+            fix=f"{name}.to({dtype}), or module.to({x.dtype})"
+            if x.is_floating_point()
+            else f"token ids go through an nn.Embedding first; numbers: {name}.to({dtype})",
+        )
+    return x
+
+
+def check_batch(
+    where: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch_first: bool
+) -> None:
+    """Batch-first ``query``, ``key`` and ``value`` agree on B, and ``key`` and ``value`` on S."""
+    B, S = query.shape[0], key.shape[1]
+    if key.shape[0] == B and value.shape[0] == B and value.shape[1] == S:
+        return
+    seq_first = batch_first and query.shape[1] == key.shape[1]
+    raise AttentionInputError(
+        where,
+        "key" if key.shape[0] != B else "value",
+        "query, key and value disagree on batch or key length.",
+        got="  ".join(
+            shape_str(n, t, d)
+            for n, t, d in (
+                ("query", query, ("B", "L", "E")),
+                ("key", key, ("B", "S", "E")),
+                ("value", value, ("B", "S", "E")),
+            )
+        ),
+        expected="the same B in all three, the same S in key and value",
+        fix="these look like (seq, batch, embed) tensors: pass batch_first=False "
+        "or x.transpose(0, 1)"
+        if seq_first
+        else "key and value must come from the same sequence",
+    )
