@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 import attnkit
 from attnkit import masks
 from attnkit.backends import get_backend
-from attnkit.call import make_call
 from attnkit.masks import EMPTY, FULL, PARTIAL
+from attnkit.validate import make_call
 from oracle import reference_attention
 from strategies import atoms, specs
 

@@ -3,30 +3,41 @@
 Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
 Dk query/key head dim, Dv value head dim.
 
-:func:`make_call` is the one door in: it validates the arguments
-(:func:`attnkit.validate.validate_attention`), folds the ``causal`` flag and the mask into one
-spec (:func:`attnkit.masks.as_spec`) and fixes the scale. Backends then read the call and ask it
-for the form of the mask they take: :attr:`AttentionCall.mask` (a spec, for block-sparse
-backends), :meth:`AttentionCall.dense_mask` (a tensor, materialised once per call) or
-:attr:`AttentionCall.causal` (the bare causal rule, for kernels with a causal flag).
+:func:`attnkit.validate.make_call` is the one door in: it validates the arguments, folds the
+``causal`` flag and the mask into one spec (:func:`attnkit.masks.as_spec`) and fixes the scale.
+Backends then read the call and ask it for the form of the mask they take:
+:attr:`AttentionCall.mask` (a spec, for block-sparse backends), :meth:`AttentionCall.dense_mask`
+(a tensor, materialised once per call) or :attr:`AttentionCall.causal` (the bare causal rule,
+for kernels with a causal flag).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from attnkit.masks import DenseMask, MaskSpec, as_spec, is_causal
-from attnkit.validate import Dims, validate_attention
+from attnkit.masks import DenseMask, MaskSpec, is_causal
 
-__all__ = ["AttentionCall", "make_call"]
+__all__ = ["AttentionCall", "Dims"]
+
+
+class Dims(NamedTuple):
+    """The sizes of one attention call, by dimension name."""
+
+    B: int
+    H: int
+    Hkv: int
+    L: int
+    S: int
+    Dk: int
+    Dv: int
 
 
 @dataclass(frozen=True)
 class AttentionCall:
-    """A validated call of :func:`attnkit.attention`; frozen, built by :func:`make_call`.
+    """A validated call of :func:`attnkit.attention`, built by :func:`attnkit.validate.make_call`.
 
     Attributes:
         q, k, v: ``(B, H, L, Dk)``, ``(B, Hkv, S, Dk)``, ``(B, Hkv, S, Dv)``, validated.
@@ -99,34 +110,3 @@ class AttentionCall:
                 self.dims.L, self.dims.S, device=self.q.device, dtype=self.q.dtype
             )
         return self._dense["dense"]
-
-
-def make_call(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | MaskSpec | None,
-    causal: bool,
-    scale: float | None,
-    dropout_p: float,
-    return_weights: bool,
-    *,
-    where: str,
-    explaining: bool = False,
-) -> AttentionCall:
-    """Validate the arguments of :func:`attnkit.attention` and build the call.
-
-    Raises :class:`~attnkit.AttentionInputError` for bad input.
-    """
-    dims = validate_attention(q, k, v, mask, causal, scale, dropout_p, return_weights, where=where)
-    return AttentionCall(
-        q,
-        k,
-        v,
-        as_spec(mask, causal, L=dims.L, S=dims.S),
-        float(scale) if scale is not None else 1.0 / math.sqrt(dims.Dk),
-        float(dropout_p),
-        return_weights,
-        dims,
-        explaining,
-    )

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import torch
 
 from attnkit.backends import AUTO_ORDER, available_backends, choose, get_backend, rule_of
-from attnkit.call import make_call
+from attnkit.call import Dims
 from attnkit.masks import MaskSpec
-from attnkit.validate import Dims
+from attnkit.validate import make_call
 
 __all__ = ["Explanation", "explain"]
 

@@ -12,11 +12,12 @@ from typing import Literal, NamedTuple, overload
 import torch
 
 from attnkit.backends import choose
-from attnkit.call import make_call
+from attnkit.call import AttentionCall
 from attnkit.inspect.tracing import active_trace, record_attention
 from attnkit.masks import MaskSpec
+from attnkit.validate import make_call
 
-__all__ = ["AttentionOutput", "attention", "run_attention"]
+__all__ = ["AttentionOutput", "attention", "run_call"]
 
 WHERE = "attnkit.attention"
 
@@ -120,24 +121,14 @@ def attention(
     >>> attention(q, k, v, causal=True).shape
     torch.Size([2, 8, 5, 16])
     """
-    result = run_attention(q, k, v, mask, causal, scale, dropout_p, return_weights, backend)
+    call = make_call(q, k, v, mask, causal, scale, dropout_p, return_weights, where=WHERE)
+    result = run_call(call, backend, WHERE)
     return result if return_weights else result.output
 
 
-def run_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | MaskSpec | None,
-    causal: bool,
-    scale: float | None,
-    dropout_p: float,
-    return_weights: bool,
-    backend: str,
-    where: str = WHERE,
-) -> AttentionOutput:
-    """:func:`attention` with one return type, for the modules: always ``(output, weights)``."""
-    call = make_call(q, k, v, mask, causal, scale, dropout_p, return_weights, where=where)
+def run_call(call: AttentionCall, backend: str = "auto", where: str = WHERE) -> AttentionOutput:
+    """Run a call built by :func:`attnkit.validate.make_call` on ``backend`` ("auto" or a name):
+    always ``(output, weights or None)``. The modules build their calls and run them here."""
     chosen = choose(call, backend, where)
     out, weights = chosen.run(call)
     trace = active_trace()

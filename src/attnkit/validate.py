@@ -12,14 +12,14 @@ compiled model has no data-dependent branches; shape and dtype checks always run
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 
+from attnkit.call import AttentionCall, Dims
 from attnkit.errors import AttentionInputError, shape_str, warn_user
-from attnkit.masks import MaskSpec
+from attnkit.masks import MaskSpec, as_spec
 
-__all__ = ["Dims", "mask_dims_str", "validate_attention"]
+__all__ = ["make_call", "mask_dims_str"]
 
 Q_DIMS = ("B", "H", "L", "Dk")
 K_DIMS = ("B", "Hkv", "S", "Dk")
@@ -27,18 +27,6 @@ V_DIMS = ("B", "Hkv", "S", "Dv")
 MASK_DIMS = ("B", "H", "L", "S")
 
 WHERE = "attnkit.attention"
-
-
-class Dims(NamedTuple):
-    """The sizes of one attention call, by dimension name."""
-
-    B: int
-    H: int
-    Hkv: int
-    L: int
-    S: int
-    Dk: int
-    Dv: int
 
 
 def _qkv_str(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
@@ -75,7 +63,7 @@ def _check_tensor(name: str, t: object, where: str) -> torch.Tensor:
     return t
 
 
-def validate_attention(
+def make_call(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -86,8 +74,14 @@ def validate_attention(
     return_weights: bool = False,
     *,
     where: str = WHERE,
-) -> Dims:
-    """Check one attention call; return its sizes. Raises :class:`AttentionInputError`."""
+    explaining: bool = False,
+) -> AttentionCall:
+    """Check one attention call and build it: the one door into the backends.
+
+    Folds the ``causal`` flag and the mask into one spec (:func:`attnkit.masks.as_spec`) and
+    fixes the scale. ``explaining=True`` marks a call of :func:`attnkit.explain` (nothing runs).
+    Raises :class:`AttentionInputError` for bad input.
+    """
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, where)
     for name, t, names in (("q", q, Q_DIMS), ("k", k, K_DIMS), ("v", v, V_DIMS)):
@@ -232,7 +226,17 @@ def validate_attention(
             got=f"return_weights={return_weights!r}",
             expected="True or False",
         )
-    return dims
+    return AttentionCall(
+        q,
+        k,
+        v,
+        as_spec(mask, causal, L=dims.L, S=dims.S),
+        float(scale) if scale is not None else 1.0 / math.sqrt(dims.Dk),
+        float(dropout_p),
+        return_weights,
+        dims,
+        explaining,
+    )
 
 
 def _validate_spec(mask: MaskSpec, q: torch.Tensor, dims: Dims, where: str) -> None:

@@ -6,7 +6,7 @@ Dk query/key head dim, Dv value head dim.
 The path of one call, e.g. ``attnkit.attention(q, k, v, mask=masks.causal() &
 masks.sliding_window(256))``:
 
-1. :func:`attnkit.call.make_call` validates the arguments and builds one frozen
+1. :func:`attnkit.validate.make_call` validates the arguments and builds one frozen
    :class:`~attnkit.AttentionCall`; :func:`attnkit.masks.as_spec` folds the ``causal`` flag and
    the mask into one spec there, the only place they combine.
 2. :func:`choose` picks the backend: a named one if its ``check`` passes (else an error, never

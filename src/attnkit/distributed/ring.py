@@ -57,7 +57,7 @@ from attnkit.distributed.faults import (
 from attnkit.distributed.sharding import Chunk, Layout, group_rank_and_size
 from attnkit.errors import AttentionInputError
 from attnkit.masks import MaskSpec, as_spec
-from attnkit.validate import validate_attention
+from attnkit.validate import make_call
 
 __all__ = ["ring_attention"]
 
@@ -467,7 +467,7 @@ def ring_attention(
             fix="attnkit.masks.padding(lengths), key_mask(keep), document(ids), "
             "sliding_window(n), combined with & and |",
         )
-    dims = validate_attention(q, k, v, mask, causal, scale, 0.0, where=WHERE)
+    dims = make_call(q, k, v, mask, causal, scale, 0.0, where=WHERE).dims
     rank, world = group_rank_and_size(group, WHERE)
     td = as_timedelta(timeout, WHERE)
     if causal and (dims.L % 2 or dims.S % 2):

@@ -21,13 +21,14 @@ import torch
 from torch import nn
 
 from attnkit.errors import AttentionInputError
-from attnkit.functional import AttentionOutput, run_attention
+from attnkit.functional import AttentionOutput, run_call
 from attnkit.heads import merge_heads, split_heads
 from attnkit.inspect.tracing import active_trace, record_module_end, record_module_start
 from attnkit.modules.checks import check_batch, check_input, positive_int
 from attnkit.modules.kv_cache import KVCache
 from attnkit.modules.masking import Mask, MaskArgs, combine, module_mask
 from attnkit.modules.positions import RotaryEmbedding
+from attnkit.validate import make_call
 
 if TYPE_CHECKING:
     from attnkit.interop.torch_mha import TorchMultiheadAttention
@@ -183,17 +184,9 @@ class _Attention(nn.Module):
             q, k, v, mask, causal = self._rope_and_cache(
                 q, k, v, mask, self_attention, kv_cache, positions
             )
-        out, weights = run_attention(
-            q,
-            k,
-            v,
-            mask,
-            causal,
-            None,
-            self.dropout if self.training else 0.0,
-            need_weights,
-            self.backend,
-        )
+        dropout = self.dropout if self.training else 0.0
+        call = make_call(q, k, v, mask, causal, None, dropout, need_weights)
+        out, weights = run_call(call, self.backend)
         merged = merge_heads(out)  # (B, H, L, Dv) -> (B, L, H*Dv)
         y = self.out_proj(merged)  # (B, L, E)
         if tr is not None:
