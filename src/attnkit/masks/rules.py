@@ -83,6 +83,19 @@ def _check_shape(
         )
 
 
+def _int_at_least(call: str, argument: str, n: object, low: int, meaning: str, fix: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < low:
+        spec_error(
+            call,
+            argument,
+            f"{call}({argument}) needs an int >= {low}, got {n!r}.",
+            got=f"{argument}={n!r}",
+            expected=f"{argument} >= {low} ({meaning})",
+            fix=fix,
+        )
+    return n
+
+
 def _bool_at(table: torch.Tensor, b: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return table[b, idx.clamp(0, table.shape[-1] - 1)]
 
@@ -103,16 +116,14 @@ class _Causal(MaskSpec):
 
 class _Window(MaskSpec):
     def __init__(self, size: int) -> None:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            spec_error(
-                "sliding_window",
-                "size",
-                f"sliding_window(size) needs an int >= 1, got {size!r}.",
-                got=f"size={size!r}",
-                expected="size >= 1 (each query sees keys within size - 1 positions)",
-                fix="sliding_window(1) sees only the query's own position; use an int",
-            )
-        self.size = size
+        self.size = _int_at_least(
+            "sliding_window",
+            "size",
+            size,
+            1,
+            "each query sees keys within size - 1 positions",
+            "sliding_window(1) sees only the query's own position; use an int",
+        )
 
     def key(self) -> Hashable:
         return ("window", self.size)
@@ -275,17 +286,15 @@ class _PrefixKeys(MaskSpec):
             )
             _check_shape("prefix_lm", "prefix_len", prefix_len, (1,), "(B,)")
             self.batch = prefix_len.shape[0]
-        elif isinstance(prefix_len, bool) or not isinstance(prefix_len, int) or prefix_len < 0:
-            spec_error(
+        else:
+            self.prefix = _int_at_least(
                 "prefix_lm",
                 "prefix_len",
-                f"prefix_lm(prefix_len) needs an int >= 0 or a (B,) tensor, got {prefix_len!r}.",
-                got=f"prefix_len={prefix_len!r}",
-                expected="prefix_len >= 0 (0 is plain causal)",
-                fix="the number of prompt tokens every query may see",
+                prefix_len,
+                0,
+                "0 is plain causal; or a (B,) tensor, one prefix per sequence",
+                "the number of prompt tokens every query may see",
             )
-        else:
-            self.prefix = prefix_len
 
     def key(self) -> Hashable:
         n = self.prefix

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BandPlan", "available", "backward", "build", "forward", "main", "plan", "status"]
+__all__ = ["BandPlan", "available", "build", "kernel", "main", "plan", "status"]
 
 #: set to "0" to keep the blocked backend on torch's kernel for bands
 ENV = "ATTNKIT_BAND_KERNEL"
@@ -137,36 +137,14 @@ def plan(window: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     return BandPlan(window, None if build() is not None else status())
 
 
-def _kernel() -> Any:
+def kernel() -> Any:
+    """The loaded C++ module: ``band_forward(q, k, v, window, scale) -> (out, lse)`` and
+    ``band_backward(q, k, v, out, dout, lse, window, scale) -> (dq, dk, dv)``, all float32
+    ``(B, H, L, D)`` (lse ``(B, H, L)``, natural log). Call it only where :func:`plan` says the
+    kernel serves; the C++ checks its own preconditions (shapes, dtype, contiguity)."""
     if _module is None:
         raise RuntimeError(f"the band kernel is not loaded: {status()}")
     return _module
-
-
-def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out (B, H, L, D)`` and natural-log ``lse (B, H, L)``, float32, of causal sliding-window
-    attention with window ``w`` (query ``i`` sees keys ``i - w < j <= i``). Call only where
-    :func:`plan` says the kernel serves."""
-    out, lse = _kernel().band_forward(q, k, v, int(window), float(scale))
-    return out, lse
-
-
-def backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    dout: torch.Tensor,
-    lse: torch.Tensor,
-    window: int,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``dq, dk, dv (B, H, L, D)`` float32: the flash-attention backward of :func:`forward`,
-    given its (final) ``out`` and ``lse``."""
-    dq, dk, dv = _kernel().band_backward(q, k, v, out, dout, lse, int(window), float(scale))
-    return dq, dk, dv
 
 
 def main() -> None:

@@ -144,7 +144,7 @@ def forward_with_lse(
     p = plan or plan_blocks(q, k, v, mask, q_start, k_start, L_total, S_total)
     with torch.no_grad():
         if p.band.serves and p.band.window is not None:  # attnkit's band kernel
-            return band.forward(q, k, v, p.band.window, scale)
+            return band.kernel().band_forward(q, k, v, p.band.window, float(scale))  # type: ignore[no-any-return]
         return tiles.forward(p.tiles(q, k, v), q, k, v, scale)
 
 
@@ -189,5 +189,5 @@ def backward_from_lse(
     with torch.no_grad():
         fp32 = out.dtype == dout.dtype == lse.dtype == torch.float32
         if p.band.serves and p.band.window is not None and fp32:
-            return band.backward(q, k, v, out, dout, lse, p.band.window, scale)
+            return band.kernel().band_backward(q, k, v, out, dout, lse, p.band.window, float(scale))  # type: ignore[no-any-return]
         return tiles.backward(p.tiles(q, k, v, backward=True), q, k, v, out, dout, lse, scale)
