@@ -1,4 +1,5 @@
-"""The ``attnkit`` command line: ``demo``, ``version``, ``--help``, and ``python -m attnkit``."""
+"""The ``attnkit`` command line: ``demo``, ``version``, ``--help`` (flags shown without a type),
+and ``python -m attnkit``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
+import typer.main
 from typer.testing import CliRunner
 
 import attnkit
@@ -75,3 +77,21 @@ def test_python_dash_m_attnkit_demo(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     _check_demo_output(proc.stdout)
+
+
+def test_help_shows_no_type_for_flags() -> None:
+    """Flags take no value: typer's ``<bool>`` in the type column is gone, the flags remain."""
+    commands = sorted(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
+    wide = {"COLUMNS": "160", "TERMINAL_WIDTH": "160"}
+    for args in [["--help"]] + [[name, "--help"] for name in commands]:
+        result = runner.invoke(app, args, env=wide)
+        assert result.exit_code == 0, result.output
+        assert "<bool>" not in result.output, (args, result.output)
+        assert "--help " in result.output
+    bench = runner.invoke(app, ["bench", "--help"], env=wide).output
+    assert "<int>" in bench  # options that take a value keep their type
+    for flag in ("--quick", "--full", "--memory", "--no-memory"):
+        assert flag in bench
+    train = runner.invoke(app, ["train", "--help"], env=wide).output
+    assert "--resume" in train
+    assert "--overwrite" in train

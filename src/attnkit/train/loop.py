@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnkit.errors import AttentionInputError
+from attnkit.train import guards
 from attnkit.train.checkpoint import (
     CHECKPOINT_NAME,
     load_checkpoint,
@@ -45,18 +46,7 @@ from attnkit.train.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from attnkit.train.guards import (
-    TrainingDivergedError,
-    check_device,
-    check_out,
-    check_same_run,
-    check_world,
-    config_error,
-    diverged,
-    first_non_finite,
-    saved_config_error,
-    sigint_stops,
-)
+from attnkit.train.guards import TrainingDivergedError
 from attnkit.train.maps import MapsReport, write_maps
 from attnkit.train.model import ModelConfig, TaskModel
 from attnkit.train.tasks import IGNORE, Accuracy, Task, accuracy_from_predictions, make_task
@@ -80,6 +70,8 @@ __all__ = [
 
 _EVAL, _TEST, _STEP = 1, 2, 3  # streams of the data generators
 _EVAL_CHUNK = 2048  # sequences per forward pass in evaluation
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+_MAX_LR = _FLOAT32_MAX / 10  # AdamW's first step, lr / (1 - beta1), must fit in float32
 
 
 @dataclass(frozen=True)
@@ -115,21 +107,24 @@ class TrainConfig:
         for name in (*positive, "eval_size", "test_size", "checkpoint_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise config_error(name, value, "a positive int")
+                raise guards.config_error(name, value, "a positive int")
         for name in ("warmup", "seed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise config_error(name, value, "an int >= 0")
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
-            raise config_error("lr", self.lr, "a float > 0")
+                raise guards.config_error(name, value, "an int >= 0")
+        if not (isinstance(self.lr, (int, float)) and 0 < self.lr <= _MAX_LR):
+            raise guards.config_error("lr", self.lr, "a float > 0 and <= 3.4e37")
         if self.clip is not None and not (isinstance(self.clip, (int, float)) and self.clip > 0):
-            raise config_error("clip", self.clip, "a float > 0, or None")
-        if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
-            raise config_error("weight_decay", self.weight_decay, "a float >= 0")
+            raise guards.config_error("clip", self.clip, "a float > 0, or None")
+        wd = self.weight_decay
+        if not (isinstance(wd, (int, float)) and 0 <= self.lr * wd <= _FLOAT32_MAX):
+            raise guards.config_error(
+                "weight_decay", wd, "a float >= 0 (lr x weight_decay <= 3.4e38)"
+            )
         if self.target is not None and not 0 < self.target <= 1:
-            raise config_error("target", self.target, "a fraction in (0, 1], or None")
+            raise guards.config_error("target", self.target, "a fraction in (0, 1], or None")
         if self.dim % self.num_heads:
-            raise config_error("num_heads", self.num_heads, f"a divisor of dim={self.dim}")
+            raise guards.config_error("num_heads", self.num_heads, f"a divisor of dim={self.dim}")
 
     def resolved(self) -> TrainConfig:
         """The same config with the task's sizes filled in (and checked)."""
@@ -270,10 +265,10 @@ def resume_config(out: str | os.PathLike[str]) -> TrainConfig:
         config = TrainConfig(**info.config)
         config.resolved()
     except (AttentionInputError, TypeError, ValueError) as e:
-        raise saved_config_error(info.path, e) from None
+        raise guards.saved_config_error(info.path, e) from None
     if info.step > config.steps:
         past = ValueError(f"step {info.step} is past the run's {config.steps} steps")
-        raise saved_config_error(info.path, past)
+        raise guards.saved_config_error(info.path, past)
     return config
 
 
@@ -335,10 +330,12 @@ def fit(
 
     def save() -> None:  # on every rank: the ranks hold the same weights and stop together
         nonlocal saved
-        bad = first_non_finite(model)
+        bad = guards.first_non_finite(model)
         if bad is not None:
             what = f"parameter {bad} became NaN or infinite"
-            raise TrainingDivergedError(diverged(what, step, config.steps, out, saved), step, saved)
+            raise TrainingDivergedError(
+                guards.diverged(what, step, config.steps, out, saved), step, saved
+            )
         if lead:
             save_checkpoint(
                 path, model, optimizer, step=step, finished=finished, config=asdict(config)
@@ -361,7 +358,7 @@ def fit(
             shown /= world_size
         if not bool(torch.isfinite(shown)):  # the same verdict on every rank: stop, take no step
             what = f"the training loss is {float(shown)}"
-            message = diverged(what, step + 1, config.steps, out, saved)
+            message = guards.diverged(what, step + 1, config.steps, out, saved)
             raise TrainingDivergedError(message, step + 1, saved)
         optimizer.zero_grad(set_to_none=True)
         torch.autograd.backward(loss)  # DDP averages the gradients over the ranks here
@@ -410,15 +407,15 @@ def check_run(
     ``overwrite``, and on resume a checkpoint of another run, edited, or holding a NaN.
     """
     config = config.resolved()
-    check_device(device, world_size)
-    check_world(config.batch_size, world_size)
+    guards.check_device(device, world_size)
+    guards.check_world(config.batch_size, world_size)
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise config_error("threads", threads, "a positive int")
+        raise guards.config_error("threads", threads, "a positive int")
     if stop_at is not None and (not isinstance(stop_at, int) or stop_at < 1):
-        raise config_error("stop_at", stop_at, "a positive int, or None")
-    out = check_out(out, resume=resume, overwrite=overwrite)
+        raise guards.config_error("stop_at", stop_at, "a positive int, or None")
+    out = guards.check_out(out, resume=resume, overwrite=overwrite)
     if resume:
-        check_same_run(config, resume_config(out), out)
+        guards.check_same_run(config, resume_config(out), out)
         verify_checkpoint(out / CHECKPOINT_NAME)  # every tensor finite
     return config
 
@@ -472,7 +469,7 @@ def train(
     emit = progress or (lambda p: None)
     with _threads(threads):
         if world_size == 1:
-            with sigint_stops() as should_stop:
+            with guards.sigint_stops() as should_stop:
                 summary = fit(
                     config,
                     out,
