@@ -95,3 +95,22 @@ def test_help_shows_no_type_for_flags() -> None:
     train = runner.invoke(app, ["train", "--help"], env=wide).output
     assert "--resume" in train
     assert "--overwrite" in train
+
+
+def test_trace_refuses_sizes_it_cannot_hold_in_one_line() -> None:
+    """``trace`` prints shapes, which do not depend on the sizes: beyond 2 GiB it refuses, before
+    building anything."""
+    for args, size in [
+        (["--seq", "100000"], "would take about 1,194.8 GiB"),
+        (["--seq", "6", "--cross-len", "10000000"], "would take about 121.6 GiB"),
+        (["--d-model", "1000000", "--heads", "8"], "would take about 14,901.5 GiB"),
+    ]:
+        result = runner.invoke(app, ["trace", *args])
+        assert result.exit_code == 2, result.output
+        assert result.stdout == ""
+        (line,) = result.stderr.splitlines()
+        assert line.startswith("attnkit: error: --batch 2 --seq ")
+        assert size in line
+        assert "more than the 2 GiB a trace may use" in line
+        assert "(fix: trace smaller sizes: the steps and their named shapes are the same" in line
+    assert runner.invoke(app, ["trace", "--seq", "64"]).exit_code == 0  # small sizes still run
