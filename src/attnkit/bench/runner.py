@@ -231,7 +231,7 @@ def check_options(
 
     >>> check_options(gemm_n=-1)
     Traceback (most recent call last):
-    attnkit.errors.AttentionInputError: attnkit.bench.run: --gemm-size -1 is not a GEMM size: 0 (none)...
+    attnkit.errors.AttentionInputError: attnkit.bench.run: --gemm-size -1 is not a GEMM size:...
     """
     _check_names(where, "-p/--peer", peers or [], list(PEERS))
     if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
