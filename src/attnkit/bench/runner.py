@@ -380,6 +380,9 @@ def run(
         gemm_n: size of the GEMM timed in every round of every row, side by side with the
             peers (0: none; the fractions then use the throughput measured first).
 
+    Every row and option is checked first (:func:`check_rows`, :func:`check_options`): a bad
+    one raises :class:`~attnkit.AttentionInputError` before anything is measured.
+
     >>> result = run([("causal", 256, "float32", "fwd")], peers=["sdpa", "attnkit"],
     ...              memory=False, gemm=100.0, gemm_n=0)
     >>> [(e.peer, e.ms is not None) for e in result.rows[0].entries]
