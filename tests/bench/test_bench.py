@@ -1,5 +1,6 @@
 """attnkit bench: end to end on a tiny run (every output format), exact FLOP counting of the
-allowed pairs, the acceptance checks, row selection, skips with reasons, and lazy imports.
+allowed pairs, the acceptance checks, row selection, skips with reasons, lazy imports, and every
+bad option refused in one line before anything is measured.
 
 No timing is asserted: the numbers of a run are only checked to exist and be consistent.
 """
@@ -7,15 +8,18 @@ No timing is asserted: the numbers of a run are only checked to exist and be con
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
-from attnkit import bench
+from attnkit import AttentionInputError, bench
 from attnkit.bench import runner
 from attnkit.bench.peers import PEERS
 from attnkit.bench.report import acceptance
@@ -92,7 +96,6 @@ def test_the_cli_runs_and_writes_its_outputs(
         app,
         [
             "bench",
-            "--quick",
             "--no-memory",
             "-w",
             "causal",
@@ -118,8 +121,6 @@ def test_the_cli_runs_and_writes_its_outputs(
     rows = json.loads(out.read_text())["rows"]
     assert [e["peer"] for e in rows[0]["entries"]] == ["sdpa", "attnkit"]
     assert "| causal L=200 float32 fwd | sdpa |" in (tmp_path / "r.md").read_text()
-    bad = CliRunner().invoke(app, ["bench", "-p", "nonsense", "-w", "dense", "-L", "64"])
-    assert bad.exit_code != 0
 
 
 @pytest.mark.parametrize("name", list(WORKLOADS))
@@ -211,7 +212,7 @@ def test_peers_say_why_they_skip() -> None:
     assert "no backward" in str(PEERS["flex"].skip(window, 4096, torch.float32, True, 8 << 30))
     assert PEERS["torch-mha"].skip(dense, 64, torch.float32, False, 8 << 30) == "module rows only"
     assert PEERS["attnkit"].skip(window, 65536, torch.float32, True, 8 << 30) is None
-    with pytest.raises(ValueError, match="unknown peers"):
+    with pytest.raises(AttentionInputError, match="-p/--peer 'nonsense' is not one of naive, "):
         bench.run([("dense", 64, "float32", "fwd")], peers=["nonsense"])
 
 
@@ -223,3 +224,122 @@ def test_measure_gemm_and_lazy_imports() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+# ---------------------------------------------------------------------------------------------
+# bad options: one line, exit 2, before anything is measured
+
+
+@pytest.fixture
+def nothing_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make any measurement fail the test: a refused option must stop the command before."""
+
+    def ran(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the benchmark started")
+
+    monkeypatch.setattr(bench, "run", ran)
+    monkeypatch.setattr(runner, "machine", ran)
+    monkeypatch.setattr(runner, "measure_gemm", ran)
+    monkeypatch.setattr(runner, "_worker", ran)
+
+
+def _unwritable_dir(tmp_path: Path) -> Path:
+    """A directory this process cannot write into (root writes everywhere but sysfs)."""
+    if os.geteuid() == 0:
+        return Path("/sys")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    return locked
+
+
+BAD_OPTIONS: list[tuple[list[str], list[str]]] = [
+    (["-w", "nonsense"], ["-w/--workload 'nonsense' is not one of dense, causal, padding"]),
+    (["-L", "0"], ["-L/--length 0 is not a length", "it takes 1 to 262144", "(fix: pass lengths"]),
+    (["-L", "10000000"], ["-L/--length 10000000 is not a length", "1 to 262144"]),
+    (["-p", "nope"], ["-p/--peer 'nope' is not one of naive, sdpa, flex"]),
+    (["--dtype", "float16"], ["--dtype 'float16' is not one of float32, bfloat16"]),
+    (["--mode", "bwd"], ["--mode 'bwd' is not one of fwd, fwd+bwd"]),
+    (["--reps", "3"], ["--reps must be at least 5", "got 3"]),
+    (
+        ["--gemm-size", "-1"],
+        ["--gemm-size -1 is not a GEMM size: 0 (none) or an n from 1 to 16384"],
+    ),
+    (["--gemm-size", "100000"], ["--gemm-size 100000 is not a GEMM size"]),
+    (["--cap-gib", "-1"], ["--cap-gib must be a positive number of GiB, got -1.0"]),
+    (["--cap-gib", "nan"], ["--cap-gib must be a positive number of GiB, got nan"]),
+    (["--quick", "--full"], ["--quick picks its own rows", "cannot go with --full"]),
+    (["--quick", "-w", "window"], ["--quick picks its own rows", "cannot go with -w/--workload"]),
+    (["--quick", "-L", "512"], ["cannot go with -L/--length", "(fix: leave out --quick, or"]),
+    (["--quick", "--dtype", "bfloat16"], ["leave no rows to run: the quick rows are float32 fwd"]),
+    (["--json", "{tmp}/no/such/dir/x.json"], ["--json {tmp}/no/such/dir/x.json: the directory"]),
+    (["--markdown", "{tmp}/missing/r.md"], ["{tmp}/missing does not exist", "mkdir -p"]),
+    (["--plot", "{tmp}/missing/p.png"], ["--plot {tmp}/missing/p.png: the directory"]),
+    (["--json", "{tmp}"], ["--json {tmp} is a directory"]),
+    (["--json", "{file}/x.json"], ["--json {file}/x.json: {file} is not a directory"]),
+    (["--plot", "{tmp}/p.svg"], ["the plot is a PNG, so its name must end in .png"]),
+    (["--json", "{tmp}/a", "--markdown", "{tmp}/a"], ["--json and --markdown both name"]),
+    (["--json", "{locked}/x.json"], ["--json {locked}/x.json cannot be written"]),
+]
+
+
+@pytest.mark.parametrize(("args", "parts"), BAD_OPTIONS, ids=[" ".join(a) for a, _ in BAD_OPTIONS])
+@pytest.mark.usefixtures("nothing_runs")
+def test_bad_options_are_one_line_before_any_work(
+    args: list[str], parts: list[str], tmp_path: Path
+) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    where = {"tmp": str(tmp_path), "file": str(tmp_path / "file")}
+    if any("{locked}" in a for a in args):
+        where["locked"] = str(_unwritable_dir(tmp_path))
+    before = sorted(tmp_path.rglob("*"))
+    result = CliRunner().invoke(app, ["bench", *(a.format(**where) for a in args)])
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("attnkit: error: ")
+    assert " (fix: " in lines[0]
+    for part in parts:
+        assert part.format(**where) in lines[0], lines[0]
+    assert sorted(tmp_path.rglob("*")) == before  # the probes left nothing behind
+
+
+def test_the_library_refuses_the_same_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runner, "machine", lambda: pytest.fail("the run started"))
+    row = [("dense", 64, "float32", "fwd")]
+    cases: list[tuple[Callable[[], object], str]] = [
+        (lambda: bench.plan_rows(quick=True, workloads=["window"]), "cannot go with -w"),
+        (lambda: bench.plan_rows(quick=True, full=True), "cannot go with --full"),
+        (lambda: bench.plan_rows(lengths=[0]), "-L/--length 0 is not a length"),
+        (lambda: bench.run([("nope", 64, "float32", "fwd")]), "-w/--workload 'nope'"),
+        (lambda: bench.run([("dense", -5, "float32", "fwd")]), "-L/--length -5"),
+        (lambda: bench.run(row, gemm_n=-1), "--gemm-size -1 is not a GEMM size"),
+        (lambda: bench.run(row, cap_gib=0.0), "--cap-gib must be a positive number"),
+        (lambda: bench.run(row, reps=0), "--reps must be a positive int"),
+    ]
+    for call, message in cases:
+        with pytest.raises(AttentionInputError, match=re.escape(message)):
+            call()
+    assert bench.plan_rows(quick=True, modes=["fwd+bwd"]) == [
+        ("window", 2048, "float32", "fwd+bwd")
+    ]  # --dtype and --mode filter the quick rows
+
+
+def test_help_time_estimates_agree_with_the_docs() -> None:
+    """The command's help says what docs/benchmarks.md measured: how long each run takes."""
+    import typer.main
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md").read_text()
+    docs = " ".join(docs.split())
+    command = typer.main.get_command(app).commands["bench"]  # type: ignore[attr-defined]
+    options = {p.name: " ".join((getattr(p, "help", None) or "").split()) for p in command.params}
+    default = re.search(r"(\d+ to \d+ minutes) on this 2-core machine", docs)
+    assert default is not None
+    assert f"{default.group(1)} on a 2-core machine" in " ".join(command.help.split())
+    assert "`--quick` is a one-minute smoke run" in docs
+    assert options["quick"].startswith("a smoke run of about a minute")
+    assert "with every peer (hours)" in docs
+    assert options["full"].endswith("(hours)")

@@ -1,4 +1,5 @@
-"""The ``attnkit`` command line: ``demo``, ``version``, ``--help``, and ``python -m attnkit``."""
+"""The ``attnkit`` command line: ``demo``, ``version``, ``--help`` (flags shown without a type),
+and ``python -m attnkit``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
+import typer.main
 from typer.testing import CliRunner
 
 import attnkit
@@ -75,3 +77,40 @@ def test_python_dash_m_attnkit_demo(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     _check_demo_output(proc.stdout)
+
+
+def test_help_shows_no_type_for_flags() -> None:
+    """Flags take no value: typer's ``<bool>`` in the type column is gone, the flags remain."""
+    commands = sorted(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
+    wide = {"COLUMNS": "160", "TERMINAL_WIDTH": "160"}
+    for args in [["--help"]] + [[name, "--help"] for name in commands]:
+        result = runner.invoke(app, args, env=wide)
+        assert result.exit_code == 0, result.output
+        assert "<bool>" not in result.output, (args, result.output)
+        assert "--help " in result.output
+    bench = runner.invoke(app, ["bench", "--help"], env=wide).output
+    assert "<int>" in bench  # options that take a value keep their type
+    for flag in ("--quick", "--full", "--memory", "--no-memory"):
+        assert flag in bench
+    train = runner.invoke(app, ["train", "--help"], env=wide).output
+    assert "--resume" in train
+    assert "--overwrite" in train
+
+
+def test_trace_refuses_sizes_it_cannot_hold_in_one_line() -> None:
+    """``trace`` prints shapes, which do not depend on the sizes: beyond 2 GiB it refuses, before
+    building anything."""
+    for args, size in [
+        (["--seq", "100000"], "would take about 1,194.8 GiB"),
+        (["--seq", "6", "--cross-len", "10000000"], "would take about 121.6 GiB"),
+        (["--d-model", "1000000", "--heads", "8"], "would take about 14,901.5 GiB"),
+    ]:
+        result = runner.invoke(app, ["trace", *args])
+        assert result.exit_code == 2, result.output
+        assert result.stdout == ""
+        (line,) = result.stderr.splitlines()
+        assert line.startswith("attnkit: error: --batch 2 --seq ")
+        assert size in line
+        assert "more than the 2 GiB a trace may use" in line
+        assert "(fix: trace smaller sizes: the steps and their named shapes are the same" in line
+    assert runner.invoke(app, ["trace", "--seq", "64"]).exit_code == 0  # small sizes still run

@@ -1,4 +1,5 @@
-"""attnkit.train: tasks and their split, checkpoints, resume, a real training run, its maps, DDP.
+"""attnkit.train: tasks and their split, checkpoints, resume, a real training run, its maps, DDP,
+and what never loses a run: non-finite tensors and losses, overwriting, edited checkpoints.
 
 The training runs use a tiny config (reversal of 8 letters, one layer of width 32) that reaches
 the target in a few dozen steps, so the module runs in seconds apart from the DDP test, which
@@ -8,6 +9,7 @@ spends most of its time starting two Python processes.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+import attnkit.train.loop as loop
 from attnkit import AttentionInputError
 from attnkit.train import (
     CHECKPOINT_NAME,
@@ -25,6 +28,7 @@ from attnkit.train import (
     Sort,
     Task,
     TrainConfig,
+    TrainingDivergedError,
     TrainResult,
     alignment_scores,
     build,
@@ -34,9 +38,12 @@ from attnkit.train import (
     resume_config,
     save_checkpoint,
     train,
+    verify_checkpoint,
 )
+from attnkit.train.checkpoint import read_info
 from attnkit.train.loop import held_out_set, train_batch
 from attnkit.train.tasks import HOLDOUT_EVERY, IGNORE
+from checkpoints import edit_checkpoint
 
 TINY = TrainConfig(
     task="reverse",
@@ -135,6 +142,11 @@ def test_bad_task_settings_are_refused_with_a_message() -> None:
         TrainConfig(dim=30, num_heads=4)
     with pytest.raises(AttentionInputError, match=r"--steps must be a positive int, got 0"):
         TrainConfig(steps=0)
+    for lr in (0.0, float("inf"), float("nan"), 1e38):  # AdamW's first step is 10 x lr
+        with pytest.raises(AttentionInputError, match=r"--lr must be a float > 0 and <= 3.4e37"):
+            TrainConfig(lr=lr)
+    with pytest.raises(AttentionInputError, match=r"--weight-decay must be a float >= 0"):
+        TrainConfig(lr=1e37, weight_decay=1e3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,10 +255,15 @@ def test_resume_refuses_a_different_run(tmp_path: Path) -> None:
     assert e.value.fix == "leave out --steps, or start a new run without --resume"
 
 
-def test_runtime_arguments_are_checked(tmp_path: Path) -> None:
+def test_runtime_arguments_are_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
     with pytest.raises(AttentionInputError, match="does not divide the batch of 64") as e:
         train(TINY, tmp_path, world_size=3)
     assert e.value.fix == "use --ddp 2 or 4 or 8"
+    with pytest.raises(AttentionInputError, match=r"--ddp 16 is more processes than") as e:
+        train(TINY, tmp_path, world_size=16)
+    assert "at most 8 (one per CPU core, os.cpu_count() = 8)" in e.value.problem
+    assert e.value.fix == "pass --ddp 8 or fewer"
     with pytest.raises(AttentionInputError, match="unknown device 'gpu0'"):
         train(TINY, tmp_path, device="gpu0")
     with pytest.raises(AttentionInputError, match="--ddp runs on the CPU"):
@@ -365,3 +382,189 @@ def test_ddp_two_processes_follow_one_process(
     assert abs(ddp.test.sequence - single.test.sequence) <= 0.005
     saved = load_file(str(ddp.checkpoint))
     assert any(k.startswith("optim.") for k in saved)  # rank 0 wrote the whole state
+
+
+# ---------------------------------------------------------------------------------------------
+# never losing a run
+
+
+def _a_checkpoint(out: Path, steps: int = 2) -> Path:
+    """A real run of ``steps`` steps in ``out``, stopped there (a checkpoint, no maps)."""
+    train(dataclasses.replace(TINY, steps=10, target=None), out, stop_at=steps)
+    return out / CHECKPOINT_NAME
+
+
+def _first_weight(path: Path) -> str:
+    return sorted(k for k in load_file(str(path)) if k.startswith("model."))[0]
+
+
+def test_a_non_finite_tensor_is_refused_on_load_naming_it(tmp_path: Path) -> None:
+    path = _a_checkpoint(tmp_path)
+    name = _first_weight(path)
+    edit_checkpoint(path, nan_in=name)
+    damaged = path.read_bytes()
+    _, model, opt = build(TINY.resolved())
+    for load in (
+        lambda: load_checkpoint(path, model, opt),
+        lambda: verify_checkpoint(path),
+        lambda: train(dataclasses.replace(TINY, steps=10, target=None), tmp_path, resume=True),
+    ):
+        with pytest.raises(AttentionInputError, match="holds 1 NaN and 0 inf") as e:
+            load()
+        assert f"tensor {name} (" in e.value.problem
+        assert e.value.fix == "resume from an intact copy, or start a new run with --overwrite"
+    assert path.read_bytes() == damaged  # refused before anything was written
+
+
+def test_save_refuses_non_finite_tensors_and_keeps_the_last_checkpoint(tmp_path: Path) -> None:
+    path = _a_checkpoint(tmp_path)
+    good = path.read_bytes()
+    _, model, opt = build(TINY.resolved())
+    load_checkpoint(path, model, opt)
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = float("inf")
+    with pytest.raises(AttentionInputError, match=r"holds 0 NaN and 1 inf .* was not written"):
+        save_checkpoint(path, model, opt, step=3, finished=False, config={})
+    assert path.read_bytes() == good
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_NAME]
+
+
+def test_the_first_non_finite_loss_stops_training_keeping_the_last_checkpoint(
+    tmp_path: Path,
+) -> None:
+    config = dataclasses.replace(TINY, lr=1e6, warmup=1, clip=None, checkpoint_every=1)
+    with pytest.raises(TrainingDivergedError) as e:
+        train(config, tmp_path)
+    assert (e.value.step, e.value.checkpoint_step) == (2, 1)
+    assert str(e.value) == (
+        f"training stopped at step 2 of 400: the training loss is nan; nothing of that step was "
+        f"saved, the checkpoint of step 1 in {tmp_path} is the last good one (--resume "
+        "continues it). A lower learning rate or another --seed usually avoids it."
+    )
+    assert verify_checkpoint(tmp_path / CHECKPOINT_NAME).step == 1  # finite, step 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_NAME]  # no maps, no .tmp
+
+
+def test_weights_that_became_non_finite_are_never_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lr_at = loop.lr_at  # an infinite learning rate at the 4th step: the loss is still finite
+    monkeypatch.setattr(loop, "lr_at", lambda c, s: float("inf") if s == 3 else lr_at(c, s))
+    with pytest.raises(TrainingDivergedError, match=r"parameter \S+ became NaN or infinite") as e:
+        train(dataclasses.replace(TINY, checkpoint_every=2), tmp_path)
+    assert (e.value.step, e.value.checkpoint_step) == (4, 2)
+    assert verify_checkpoint(tmp_path / CHECKPOINT_NAME).step == 2
+    with pytest.raises(TrainingDivergedError, match="this run wrote no checkpoint"):
+        train(dataclasses.replace(TINY, checkpoint_every=100), tmp_path / "fresh")
+    assert not (tmp_path / "fresh" / CHECKPOINT_NAME).exists()
+
+
+def test_a_run_is_never_overwritten_without_resume_or_overwrite(tmp_path: Path) -> None:
+    path = _a_checkpoint(tmp_path)
+    before = path.read_bytes()
+    config = dataclasses.replace(TINY, steps=10, target=None)
+    with pytest.raises(AttentionInputError, match="already holds a run's checkpoint") as e:
+        train(config, tmp_path, stop_at=1)
+    assert f"--out {tmp_path} already holds a run's checkpoint (step 2); a new run would " in str(
+        e.value
+    )
+    assert e.value.fix == (
+        "pass --resume to continue that run, or --overwrite to start a new run over it"
+    )
+    with pytest.raises(AttentionInputError, match="--resume continues the run in --out and"):
+        train(config, tmp_path, resume=True, overwrite=True)
+    assert path.read_bytes() == before
+    other = dataclasses.replace(config, seed=1)
+    train(other, tmp_path, overwrite=True, stop_at=1)
+    assert read_info(path).step == 1
+    assert read_info(path).config["seed"] == 1
+
+
+def test_a_stale_tmp_file_is_removed_by_the_next_save_or_load(tmp_path: Path) -> None:
+    path = _a_checkpoint(tmp_path)
+    stale = tmp_path / (CHECKPOINT_NAME + ".tmp")
+    _, model, opt = build(TINY.resolved())
+    for use in (
+        lambda: load_checkpoint(path, model, opt),
+        lambda: verify_checkpoint(path),
+        lambda: save_checkpoint(path, model, opt, step=0, finished=False, config={}),
+    ):
+        stale.write_bytes(b"half of a checkpoint: the save was killed")
+        use()
+        assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_NAME]
+
+
+EDITS = [
+    ({"step": "ten"}, "field 'step' is 'ten', not a number of steps (an int >= 0)"),
+    ({"step": "-3"}, "field 'step' is '-3', not a number of steps"),
+    ({"finished": "maybe"}, "field 'finished' is 'maybe', not true or false"),
+    ({"config": "{"}, "field 'config' is '{', not a JSON object of settings"),
+    ({"config": "[1, 2]"}, "field 'config' is '[1, 2]', not a JSON object"),
+    ({"optim.param_groups": "{}"}, "field 'optim.param_groups' is '{}', not a JSON list"),
+    ({"optim.scalars": '{"x": 1}'}, """field 'optim.scalars' is '{"x": 1}', not a JSON object"""),
+    ({"config": '{"steps": 10, "bogus": 1}'}, "stored settings are not a valid run (TypeError: "),
+    ({"config": '{"steps": 0}'}, "not a valid run (--steps must be a positive int, got 0.)"),
+    ({"config": '{"task": "nope"}'}, "not a valid run (unknown task 'nope'.)"),
+    ({"step": "99"}, "not a valid run (ValueError: step 99 is past the run's 10 steps)"),
+]
+
+
+@pytest.mark.parametrize(("edit", "message"), EDITS, ids=[str(e) for e, _ in EDITS])
+def test_edited_metadata_is_refused_with_what_is_wrong(
+    edit: dict[str, str], message: str, tmp_path: Path
+) -> None:
+    path = _a_checkpoint(tmp_path)
+    edit_checkpoint(path, **edit)
+    with pytest.raises(AttentionInputError) as e:
+        resume_config(tmp_path)
+    assert message in e.value.problem, e.value.problem
+    assert "edited or damaged" in e.value.problem
+    assert e.value.fix == "resume from an intact copy, or start a new run with --overwrite"
+
+
+def test_a_missing_field_or_a_bad_optimizer_state_is_refused(tmp_path: Path) -> None:
+    path = _a_checkpoint(tmp_path)
+    edit_checkpoint(path, drop="finished")
+    with pytest.raises(AttentionInputError, match="field 'finished' is missing, not true or"):
+        read_info(path)
+    path = _a_checkpoint(tmp_path / "groups")
+    edit_checkpoint(path, **{"optim.param_groups": "[]"})
+    _, model, opt = build(TINY.resolved())
+    with pytest.raises(AttentionInputError, match="optimizer state does not fit this optimizer"):
+        load_checkpoint(path, model, opt)
+
+
+@pytest.mark.parametrize(
+    ("out", "message"),
+    [
+        ("", "--out is empty."),
+        ("{file}", "--out {file} is a file, not a directory."),
+        ("{file}/run", "--out {file}/run cannot be created: {file} is a file."),
+        ("{locked}/run", "--out {locked}/run cannot be written: {locked}: "),
+    ],
+)
+def test_an_unusable_out_is_refused_before_any_work(out: str, message: str, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("a file")
+    where = {"file": str(tmp_path / "file"), "locked": str(_unwritable_dir(tmp_path))}
+    with pytest.raises(AttentionInputError) as e:
+        train(TINY, out.format(**where))
+    assert message.format(**where) in e.value.problem
+    assert e.value.argument == "out"
+
+
+def _unwritable_dir(tmp_path: Path) -> Path:
+    """A directory this process cannot write into (root writes everywhere but sysfs)."""
+    if os.geteuid() == 0:
+        return Path("/sys")
+    locked = tmp_path / "locked"
+    locked.mkdir(exist_ok=True)
+    locked.chmod(0o500)
+    return locked
+
+
+def test_a_ddp_run_that_diverges_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    config = dataclasses.replace(TINY, lr=1e6, warmup=1, clip=None, checkpoint_every=1)
+    with pytest.raises(TrainingDivergedError, match="the training loss is nan") as e:
+        train(config, tmp_path, world_size=2)
+    assert (e.value.step, e.value.checkpoint_step) == (2, 1)
+    assert verify_checkpoint(tmp_path / CHECKPOINT_NAME).step == 1

@@ -26,7 +26,16 @@ from attnkit.bench.report import (
     write_markdown,
     write_plot,
 )
-from attnkit.bench.runner import ACCEPTANCE_ROWS, BenchResult, Entry, Row, plan_rows, run
+from attnkit.bench.runner import (
+    ACCEPTANCE_ROWS,
+    BenchResult,
+    Entry,
+    Row,
+    check_options,
+    check_rows,
+    plan_rows,
+    run,
+)
 from attnkit.bench.workloads import WORKLOADS, Workload, allowed_pairs
 
 __all__ = [
@@ -39,6 +48,8 @@ __all__ = [
     "Workload",
     "acceptance",
     "allowed_pairs",
+    "check_options",
+    "check_rows",
     "peer_names",
     "plan_rows",
     "print_table",

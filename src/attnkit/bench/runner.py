@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import platform
 import statistics
@@ -23,12 +24,15 @@ import torch
 
 from attnkit.bench.peers import OUTSIDE, PEERS
 from attnkit.bench.workloads import WORKLOADS, get_workload
+from attnkit.errors import AttentionInputError
 
 __all__ = [
     "ACCEPTANCE_ROWS",
     "BenchResult",
     "Entry",
     "Row",
+    "check_options",
+    "check_rows",
     "machine",
     "measure_gemm",
     "plan_rows",
@@ -62,6 +66,13 @@ QUICK_ROWS: list[tuple[str, int, str, str]] = [
     ("window", 2048, "float32", "fwd+bwd"),
 ]
 QUICK_PEERS = ["naive", "sdpa", "attnkit", "attnkit-blocked"]
+DTYPES = ["float32", "bfloat16"]
+MODES = ["fwd", "fwd+bwd"]
+#: the longest length a row may ask for: 4x the longest --full length (the inputs alone grow
+#: with L, and planning a row builds its block map)
+MAX_LENGTH = 4 * FULL_LENGTHS[-1]
+#: the largest n of the n x n GEMM timed beside the peers (its three matrices take 3 GiB)
+MAX_GEMM = 16384
 
 
 @dataclass
@@ -164,6 +175,94 @@ def measure_gemm(n: int = 4096, reps: int = 5) -> float:
     return 2.0 * n**3 / statistics.median(times) / 1e9
 
 
+def _option_error(
+    where: str, flag: str, problem: str, got: str, expected: str, fix: str
+) -> AttentionInputError:
+    return AttentionInputError(
+        where, flag, f"{flag} {problem}", got=got, expected=expected, fix=fix
+    )
+
+
+def _check_names(where: str, flag: str, given: Iterable[str], allowed: list[str]) -> None:
+    for name in given:
+        if name not in allowed:
+            listed = ", ".join(allowed)
+            raise _option_error(
+                where,
+                flag,
+                f"{name!r} is not one of {listed}.",
+                f"{flag} {name}",
+                f"one of {listed}",
+                f"pick from {listed} (repeat {flag.split('/')[0]} for several)",
+            )
+
+
+def _check_lengths(where: str, lengths: Iterable[int]) -> None:
+    for L in lengths:
+        if isinstance(L, bool) or not isinstance(L, int) or not 1 <= L <= MAX_LENGTH:
+            raise _option_error(
+                where,
+                "-L/--length",
+                f"{L!r} is not a length attnkit bench runs: it takes 1 to {MAX_LENGTH}.",
+                f"-L {L}",
+                f"an int from 1 to {MAX_LENGTH}",
+                f"pass lengths such as {', '.join(f'-L {n}' for n in FULL_LENGTHS)}",
+            )
+
+
+def check_rows(rows: Iterable[tuple[str, int, str, str]], where: str = "attnkit.bench") -> None:
+    """Refuse a row whose workload, length, dtype or mode :func:`run` does not know."""
+    for workload, L, dtype, mode in rows:
+        _check_names(where, "-w/--workload", [workload], list(WORKLOADS))
+        _check_lengths(where, [L])
+        _check_names(where, "--dtype", [dtype], DTYPES)
+        _check_names(where, "--mode", [mode], MODES)
+
+
+def check_options(
+    *,
+    peers: list[str] | None = None,
+    reps: int = 5,
+    cap_gib: float = 12.0,
+    gemm_n: int = 4096,
+    where: str = "attnkit.bench.run",
+) -> None:
+    """Refuse the options of :func:`run` that it cannot use (before it measures anything).
+
+    >>> check_options(gemm_n=-1)
+    Traceback (most recent call last):
+    attnkit.errors.AttentionInputError: attnkit.bench.run: --gemm-size -1 is not a GEMM size:...
+    """
+    _check_names(where, "-p/--peer", peers or [], list(PEERS))
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise _option_error(
+            where,
+            "--reps",
+            f"must be a positive int, got {reps!r}.",
+            f"--reps {reps}",
+            "an int >= 1 (5 or more for published numbers)",
+            "pass --reps 5",
+        )
+    if not (isinstance(cap_gib, (int, float)) and math.isfinite(cap_gib) and cap_gib > 0):
+        raise _option_error(
+            where,
+            "--cap-gib",
+            f"must be a positive number of GiB, got {cap_gib!r}.",
+            f"--cap-gib {cap_gib}",
+            "a finite number > 0",
+            "pass --cap-gib 12 (the default)",
+        )
+    if isinstance(gemm_n, bool) or not isinstance(gemm_n, int) or not 0 <= gemm_n <= MAX_GEMM:
+        raise _option_error(
+            where,
+            "--gemm-size",
+            f"{gemm_n!r} is not a GEMM size: 0 (none) or an n from 1 to {MAX_GEMM}.",
+            f"--gemm-size {gemm_n}",
+            f"an int from 0 to {MAX_GEMM}",
+            "pass --gemm-size 4096 (the default), or 0 for none",
+        )
+
+
 def plan_rows(
     rows: Iterable[tuple[str, int, str, str]] | None = None,
     *,
@@ -175,21 +274,47 @@ def plan_rows(
     quick: bool = False,
 ) -> list[tuple[str, int, str, str]]:
     """The rows to run: given ones, the acceptance rows (default), the quick smoke rows, or the
-    product of the selections (``full``: every workload, length, dtype and mode)."""
+    product of the selections (``full``: every workload, length, dtype and mode).
+
+    ``dtypes`` and ``modes`` filter any of these; ``quick`` is its own choice of rows, so it
+    is refused together with ``workloads``, ``lengths`` or ``full``. Unknown names, lengths
+    outside ``1..MAX_LENGTH`` and a selection that leaves no rows are refused too
+    (:class:`~attnkit.AttentionInputError`).
+
+    >>> plan_rows(quick=True, modes=["fwd+bwd"])
+    [('window', 2048, 'float32', 'fwd+bwd')]
+    """
+    where = "attnkit.bench.plan_rows"
     if rows is not None:
-        return list(rows)
+        chosen = list(rows)
+        check_rows(chosen, where)
+        return chosen
+    _check_names(where, "-w/--workload", workloads or [], list(WORKLOADS))
+    _check_lengths(where, lengths or [])
+    _check_names(where, "--dtype", dtypes or [], DTYPES)
+    _check_names(where, "--mode", modes or [], MODES)
+    if quick and (full or workloads or lengths):
+        other = "--full" if full else "-w/--workload" if workloads else "-L/--length"
+        raise _option_error(
+            where,
+            "--quick",
+            f"picks its own rows (dense L=512, window L=2048), so it cannot go with {other}.",
+            f"--quick with {other}",
+            "--quick alone (--dtype, --mode and -p still apply), or rows chosen without it",
+            f"leave out --quick, or leave out {other}",
+        )
     if full or workloads or lengths:
         base = list(
             itertools.product(
                 workloads or list(WORKLOADS),
                 lengths or FULL_LENGTHS,
-                dtypes or ["float32", "bfloat16"],
-                modes or ["fwd", "fwd+bwd"],
+                dtypes or DTYPES,
+                modes or MODES,
             )
         )
     else:
         base = QUICK_ROWS if quick else ACCEPTANCE_ROWS
-    return [
+    chosen = [
         r
         for r in base
         if (not workloads or r[0] in workloads)
@@ -197,6 +322,18 @@ def plan_rows(
         and (not dtypes or r[2] in dtypes)
         and (not modes or r[3] in modes)
     ]
+    if not chosen:
+        kinds = sorted({f"{r[2]} {r[3]}" for r in base})
+        raise _option_error(
+            where,
+            "--dtype/--mode",
+            f"leave no rows to run: the {'quick' if quick else 'default'} rows are "
+            f"{', '.join(kinds)}.",
+            f"--dtype {dtypes or DTYPES} --mode {modes or MODES}",
+            "a selection that keeps at least one row",
+            "pick rows with -w and -L to run other dtypes and modes",
+        )
+    return chosen
 
 
 def _worker(job: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -243,6 +380,9 @@ def run(
         gemm_n: size of the GEMM timed in every round of every row, side by side with the
             peers (0: none; the fractions then use the throughput measured first).
 
+    Every row and option is checked first (:func:`check_rows`, :func:`check_options`): a bad
+    one raises :class:`~attnkit.AttentionInputError` before anything is measured.
+
     >>> result = run([("causal", 256, "float32", "fwd")], peers=["sdpa", "attnkit"],
     ...              memory=False, gemm=100.0, gemm_n=0)
     >>> [(e.peer, e.ms is not None) for e in result.rows[0].entries]
@@ -250,10 +390,9 @@ def run(
     """
     start = time.perf_counter()
     chosen = list(rows) if rows is not None else ACCEPTANCE_ROWS
+    check_rows(chosen, "attnkit.bench.run")
+    check_options(peers=peers, reps=reps, cap_gib=cap_gib, gemm_n=gemm_n)
     names = peers or DEFAULT_PEERS
-    unknown = [p for p in names if p not in PEERS]
-    if unknown:
-        raise ValueError(f"unknown peers {unknown}; choose from {list(PEERS)}")
     cap = cap_gib * GiB
     info = machine()
     plans: list[tuple[Row, list[str]]] = []

@@ -2,7 +2,9 @@
 
 Register commands with :func:`command` (not ``app.command``): it adds the one error path of the
 CLI. An :class:`~attnkit.AttentionInputError` raised inside a command becomes one line on stderr,
-``attnkit: error: <problem> (fix: <fix>)``, and exit code 2, never a traceback.
+``attnkit: error: <problem> (fix: <fix>)``, and exit code 2, never a traceback. Commands check
+their options, output paths included (:func:`check_output_file`), before any work, so a bad
+option never costs a run.
 """
 
 from __future__ import annotations
@@ -10,18 +12,48 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from attnkit.errors import AttentionInputError
 
-__all__ = ["EXIT_USER_ERROR", "app", "command", "error_line", "one_line_errors"]
+__all__ = [
+    "EXIT_USER_ERROR",
+    "app",
+    "check_output_file",
+    "command",
+    "error_line",
+    "one_line_errors",
+]
 
 EXIT_USER_ERROR = 2  # the exit code click gives usage errors too
 
+
+def _plain_flags(params: list[Any]) -> list[Any]:
+    """Flags take no value, so their help shows no type (typer would print ``<bool>``)."""
+    for param in params:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+    return params
+
+
+class _Command(TyperCommand):
+    # typer's own click (vendored from 0.20 on) or click: the parameters are typed loosely
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _plain_flags(super().get_params(ctx))
+
+
+class _Group(TyperGroup):
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _plain_flags(super().get_params(ctx))
+
+
 app = typer.Typer(
     name="attnkit",
+    cls=_Group,
     help="Self-attention for PyTorch: correct, fast, and easy to look inside.",
     no_args_is_help=True,
     add_completion=False,
@@ -57,7 +89,71 @@ def command(name: str | None = None, **kwargs: Any) -> Callable[[F], F]:
             with one_line_errors():
                 return func(*args, **kw)
 
-        app.command(name, **kwargs)(guarded)
+        app.command(name, cls=_Command, **kwargs)(guarded)
         return func
 
     return register
+
+
+# ---------------------------------------------------------------------------------------------
+# output paths, checked before any work
+
+
+def _path_error(
+    where: str, option: str, path: Path | str, problem: str, expected: str, fix: str
+) -> AttentionInputError:
+    return AttentionInputError(
+        where, option, f"{option} {problem}", got=f"{option} {path}", expected=expected, fix=fix
+    )
+
+
+def check_output_file(where: str, option: str, path: Path) -> None:
+    """Refuse an output file that cannot be written: its directory missing or not a directory,
+    the path a directory, or no permission. Probes by opening the file for appending (nothing
+    is written; a file that did not exist is removed again).
+
+    >>> check_output_file("attnkit bench", "--json", Path("/nope/x.json"))
+    Traceback (most recent call last):
+    attnkit.errors.AttentionInputError: attnkit bench: --json /nope/x.json: the directory /nope ...
+    """
+    expected = "a file path in an existing, writable directory"
+    if str(path) == "":
+        raise _path_error(where, option, "''", "is empty.", expected, f"pass {option} FILE")
+    parent = path.parent
+    if path.is_dir():
+        raise _path_error(
+            where, option, path, f"{path} is a directory.", expected, f"pass {option} {path}/NAME"
+        )
+    if not parent.exists():
+        raise _path_error(
+            where,
+            option,
+            path,
+            f"{path}: the directory {parent} does not exist.",
+            expected,
+            f"create it first (mkdir -p {parent}) or write somewhere else",
+        )
+    if not parent.is_dir():
+        raise _path_error(
+            where,
+            option,
+            path,
+            f"{path}: {parent} is not a directory.",
+            expected,
+            "write into a directory",
+        )
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise _path_error(
+            where,
+            option,
+            path,
+            f"{path} cannot be written ({e.strerror or e}).",
+            expected,
+            "write somewhere you have permission to",
+        ) from None
+    if not existed:
+        path.unlink(missing_ok=True)

@@ -1,4 +1,8 @@
-"""``attnkit bench``: attnkit against torch's own attention, in one run, as ratios."""
+"""``attnkit bench``: attnkit against torch's own attention, in one run, as ratios.
+
+Every option and output path is checked before anything is measured: a bad one ends the
+command with one line and exit code 2 (see :mod:`attnkit.cli.app`), never after a run.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,50 @@ from typing import Annotated
 
 import typer
 
-from attnkit.cli.app import command
+from attnkit.cli.app import check_output_file, command
+from attnkit.errors import AttentionInputError
 
-ListOption = Annotated[list[str] | None, typer.Option()]
+MIN_REPS = 5  # the fewest timed calls whose median the command publishes
+
+
+def _check_outputs(outputs: dict[str, Path | None]) -> None:
+    """Each output file writable, no two the same, the plot a PNG."""
+    seen: dict[Path, str] = {}
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        check_output_file("attnkit bench", flag, path)
+        if flag == "--plot" and path.suffix.lower() != ".png":
+            raise AttentionInputError(
+                "attnkit bench",
+                flag,
+                f"--plot {path}: the plot is a PNG, so its name must end in .png.",
+                got=f"--plot {path}",
+                expected="a path ending in .png",
+                fix=f"pass --plot {path.with_suffix('.png')}",
+            )
+        same = seen.setdefault(path.resolve(), flag)
+        if same != flag:
+            raise AttentionInputError(
+                "attnkit bench",
+                flag,
+                f"{same} and {flag} both name {path}: one would overwrite the other.",
+                got=f"{same} {path} {flag} {path}",
+                expected="a different file for each output",
+                fix=f"give {flag} another name",
+            )
+
+
+def _check_reps(reps: int) -> None:
+    if reps < MIN_REPS:
+        raise AttentionInputError(
+            "attnkit bench",
+            "--reps",
+            f"--reps must be at least {MIN_REPS} (the table shows the median), got {reps}.",
+            got=f"--reps {reps}",
+            expected=f"an int >= {MIN_REPS}",
+            fix=f"pass --reps {MIN_REPS} or more",
+        )
 
 
 @command()
@@ -19,64 +64,87 @@ def bench(
         typer.Option(
             "--workload",
             "-w",
+            metavar="<workload>",
             help="dense, causal, padding, window, document, "
             "prefix, gqa, decode, module (repeat for several)",
         ),
     ] = None,
     length: Annotated[
-        list[int] | None, typer.Option("--length", "-L", help="sequence lengths (repeat)")
+        list[int] | None,
+        typer.Option(
+            "--length", "-L", metavar="<int>", help="sequence lengths, 1 to 262144 (repeat)"
+        ),
     ] = None,
     dtype: Annotated[
-        list[str] | None, typer.Option("--dtype", help="float32 and/or bfloat16 (repeat)")
+        list[str] | None,
+        typer.Option("--dtype", metavar="<dtype>", help="float32 and/or bfloat16 (repeat)"),
     ] = None,
     mode: Annotated[
-        list[str] | None, typer.Option("--mode", help="fwd and/or fwd+bwd (repeat)")
+        list[str] | None,
+        typer.Option("--mode", metavar="<mode>", help="fwd and/or fwd+bwd (repeat)"),
     ] = None,
     peer: Annotated[
         list[str] | None,
         typer.Option(
             "--peer",
             "-p",
+            metavar="<peer>",
             help="naive, sdpa, flex, torch-mha, attnkit, "
             "attnkit-<backend>, attnkit-mha (repeat; default: the main ones)",
         ),
     ] = None,
-    reps: Annotated[int, typer.Option(help="timed calls per peer (median; >= 5)", min=5)] = 5,
-    quick: Annotated[bool, typer.Option(help="a small smoke run (seconds to a minute)")] = False,
+    reps: Annotated[int, typer.Option(help="timed calls per peer (median; >= 5)")] = MIN_REPS,
+    quick: Annotated[
+        bool,
+        typer.Option(
+            "--quick",
+            help="a smoke run of about a minute: dense 512 and window 2048, four peers "
+            "(not with -w, -L or --full; --dtype, --mode and -p still apply)",
+        ),
+    ] = False,
     full: Annotated[
-        bool, typer.Option(help="every workload, length (1k-64k), dtype, mode and peer")
+        bool,
+        typer.Option(
+            "--full", help="every workload, length (1k-64k), dtype, mode and peer (hours)"
+        ),
     ] = False,
     memory: Annotated[
         bool, typer.Option(help="measure peak memory (a fresh process per case)")
     ] = True,
     cap_gib: Annotated[
-        float, typer.Option(help="skip peers whose dense tensors would need more (GiB)")
+        float, typer.Option(help="skip peers whose dense tensors would need more (GiB, > 0)")
     ] = 12.0,
     gemm_size: Annotated[
-        int, typer.Option(help="n of the n x n fp32 GEMM timed in every round (0: none)")
+        int,
+        typer.Option(help="n of the n x n fp32 GEMM timed in every round (0: none; <= 16384)"),
     ] = 4096,
     json_out: Annotated[Path | None, typer.Option("--json", help="write JSON here")] = None,
     markdown: Annotated[Path | None, typer.Option(help="write a markdown report here")] = None,
-    plot: Annotated[Path | None, typer.Option(help="write a PNG plot here")] = None,
+    plot: Annotated[Path | None, typer.Option(help="write a PNG plot here (.png)")] = None,
 ) -> None:
     """Time attnkit against SDPA, flex_attention, the seed code and nn.MultiheadAttention.
 
     With no options: the acceptance rows (dense/causal 4k, sliding window 16k forward and
-    backward, 8 documents 16k, key padding 8k, and a few more), about 10-15 minutes here.
+    backward, 8 documents 16k, key padding 8k, and a few more), 15 to 30 minutes on a 2-core
+    machine (docs/benchmarks.md).
     """
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from attnkit import bench as api
     from attnkit.bench.peers import PEERS
+    from attnkit.bench.runner import QUICK_PEERS
 
+    # every check first: nothing is measured until all options and paths are good
     rows = api.plan_rows(
         workloads=workload, lengths=length, dtypes=dtype, modes=mode, full=full, quick=quick
     )
-    if not rows:
-        raise typer.BadParameter("the selection leaves no rows to run")
-    peers = peer or (list(PEERS) if full else None)
-    if quick and not peer:
-        peers = ["naive", "sdpa", "attnkit", "attnkit-blocked"]
+    _check_reps(reps)
+    peers = peer or (list(PEERS) if full else QUICK_PEERS if quick else None)
+    api.check_options(
+        peers=peers, reps=reps, cap_gib=cap_gib, gemm_n=gemm_size, where="attnkit bench"
+    )
+    _check_outputs({"--json": json_out, "--markdown": markdown, "--plot": plot})
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),

@@ -148,6 +148,16 @@ def _flag_error(
     )
 
 
+TRACE_MAX_GIB = 2  # the most memory a trace may take: its shapes do not depend on the sizes
+
+
+def _trace_gib(batch: int, seq: int, d_model: int, heads: int, source: int) -> float:
+    """An upper bound on the float32 memory of a trace: the four projections (E x E), the
+    activations (B, L or S, E) and, twice, the scores ``(B, H, L, S)``."""
+    E, B, L, S = d_model, batch, seq, source
+    return 4 * (4 * E * E + 4 * B * L * E + 3 * B * S * E + 2 * B * heads * L * S) / 2**30
+
+
 def _divisors(n: int, limit: int = 64) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
@@ -182,6 +192,20 @@ def _check_trace_sizes(sizes: dict[str, int], heads: int, kv_heads: int, d_model
             "(each key/value head serves heads / kv-heads query heads).",
             "heads % kv_heads == 0",
             f"choose --kv-heads from {_divisors(heads)}",
+        )
+    source = sizes["--cross-len"] or sizes["--seq"]
+    gib = _trace_gib(sizes["--batch"], sizes["--seq"], d_model, heads, source)
+    if gib > TRACE_MAX_GIB:
+        given = " ".join(f"{k} {v}" for k, v in sizes.items() if k != "--kv-heads")
+        raise AttentionInputError(
+            "attnkit trace",
+            "sizes",
+            f"{given} would take about {gib:,.1f} GiB (projections E x E, scores "
+            f"B x H x L x S), more than the {TRACE_MAX_GIB} GiB a trace may use.",
+            got=given,
+            expected=f"sizes whose trace fits in {TRACE_MAX_GIB} GiB",
+            fix="trace smaller sizes: the steps and their named shapes are the same "
+            "(e.g. --seq 64 --cross-len 0)",
         )
 
 

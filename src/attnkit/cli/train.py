@@ -1,7 +1,10 @@
 """``attnkit train``: train a small attnkit transformer end to end, then write its attention maps.
 
-The command is thin: :func:`attnkit.train.train` does the work. Only typer is imported at the
-top; torch, the training package, rich and matplotlib load when the command runs.
+The command is thin: :func:`attnkit.train.train` does the work, after
+:func:`attnkit.train.check_run` has checked every option: a bad one, an unusable ``--out`` or
+an ``--out`` that holds a run (without ``--resume`` or ``--overwrite``) ends the command with
+one line and exit code 2 before any work. Only typer is imported at the top; torch, the
+training package, rich and matplotlib load when the command runs.
 """
 
 from __future__ import annotations
@@ -160,8 +163,13 @@ def train(
         int, typer.Option(help="The most training steps; the run stops earlier once accurate.")
     ] = 2000,
     out: Annotated[
-        Path, typer.Option(help="Directory for the checkpoint and the attention maps.")
-    ] = DEFAULT_OUT,
+        str,
+        typer.Option(
+            metavar="<dir>",
+            help="Directory for the checkpoint and the attention maps; one that holds a run "
+            "needs --resume or --overwrite.",
+        ),
+    ] = str(DEFAULT_OUT),
     resume: Annotated[
         bool,
         typer.Option(
@@ -169,8 +177,18 @@ def train(
             help="Continue the run whose checkpoint is in --out (its task, steps and seed).",
         ),
     ] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite", help="Start a new run in an --out that holds a run, replacing it."
+        ),
+    ] = False,
     ddp: Annotated[
-        int, typer.Option(help="Train with this many processes (DistributedDataParallel, gloo).")
+        int,
+        typer.Option(
+            help="Train with this many processes (DistributedDataParallel, gloo); at most one "
+            "per CPU core."
+        ),
     ] = 1,
     seed: Annotated[int, typer.Option(help="Seeds the model and the data.")] = 0,
     device: Annotated[str, typer.Option(help="cpu, or cuda where there is one.")] = "cpu",
@@ -186,22 +204,33 @@ def train(
         CHECKPOINT_NAME,
         DistributedTrainingError,
         TrainConfig,
+        TrainingDivergedError,
         check_run,
         resume_config,
     )
     from attnkit.train import train as run
+    from attnkit.train.guards import check_out
 
+    path = check_out(out, resume=resume, overwrite=overwrite)
     asked: dict[str, Any] = {"task": task, "steps": steps, "seed": seed}
     if resume:  # the checkpoint's settings, except those given on the command line
         given = {k: v for k, v in asked.items() if _given(ctx, k)}
-        config = replace(resume_config(out), **given)
+        config = replace(resume_config(path), **given)
     else:
         config = TrainConfig(**asked).resolved()
-    config = check_run(config, out, resume=resume, world_size=ddp, device=device, threads=threads)
-    if not resume and (out / CHECKPOINT_NAME).exists():
+    config = check_run(
+        config,
+        path,
+        resume=resume,
+        overwrite=overwrite,
+        world_size=ddp,
+        device=device,
+        threads=threads,
+    )
+    if overwrite and (path / CHECKPOINT_NAME).exists():
         typer.echo(
-            f"attnkit: note: starting a new run; it replaces the checkpoint in {out} "
-            "(--resume would continue it)",
+            f"attnkit: note: --overwrite: this new run's first checkpoint replaces the one in "
+            f"{path}",
             err=True,
         )
     typer.echo(_header(config, ddp, threads, device))
@@ -209,20 +238,21 @@ def train(
         with _progress_bar(config.task) as progress:
             result = run(
                 config,
-                out,
+                path,
                 resume=resume,
+                overwrite=overwrite,
                 world_size=ddp,
                 device=device,
                 threads=threads,
                 progress=progress,
             )
-    except DistributedTrainingError as e:
+    except (DistributedTrainingError, TrainingDivergedError) as e:
         typer.echo(f"attnkit: error: {e}", err=True)
         raise typer.Exit(EXIT_FAILED) from None
     _report(result, time.perf_counter() - started)
     if result.fit.stopped:
         typer.echo(
             f"attnkit train: stopped at step {result.fit.step} of {result.config.steps}, "
-            f"checkpoint saved; continue with: attnkit train --resume --out {out}"
+            f"checkpoint saved; continue with: attnkit train --resume --out {path}"
         )
         raise typer.Exit(EXIT_INTERRUPTED)

@@ -6,6 +6,8 @@
 - :mod:`~attnkit.train.loop`: AdamW, evaluation, early stop, resume.
 - :mod:`~attnkit.train.ddp`: ``--ddp N``, DistributedDataParallel over gloo.
 - :mod:`~attnkit.train.checkpoint`: safetensors checkpoints of the model and the optimizer.
+- :mod:`~attnkit.train.guards`: what a run refuses before it starts, and how it stops (a
+  non-finite loss, Ctrl-C) without losing its last good checkpoint.
 - :mod:`~attnkit.train.head_alignment`: the trained model's attention maps and the alignment
   they show.
 """
@@ -15,8 +17,10 @@ from attnkit.train.checkpoint import (
     CheckpointInfo,
     load_checkpoint,
     save_checkpoint,
+    verify_checkpoint,
 )
 from attnkit.train.ddp import DistributedTrainingError
+from attnkit.train.guards import TrainingDivergedError, max_processes
 from attnkit.train.head_alignment import (
     HeadAlignment,
     MapsReport,
@@ -58,6 +62,7 @@ __all__ = [
     "TaskModel",
     "TrainConfig",
     "TrainResult",
+    "TrainingDivergedError",
     "alignment_scores",
     "build",
     "check_run",
@@ -66,8 +71,10 @@ __all__ = [
     "layer_scores",
     "load_checkpoint",
     "make_task",
+    "max_processes",
     "resume_config",
     "save_checkpoint",
     "train",
+    "verify_checkpoint",
     "write_maps",
 ]

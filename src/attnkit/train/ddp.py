@@ -7,7 +7,9 @@ timeout) and runs :func:`attnkit.train.loop.fit` as its rank; the model is wrapp
 reports and, at the end, its :class:`~attnkit.train.loop.FitSummary` through a queue; this
 process relays the reports to the caller. A rank that fails becomes a
 :class:`DistributedTrainingError` here, with one line to show and the rank's traceback in
-``detail``; the other ranks are terminated.
+``detail``; the other ranks are terminated. A run whose loss became non-finite stops on every
+rank at the same step; rank 0 sends the :class:`~attnkit.train.guards.TrainingDivergedError`,
+raised again here.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 
-from attnkit.train.loop import FitSummary, Progress, TrainConfig, fit
+from attnkit.train.loop import FitSummary, Progress, TrainConfig, TrainingDivergedError, fit
 
 __all__ = ["INIT_TIMEOUT_S", "DistributedTrainingError", "spawn"]
 
@@ -62,18 +64,22 @@ def _worker(
     dist.init_process_group(
         "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=INIT_TIMEOUT_S)
     )
+    summary: FitSummary | TrainingDivergedError
     try:
-        summary = fit(
-            config,
-            out,
-            resume=resume,
-            rank=rank,
-            world_size=world_size,
-            device=torch.device("cpu"),
-            stop_at=stop_at,
-            emit=queue.put,
-            should_stop=lambda: False,
-        )
+        try:
+            summary = fit(
+                config,
+                out,
+                resume=resume,
+                rank=rank,
+                world_size=world_size,
+                device=torch.device("cpu"),
+                stop_at=stop_at,
+                emit=queue.put,
+                should_stop=lambda: False,
+            )
+        except TrainingDivergedError as e:  # every rank stops at the same step
+            summary = e
         if rank == 0:
             queue.put(summary)
     finally:
@@ -103,7 +109,7 @@ def spawn(
     context = start_processes(  # type: ignore[no-untyped-call]
         _worker, args=args, nprocs=world_size, join=False, start_method="spawn"
     )
-    result: FitSummary | None = None
+    result: FitSummary | TrainingDivergedError | None = None
 
     def drain(block: bool) -> None:
         nonlocal result
@@ -115,7 +121,7 @@ def spawn(
             block = False
             if isinstance(message, Progress):
                 emit(message)
-            elif isinstance(message, FitSummary):
+            elif isinstance(message, (FitSummary, TrainingDivergedError)):
                 result = message
 
     try:
@@ -138,4 +144,6 @@ def spawn(
                 process.terminate()
     if result is None:
         raise DistributedTrainingError(f"the --ddp {world_size} run ended without a result")
+    if isinstance(result, TrainingDivergedError):
+        raise result
     return result

@@ -16,18 +16,21 @@ rank draws the same global batch of ``B`` sequences and trains on its own shard,
 the gradient of the global batch (every shard scores the same number of positions), so N
 processes follow one process up to rounding. Rank 0 evaluates, decides the early stop
 (broadcast to the others), writes checkpoints and reports progress.
+
+**Never losing a run** (:mod:`attnkit.train.guards`). Everything is checked before the first
+step; a new run never replaces an existing checkpoint unless ``overwrite``; the first
+non-finite loss stops the run with :class:`~attnkit.train.guards.TrainingDivergedError` before
+that step is taken or saved, so the last checkpoint stays the last good one.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -35,7 +38,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnkit.errors import AttentionInputError
-from attnkit.train.checkpoint import CHECKPOINT_NAME, load_checkpoint, read_info, save_checkpoint
+from attnkit.train import guards
+from attnkit.train.checkpoint import (
+    CHECKPOINT_NAME,
+    load_checkpoint,
+    read_info,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from attnkit.train.guards import TrainingDivergedError
 from attnkit.train.head_alignment import MapsReport, write_maps
 from attnkit.train.task_model import ModelConfig, TaskModel
 from attnkit.train.tasks import IGNORE, Accuracy, Task, accuracy_from_predictions, make_task
@@ -45,6 +56,7 @@ __all__ = [
     "Progress",
     "TrainConfig",
     "TrainResult",
+    "TrainingDivergedError",
     "build",
     "check_run",
     "evaluate",
@@ -58,6 +70,8 @@ __all__ = [
 
 _EVAL, _TEST, _STEP = 1, 2, 3  # streams of the data generators
 _EVAL_CHUNK = 2048  # sequences per forward pass in evaluation
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+_MAX_LR = _FLOAT32_MAX / 10  # AdamW's first step, lr / (1 - beta1), must fit in float32
 
 
 @dataclass(frozen=True)
@@ -93,21 +107,24 @@ class TrainConfig:
         for name in (*positive, "eval_size", "test_size", "checkpoint_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise _config_error(name, value, "a positive int")
+                raise guards.config_error(name, value, "a positive int")
         for name in ("warmup", "seed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise _config_error(name, value, "an int >= 0")
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
-            raise _config_error("lr", self.lr, "a float > 0")
+                raise guards.config_error(name, value, "an int >= 0")
+        if not (isinstance(self.lr, (int, float)) and 0 < self.lr <= _MAX_LR):
+            raise guards.config_error("lr", self.lr, "a float > 0 and <= 3.4e37")
         if self.clip is not None and not (isinstance(self.clip, (int, float)) and self.clip > 0):
-            raise _config_error("clip", self.clip, "a float > 0, or None")
-        if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
-            raise _config_error("weight_decay", self.weight_decay, "a float >= 0")
+            raise guards.config_error("clip", self.clip, "a float > 0, or None")
+        wd = self.weight_decay
+        if not (isinstance(wd, (int, float)) and 0 <= self.lr * wd <= _FLOAT32_MAX):
+            raise guards.config_error(
+                "weight_decay", wd, "a float >= 0 (lr x weight_decay <= 3.4e38)"
+            )
         if self.target is not None and not 0 < self.target <= 1:
-            raise _config_error("target", self.target, "a fraction in (0, 1], or None")
+            raise guards.config_error("target", self.target, "a fraction in (0, 1], or None")
         if self.dim % self.num_heads:
-            raise _config_error("num_heads", self.num_heads, f"a divisor of dim={self.dim}")
+            raise guards.config_error("num_heads", self.num_heads, f"a divisor of dim={self.dim}")
 
     def resolved(self) -> TrainConfig:
         """The same config with the task's sizes filled in (and checked)."""
@@ -127,17 +144,6 @@ class TrainConfig:
             num_layers=self.num_layers,
             num_heads=self.num_heads,
         )
-
-
-def _config_error(name: str, value: object, expected: str) -> AttentionInputError:
-    flag = "--" + name.replace("_", "-")
-    return AttentionInputError(
-        "attnkit.train.TrainConfig",
-        name,
-        f"{flag} must be {expected}, got {value!r}.",
-        got=f"{name}={value!r}",
-        expected=expected,
-    )
 
 
 @dataclass(frozen=True)
@@ -255,7 +261,15 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Accuracy:
 def resume_config(out: str | os.PathLike[str]) -> TrainConfig:
     """The config of the run whose checkpoint is in ``out`` (what ``--resume`` continues)."""
     info = read_info(Path(out) / CHECKPOINT_NAME)
-    return TrainConfig(**info.config)
+    try:
+        config = TrainConfig(**info.config)
+        config.resolved()
+    except (AttentionInputError, TypeError, ValueError) as e:
+        raise guards.saved_config_error(info.path, e) from None
+    if info.step > config.steps:
+        past = ValueError(f"step {info.step} is past the run's {config.steps} steps")
+        raise guards.saved_config_error(info.path, past)
+    return config
 
 
 @contextmanager
@@ -266,28 +280,6 @@ def _threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-@contextmanager
-def _sigint_stops() -> Iterator[Callable[[], bool]]:
-    """In the main thread, a first Ctrl-C asks the loop to stop after the current step (it then
-    saves a checkpoint); a second one interrupts at once."""
-    asked = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield asked.is_set
-        return
-    previous = signal.getsignal(signal.SIGINT)
-
-    def handler(signum: int, frame: object) -> None:
-        if asked.is_set():
-            raise KeyboardInterrupt
-        asked.set()
-
-    signal.signal(signal.SIGINT, handler)
-    try:
-        yield asked.is_set
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,11 +326,21 @@ def fit(
     if lead:
         emit(Progress(step, config.steps, None, None, 0.0))
 
-    def save() -> None:
+    saved = step if resume else None  # the step of this run's last checkpoint
+
+    def save() -> None:  # on every rank: the ranks hold the same weights and stop together
+        nonlocal saved
+        bad = guards.first_non_finite(model)
+        if bad is not None:
+            what = f"parameter {bad} became NaN or infinite"
+            raise TrainingDivergedError(
+                guards.diverged(what, step, config.steps, out, saved), step, saved
+            )
         if lead:
             save_checkpoint(
                 path, model, optimizer, step=step, finished=finished, config=asdict(config)
             )
+        saved = step
 
     if finished and lead:  # a finished run resumed: nothing to train, report where it stands
         held_out = evaluate(model, eval_x, eval_y)
@@ -350,16 +352,20 @@ def fit(
             group["lr"] = lr_at(config, step)
         logits = net(x.to(device)).logits  # (B/N, T, C)
         loss = F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), ignore_index=IGNORE)
+        shown = loss.detach().clone()
+        if world_size > 1:
+            dist.all_reduce(shown)
+            shown /= world_size
+        if not bool(torch.isfinite(shown)):  # the same verdict on every rank: stop, take no step
+            what = f"the training loss is {float(shown)}"
+            message = guards.diverged(what, step + 1, config.steps, out, saved)
+            raise TrainingDivergedError(message, step + 1, saved)
         optimizer.zero_grad(set_to_none=True)
         torch.autograd.backward(loss)  # DDP averages the gradients over the ranks here
         if config.clip is not None:
             nn.utils.clip_grad_norm_(model.parameters(), config.clip)
         optimizer.step()
         step += 1
-        shown = loss.detach()
-        if world_size > 1:
-            dist.all_reduce(shown)
-            shown /= world_size
         evaluated = step % config.eval_every == 0 or step == config.steps
         if evaluated:
             flag = torch.zeros(1)
@@ -383,69 +389,12 @@ def fit(
     return FitSummary(start, step, finished, reached, stopped, held_out, seconds)
 
 
-def _check_resume(config: TrainConfig, out: Path) -> None:
-    saved = resume_config(out)
-    for f in fields(TrainConfig):
-        ours, theirs = getattr(config, f.name), getattr(saved, f.name)
-        if ours != theirs:
-            flag = "--" + f.name.replace("_", "-")
-            raise AttentionInputError(
-                "attnkit train",
-                f.name,
-                f"--resume continues the run in {out}, which has {f.name}={theirs!r}, "
-                f"but {f.name}={ours!r} was asked for.",
-                got=f"{f.name}={ours!r}",
-                expected=f"{f.name}={theirs!r} (the checkpoint's)",
-                fix=f"leave out {flag}, or start a new run without --resume",
-            )
-
-
-def _check_device(device: str, world_size: int) -> torch.device:
-    def bad(problem: str, fix: str) -> AttentionInputError:
-        return AttentionInputError(
-            "attnkit train", "device", problem, got=f"device={device!r}", expected="cpu", fix=fix
-        )
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise bad(f"unknown device {device!r}.", "pass --device cpu (or cuda)") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise bad(f"device type {dev.type!r} is not supported.", "pass --device cpu (or cuda)")
-    if world_size > 1 and dev.type != "cpu":
-        raise bad("--ddp runs on the CPU (gloo).", "pass --device cpu with --ddp")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise bad("--device cuda, but this torch sees no CUDA device.", "pass --device cpu")
-    return dev
-
-
-def _check_world(config: TrainConfig, world_size: int) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise AttentionInputError(
-            "attnkit train",
-            "ddp",
-            f"--ddp must be a positive number of processes, got {world_size!r}.",
-            got=f"ddp={world_size!r}",
-            expected="an int >= 1",
-            fix="--ddp 2 trains with two processes",
-        )
-    if config.batch_size % world_size:
-        raise AttentionInputError(
-            "attnkit train",
-            "ddp",
-            f"--ddp {world_size} does not divide the batch of {config.batch_size} sequences "
-            "into equal shards.",
-            got=f"batch_size={config.batch_size}, ddp={world_size}",
-            expected="batch_size % ddp == 0",
-            fix=f"use --ddp {' or '.join(str(n) for n in (2, 4, 8) if config.batch_size % n == 0)}",
-        )
-
-
 def check_run(
     config: TrainConfig,
     out: str | os.PathLike[str],
     *,
     resume: bool = False,
+    overwrite: bool = False,
     world_size: int = 1,
     device: str = "cpu",
     threads: int = 1,
@@ -453,17 +402,21 @@ def check_run(
 ) -> TrainConfig:
     """Check the arguments of :func:`train` without training; return the resolved config.
 
-    Raises :class:`~attnkit.AttentionInputError` for what :func:`train` would refuse.
+    Raises :class:`~attnkit.AttentionInputError` for what :func:`train` would refuse: bad
+    settings, an unusable ``out``, an existing checkpoint in ``out`` without ``resume`` or
+    ``overwrite``, and on resume a checkpoint of another run, edited, or holding a NaN.
     """
     config = config.resolved()
-    _check_device(device, world_size)
-    _check_world(config, world_size)
+    guards.check_device(device, world_size)
+    guards.check_world(config.batch_size, world_size)
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise _config_error("threads", threads, "a positive int")
+        raise guards.config_error("threads", threads, "a positive int")
     if stop_at is not None and (not isinstance(stop_at, int) or stop_at < 1):
-        raise _config_error("stop_at", stop_at, "a positive int, or None")
+        raise guards.config_error("stop_at", stop_at, "a positive int, or None")
+    out = guards.check_out(out, resume=resume, overwrite=overwrite)
     if resume:
-        _check_resume(config, Path(out))
+        guards.check_same_run(config, resume_config(out), out)
+        verify_checkpoint(out / CHECKPOINT_NAME)  # every tensor finite
     return config
 
 
@@ -472,6 +425,7 @@ def train(
     out: str | os.PathLike[str],
     *,
     resume: bool = False,
+    overwrite: bool = False,
     world_size: int = 1,
     device: str = "cpu",
     threads: int = 1,
@@ -482,6 +436,8 @@ def train(
 
     - ``resume``: continue the run whose checkpoint is in ``out`` (``config`` must be its config,
       see :func:`resume_config`).
+    - ``overwrite``: start a new run in an ``out`` that holds another run's checkpoint, which
+      the new run's first checkpoint replaces. Without it (or ``resume``) that is refused.
     - ``world_size``: the number of processes (DistributedDataParallel over gloo, CPU).
     - ``threads``: torch threads per process. One is the default: on these small matrices a
       second thread costs more in synchronisation than it gains, many times over when the CPU is
@@ -492,12 +448,16 @@ def train(
     After the fit (unless it stopped early), the trained model is checked on ``test_size``
     fresh held-out sequences and the attention maps of one of them are written to ``out``
     (``attention.html``, ``.png``, ``.npz``; see :func:`attnkit.train.head_alignment.write_maps`).
+
+    Raises :class:`~attnkit.train.guards.TrainingDivergedError` at the first non-finite loss,
+    before that step is taken; the checkpoint in ``out`` is then the run's last good one.
     """
     t0 = time.perf_counter()
     config = check_run(
         config,
         out,
         resume=resume,
+        overwrite=overwrite,
         world_size=world_size,
         device=device,
         threads=threads,
@@ -509,7 +469,7 @@ def train(
     emit = progress or (lambda p: None)
     with _threads(threads):
         if world_size == 1:
-            with _sigint_stops() as should_stop:
+            with guards.sigint_stops() as should_stop:
                 summary = fit(
                     config,
                     out,

@@ -1,0 +1,26 @@
+"""Damage a training checkpoint the way a user or a crash would: edit a field of its metadata,
+or put a NaN into one of its tensors (``tests/train`` reads the refusals)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+
+def edit_checkpoint(
+    path: Path, *, nan_in: str | None = None, drop: str | None = None, **fields: str
+) -> None:
+    """Rewrite the safetensors file at ``path``: metadata ``fields`` replaced, the field
+    ``drop`` removed, and one value of the tensor ``nan_in`` set to NaN."""
+    with safe_open(str(path), framework="pt") as f:
+        metadata: dict[str, str] = dict(f.metadata())
+    tensors = load_file(str(path))
+    if nan_in is not None:
+        tensors[nan_in].view(-1)[0] = torch.nan
+    metadata.update(fields)
+    if drop is not None:
+        del metadata[drop]
+    save_file(tensors, str(path), metadata=metadata)
