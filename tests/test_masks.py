@@ -193,3 +193,13 @@ def test_select_heads_renumbers_the_heads_of_a_head_dependent_spec() -> None:
         spec.select_heads(4, 7)
     with pytest.raises(ValueError, match=r"select_heads\(3, 3\)"):
         spec.select_heads(3, 3)
+
+
+def test_as_spec_merging_causal_into_a_tensor_needs_the_lengths() -> None:
+    with pytest.raises(
+        attnkit.AttentionInputError, match=r"(?s)needs the call's lengths.*L=4, S=None"
+    ):
+        masks.as_spec(torch.ones(4, 4, dtype=torch.bool), True, L=4)
+    merged = masks.as_spec(torch.ones(2, 4, dtype=torch.bool), True, L=2, S=4)
+    assert isinstance(merged, masks.DenseMask)
+    assert torch.equal(merged.tensor, masks.causal_mask(2, 4))

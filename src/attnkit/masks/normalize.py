@@ -9,7 +9,7 @@ import torch
 
 from attnkit.masks.dense import DenseMask
 from attnkit.masks.rules import causal, causal_mask, is_causal
-from attnkit.masks.spec import MaskSpec
+from attnkit.masks.spec import MaskSpec, spec_error
 
 __all__ = ["as_spec"]
 
@@ -52,7 +52,14 @@ def as_spec(
     if isinstance(mask, torch.Tensor):
         if causal_flag:
             if L is None or S is None:
-                raise TypeError("as_spec(tensor, causal_flag=True) needs L and S")
+                spec_error(
+                    "as_spec",
+                    "L, S",
+                    "merging the causal rule into a mask tensor needs the call's lengths.",
+                    got=f"mask {tuple(mask.shape)}, causal_flag=True, L={L}, S={S}",
+                    expected="L and S (query and key lengths) given",
+                    fix="as_spec(mask, True, L=q.shape[2], S=k.shape[2])",
+                )
             allowed = causal_mask(L, S, device=mask.device)  # (L, S)
             if mask.dtype == torch.bool:
                 mask = mask & allowed
