@@ -24,11 +24,15 @@ def reference_attention(
     causal: bool = False,
     scale: float | None = None,
     dtype: torch.dtype = torch.float64,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Output (B, H, L, Dv) and weights (B, H, L, S), computed in ``dtype``.
 
     ``dtype=torch.float64`` is the oracle; a lower dtype gives the "naive run in the same
-    dtype" that the tolerance rule compares against.
+    dtype" that the tolerance rule compares against. ``softcap`` caps the scaled scores to
+    ``c * tanh(s / c)`` before the mask; ``sinks (H,)`` adds one logit per head to every row's
+    softmax (a column with no value, dropped from the weights).
     """
     q, k, v = (t.to(dtype) for t in (q, k, v))
     B, H, L, Dk = q.shape
@@ -53,9 +57,17 @@ def reference_attention(
     for b in range(B):
         for h in range(H):
             hk = h // group
-            s = (q[b, h] @ k[b, hk].T) * scale + additive[b, h]  # (L, S)
-            s = s.masked_fill(~allowed[b, h], float("-inf"))
+            s = (q[b, h] @ k[b, hk].T) * scale  # (L, S)
+            if softcap is not None:
+                s = softcap * torch.tanh(s / softcap)
+            s = (s + additive[b, h]).masked_fill(~allowed[b, h], float("-inf"))
             live = allowed[b, h].any(dim=1)  # rows with something to attend to
+            if sinks is not None:  # the sink column: every row has it, and it has no value
+                sink = sinks[h].to(dtype).expand(L, 1)
+                w_all = torch.softmax(torch.cat([s, sink], dim=1), dim=1)[:, :S]
+                weights[b, h] = w_all
+                out[b, h] = w_all @ v[b, hk]
+                continue
             w = torch.softmax(s[live], dim=1)  # (rows, S)
             weights[b, h, live] = w
             out[b, h, live] = w @ v[b, hk]  # rows with nothing keep output 0

@@ -47,6 +47,10 @@ class AttentionCall:
         dropout_p: probability of dropping a weight (0: none).
         return_weights: the weights ``(B, H, L, S)`` are asked back.
         dims: the sizes by name.
+        softcap: logit soft-cap ``c`` (Gemma 2): scores become ``c * tanh(s / c)`` before the
+            mask; ``None``: none.
+        sinks: attention sinks ``(H,)`` (gpt-oss ``s_aux``): one logit per query head that
+            joins every row's softmax denominator and adds no value; ``None``: none.
         explaining: built by :func:`attnkit.explain`: nothing runs, and :meth:`dense_mask`
             returns a zero-memory stand-in of the right shape and dtype.
     """
@@ -59,6 +63,8 @@ class AttentionCall:
     dropout_p: float
     return_weights: bool
     dims: Dims
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
     explaining: bool = False
     _dense: dict[str, torch.Tensor | None] = field(default_factory=dict, repr=False)
 

@@ -85,6 +85,8 @@ def explain(
     dropout_p: float = 0.0,
     return_weights: bool = False,
     backend: str = "auto",
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> Explanation:
     """Which backend :func:`attention` takes for these arguments, and why not the others.
 
@@ -102,8 +104,9 @@ def explain(
     where = "attnkit.explain"
     # explaining=True: runs nothing, and never builds an L x S mask
     call = make_call(
-        q, k, v, mask, causal, scale, dropout_p, return_weights, where=where, explaining=True
-    )
+        q, k, v, mask, causal, scale, dropout_p, return_weights, where=where, explaining=True,
+        softcap=softcap, sinks=sinks,
+    )  # fmt: skip
     chosen = choose(call, backend, where)
     backends = {name: get_backend(name) for name in available_backends()}
     verdicts = {name: b.check(call) for name, b in backends.items()}
@@ -126,5 +129,8 @@ def explain(
         f"scale: {call.scale:.4g}; dropout_p: {call.dropout_p}; "
         f"return_weights: {call.return_weights}"
     )
+    if call.softcap is not None or call.sinks is not None:
+        sinks_str = "none" if call.sinks is None else f"({d.H},) per head"
+        summary += f"\n  softcap: {call.softcap}; sinks: {sinks_str}"
     why = rule_of(chosen, call)[1]
     return Explanation(chosen.name, backend, d, summary, verdicts, rules, why, notes)

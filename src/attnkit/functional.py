@@ -45,6 +45,8 @@ def attention(
     dropout_p: float = ...,
     return_weights: Literal[False] = ...,
     backend: str = ...,
+    softcap: float | None = ...,
+    sinks: torch.Tensor | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -60,6 +62,8 @@ def attention(
     dropout_p: float = ...,
     return_weights: Literal[True],
     backend: str = ...,
+    softcap: float | None = ...,
+    sinks: torch.Tensor | None = ...,
 ) -> AttentionOutput: ...
 
 
@@ -74,6 +78,8 @@ def attention(
     dropout_p: float = 0.0,
     return_weights: bool = False,
     backend: str = "auto",
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | AttentionOutput:
     """Scaled dot-product attention, the one entry point of attnkit.
 
@@ -101,6 +107,11 @@ def attention(
         backend: ``"auto"`` (the fastest backend that can serve the call, see
             :func:`explain`), or a name from :func:`attnkit.available_backends`. A named backend
             that cannot serve the call raises; attnkit never falls back silently.
+        softcap: logit soft-capping (Gemma 2): the scaled scores become
+            ``softcap * tanh(scores / softcap)`` before the mask is applied.
+        sinks: attention sinks ``(H,)`` (gpt-oss ``s_aux``): one logit per query head that
+            joins each row's softmax denominator and contributes no value (its gradient is
+            computed). A row that sees no key then gives 0.
 
     Returns:
         ``(B, H, L, Dv)``; with ``return_weights=True`` an :class:`AttentionOutput`
@@ -121,7 +132,10 @@ def attention(
     >>> attention(q, k, v, causal=True).shape
     torch.Size([2, 8, 5, 16])
     """
-    call = make_call(q, k, v, mask, causal, scale, dropout_p, return_weights, where=WHERE)
+    call = make_call(
+        q, k, v, mask, causal, scale, dropout_p, return_weights, where=WHERE,
+        softcap=softcap, sinks=sinks,
+    )  # fmt: skip
     result = run_call(call, backend, WHERE)
     return result if return_weights else result.output
 

@@ -75,6 +75,8 @@ def make_call(
     *,
     where: str = WHERE,
     explaining: bool = False,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> AttentionCall:
     """Check one attention call and build it: the one door into the backends.
 
@@ -226,6 +228,9 @@ def make_call(
             got=f"return_weights={return_weights!r}",
             expected="True or False",
         )
+    _validate_softcap(softcap, where)
+    if sinks is not None:
+        _validate_sinks(sinks, q, dims, where)
     return AttentionCall(
         q,
         k,
@@ -235,8 +240,46 @@ def make_call(
         float(dropout_p),
         return_weights,
         dims,
+        float(softcap) if softcap is not None else None,
+        sinks,
         explaining,
     )
+
+
+def _validate_softcap(softcap: object, where: str) -> None:
+    if softcap is None:
+        return
+    if (
+        isinstance(softcap, bool)
+        or not isinstance(softcap, (int, float))
+        or not math.isfinite(softcap)
+        or softcap <= 0
+    ):
+        raise AttentionInputError(
+            where,
+            "softcap",
+            f"`softcap` must be a positive finite number, got {softcap!r}.",
+            got=f"softcap={softcap!r}",
+            expected="softcap > 0 (scores become softcap * tanh(scores / softcap)), or None",
+            fix="Gemma 2 uses its config's attn_logit_softcapping (50.0); None turns it off",
+        )
+
+
+def _validate_sinks(sinks: object, q: torch.Tensor, dims: Dims, where: str) -> None:
+    want = f"sinks (H={dims.H},) of dtype {q.dtype} on {q.device}"
+    if not isinstance(sinks, torch.Tensor):
+        problem, got, fix = "`sinks` is not a tensor.", f"sinks: {type(sinks).__name__}", None
+    elif tuple(sinks.shape) != (dims.H,):
+        problem = f"`sinks` has shape {tuple(sinks.shape)}; it holds one logit per query head."
+        got = f"{shape_str('sinks', sinks, None)}  q (B={dims.B}, H={dims.H}, L={dims.L})"
+        fix = "one learned logit per query head, e.g. nn.Parameter(torch.zeros(H))"
+    elif sinks.dtype != q.dtype or sinks.device != q.device:
+        problem = "`sinks` has another dtype or device than q; attnkit never casts."
+        got = f"sinks {sinks.dtype} on {sinks.device}, q {q.dtype} on {q.device}"
+        fix = f"sinks.to(dtype={q.dtype}, device={str(q.device)!r})"
+    else:
+        return
+    raise AttentionInputError(where, "sinks", problem, got=got, expected=want, fix=fix)
 
 
 def _validate_spec(mask: MaskSpec, q: torch.Tensor, dims: Dims, where: str) -> None:

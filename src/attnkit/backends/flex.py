@@ -150,6 +150,8 @@ class FlexBackend(Backend):
             return "flex_attention does not return the attention weights (return_weights=True)"
         if call.dropout_p > 0.0:
             return "flex_attention has no dropout (dropout_p > 0)"
+        if call.softcap is not None or call.sinks is not None:
+            return "soft-cap and sinks are not wired into flex's score_mod; blocked serves them"
         mask = call.mask
         if mask is not None and mask.from_tensor:
             return (

@@ -33,16 +33,22 @@ class MathBackend(Backend):
         # stacked along the length, so one matmul per key/value head serves all of them.
         qg = q.reshape(B, Hkv, G * L, Dk)  # (B, Hkv, G*L, Dk)
         scores = (qg @ k.transpose(-2, -1)).view(B, H, L, S) * call.scale  # (B, H, L, S)
+        if call.softcap is not None:  # Gemma 2's logit soft-cap, before the mask
+            scores = torch.tanh(scores / call.softcap) * call.softcap
         mask = call.dense_mask()
         if mask is not None and mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, float("-inf"))
         elif mask is not None:
             scores = scores + mask
-        # A query row with nothing to attend to is all -inf; softmax would give NaN. Give it
-        # scores of 0 (finite), then zero its weights, so its output and gradient are exactly 0.
-        row_ok = (scores > float("-inf")).any(dim=-1, keepdim=True)  # (B, H, L, 1)
-        weights = torch.where(row_ok, scores, 0.0).softmax(dim=-1)  # (B, H, L, S)
-        weights = torch.where(row_ok, weights, 0.0)
+        if call.sinks is not None:  # one more logit per head in every row's denominator
+            sink = call.sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, L, 1)
+            weights = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :S]
+        else:
+            # A query row with nothing to attend to is all -inf; softmax would give NaN. Give
+            # it scores of 0 (finite), then zero its weights: its output and gradient are 0.
+            row_ok = (scores > float("-inf")).any(dim=-1, keepdim=True)  # (B, H, L, 1)
+            weights = torch.where(row_ok, scores, 0.0).softmax(dim=-1)  # (B, H, L, S)
+            weights = torch.where(row_ok, weights, 0.0)
         if call.dropout_p > 0.0:
             weights = F.dropout(weights, p=call.dropout_p)
         out = weights.view(B, Hkv, G * L, S) @ v  # (B, Hkv, G*L, Dv)

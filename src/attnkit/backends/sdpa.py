@@ -58,6 +58,8 @@ class SdpaBackend(Backend):
         q, k, v = call.q, call.k, call.v
         if call.return_weights:
             return "fused kernels do not return the attention weights (return_weights=True)"
+        if call.softcap is not None or call.sinks is not None:
+            return "torch's fused kernels have no logit soft-cap or attention sinks"
         device = q.device.type
         if device not in _FUSED_DTYPES:
             return f"no fused kernel is known for device type {device!r}"

@@ -56,9 +56,23 @@ __all__ = [
 ]
 
 
+def _with_sinks(
+    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Join one logit per head to every row's softmax denominator: ``lse`` becomes
+    ``logaddexp(lse, sink_h)`` and ``out`` shrinks by ``exp(lse - new)`` (a sink adds no value;
+    a row that saw no key stays 0)."""
+    if sinks is None:
+        return out, lse
+    new = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))  # (B, H, L)
+    return out * torch.exp(lse - new).unsqueeze(-1), new
+
+
 class _BlockedAttention(torch.autograd.Function):
     """Autograd over :func:`forward_with_lse` / :func:`backward_from_lse` with one plan: saves
-    q, k, v, the output and ``lse (B, H, L)``, nothing of size L x S."""
+    q, k, v, the output and ``lse (B, H, L)``, nothing of size L x S. With sinks, the saved
+    ``lse`` includes them, so the blocks' backward is unchanged; the sinks' own gradient is
+    ``-sum over rows of P_sink * D`` with ``D = rowsum(dout * out)``."""
 
     @staticmethod
     def forward(
@@ -66,24 +80,31 @@ class _BlockedAttention(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        sinks: torch.Tensor | None,
         plan: BlockPlan,
         scale: float,
     ) -> torch.Tensor:
         out, lse = forward_with_lse(q, k, v, mask=plan.mask, scale=scale, plan=plan)
+        out, lse = _with_sinks(out, lse, sinks)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.plan, ctx.scale = plan, scale
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         plan: BlockPlan = ctx.plan
         dq, dk, dv = backward_from_lse(
             q, k, v, out, dout, lse, mask=plan.mask, scale=ctx.scale, plan=plan
         )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            D = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (B, H, L)
+            p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
+            dsinks = -(p_sink * D).sum(dim=(0, 2)).to(sinks.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None
 
 
 class BlockedBackend(Backend):
@@ -97,13 +118,14 @@ class BlockedBackend(Backend):
     fused = True
 
     def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
-        q, k, v = call.q, call.k, call.v
-        plan = plan_blocks(q, k, v, call.mask)
-        if call.needs_grad:
-            out: torch.Tensor = _BlockedAttention.apply(q, k, v, plan, call.scale)  # type: ignore[no-untyped-call]
+        q, k, v, sinks = call.q, call.k, call.v, call.sinks
+        plan = plan_blocks(q, k, v, call.mask, softcap=call.softcap)
+        grads = call.needs_grad or (sinks is not None and sinks.requires_grad)
+        if grads and torch.is_grad_enabled():
+            out: torch.Tensor = _BlockedAttention.apply(q, k, v, sinks, plan, call.scale)  # type: ignore[no-untyped-call]
             return out, None
-        out, _ = forward_with_lse(q, k, v, mask=call.mask, scale=call.scale, plan=plan)
-        return out.to(q.dtype), None
+        out, lse = forward_with_lse(q, k, v, mask=call.mask, scale=call.scale, plan=plan)
+        return _with_sinks(out, lse, sinks)[0].to(q.dtype), None
 
     def check(self, call: AttentionCall) -> str | None:
         if call.return_weights:
@@ -117,8 +139,9 @@ class BlockedBackend(Backend):
     def rule(self, call: AttentionCall) -> tuple[bool, str]:
         """auto takes ``blocked`` for a mask spec on a problem of at least ``min_pairs``."""
         spec = call.mask
-        if spec is None or spec.from_tensor or call.causal:
-            return False, "auto takes it for mask specs only"
+        extras = call.softcap is not None or call.sinks is not None
+        if not extras and (spec is None or spec.from_tensor or call.causal):
+            return False, "auto takes it for mask specs, soft-caps and sinks only"
         L, S = call.dims.L, call.dims.S
         pairs = current().min_pairs
         if pairs > L * S:
@@ -126,9 +149,10 @@ class BlockedBackend(Backend):
                 f"L x S = {L} x {S} is below {pairs} pairs, where one fused call on the "
                 "materialised mask costs less"
             )
+        what = "a mask spec" if not extras else "a soft-cap or sinks (no fused torch kernel)"
         return True, (
-            f"a mask spec and L x S >= {pairs}: blocked visits only its non-empty blocks "
-            "and never builds the L x S mask"
+            f"{what} and L x S >= {pairs}: blocked visits only the non-empty blocks "
+            "and never builds the L x S scores"
         )
 
     def note(self, call: AttentionCall) -> str:
@@ -136,7 +160,7 @@ class BlockedBackend(Backend):
         if call.mask is not None and call.mask.from_tensor:  # planning reads the whole mask
             return "a dense mask: its empty blocks are found when it runs (one pass over the mask)"
         q, k, v = call.q, call.k, call.v
-        plan = plan_blocks(q, k, v, call.mask)
+        plan = plan_blocks(q, k, v, call.mask, softcap=call.softcap)
         w = plan.band.window
         if plan.band.serves:
             return (
@@ -147,7 +171,11 @@ class BlockedBackend(Backend):
         tiles = plan.tiles(q, k, v)
         L, S = call.dims.L, call.dims.S
         done = tiles.computed_pairs / tiles.maps
-        kernel = "torch's fused flash kernel" if fused(q, v) else "matmul kernel"
+        kernel = "matmul kernel"
+        if fused(q, v):
+            kernel = (
+                "torch's fused flash kernel" if call.softcap is None else kernel + " (soft-cap)"
+            )
         return prefix + (
             f"{len(tiles.calls)} kernel calls ({kernel}), tiles of {tiles.rows} rows; "
             f"{tiles.empty_fraction:.1%} of {tiles.grain}x{tiles.grain} blocks empty; "

@@ -44,6 +44,7 @@ class BlockPlan:
     k_start: int
     off: int  #: ``S_total - L_total``: the end-aligned offset of the whole sequence
     band: BandPlan
+    softcap: float | None = None  #: logit soft-cap ``c``: scores become ``c tanh(s / c)``
 
     def tiles(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backward: bool = False
@@ -88,6 +89,7 @@ def plan_blocks(
     k_start: int = 0,
     L_total: int | None = None,
     S_total: int | None = None,
+    softcap: float | None = None,
 ) -> BlockPlan:
     """Decide how the block of ``q`` against ``k``/``v`` runs (see the module docstring)."""
     L, S = q.shape[2], k.shape[2]
@@ -95,7 +97,10 @@ def plan_blocks(
     S_total = S if S_total is None else S_total
     whole = q_start == 0 and k_start == 0 and (L_total, S_total) == (L, S)
     window = causal_window(mask) if whole else None
-    return BlockPlan(mask, q_start, k_start, S_total - L_total, band.plan(window, q, k, v))
+    decision = band.plan(window, q, k, v)
+    if softcap is not None and decision.serves:
+        decision = band.BandPlan(window, "attnkit's band kernel has no soft-cap")
+    return BlockPlan(mask, q_start, k_start, S_total - L_total, decision, softcap)
 
 
 def forward_with_lse(
@@ -122,7 +127,8 @@ def forward_with_lse(
         mask: a spec from :mod:`attnkit.masks` evaluated at the *global* positions with
             ``off = S_total - L_total`` (end-aligned, as everywhere in attnkit), or ``None``.
         scale: multiplies ``q @ k^T``.
-        plan: the decision of :func:`plan_blocks` for these arguments, when already made.
+        plan: the decision of :func:`plan_blocks` for these arguments, when already made
+            (a soft-cap is part of the plan: ``plan_blocks(..., softcap=c)``).
 
     Returns:
         ``out (B, H, Lq, Dv)`` and ``lse (B, H, Lq)``, both float32 (float64 when q is
@@ -145,7 +151,7 @@ def forward_with_lse(
     with torch.no_grad():
         if p.band.serves and p.band.window is not None:  # attnkit's band kernel
             return band.kernel().band_forward(q, k, v, p.band.window, float(scale))  # type: ignore[no-any-return]
-        return tiles.forward(p.tiles(q, k, v), q, k, v, scale)
+        return tiles.forward(p.tiles(q, k, v), q, k, v, scale, p.softcap)
 
 
 def backward_from_lse(
@@ -190,4 +196,5 @@ def backward_from_lse(
         fp32 = out.dtype == dout.dtype == lse.dtype == torch.float32
         if p.band.serves and p.band.window is not None and fp32:
             return band.kernel().band_backward(q, k, v, out, dout, lse, p.band.window, float(scale))  # type: ignore[no-any-return]
-        return tiles.backward(p.tiles(q, k, v, backward=True), q, k, v, out, dout, lse, scale)
+        tile_plan = p.tiles(q, k, v, backward=True)
+        return tiles.backward(tile_plan, q, k, v, out, dout, lse, scale, p.softcap)

@@ -47,15 +47,24 @@ def fused(q: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def _mm_scores(
-    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float
-) -> torch.Tensor:
-    """Scaled, masked scores ``(n, H, R, W)`` in the accumulation dtype, GQA without copies."""
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scaled, soft-capped, masked scores ``(n, H, R, W)`` in the accumulation dtype (GQA
+    without copies), and with a soft-cap ``c`` the derivative of the cap, ``1 - tanh^2``."""
     n, Hq, R, Dk = q.shape
     Hk, W = k.shape[1], k.shape[2]
     acc = acc_dtype(q.dtype)
     qg = q.to(acc).reshape(n, Hk, (Hq // Hk) * R, Dk)  # (n, Hkv, G*R, Dk)
     s = (qg @ k.to(acc).transpose(-1, -2)).view(n, Hq, R, W) * scale
-    return s if mask is None else s + mask.to(acc)
+    slope = None
+    if softcap is not None:  # Gemma 2: c * tanh(s / c), before the mask
+        t = torch.tanh(s / softcap)
+        s, slope = t * softcap, 1.0 - t * t
+    return (s if mask is None else s + mask.to(acc)), slope
 
 
 def _kernel_forward(
@@ -64,16 +73,17 @@ def _kernel_forward(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
+    softcap: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (n, H, R, Dv), lse (n, H, R))`` of tiles ``q (n, H, R, Dk)`` against
     ``k (n, Hkv, W, Dk)``, ``v (n, Hkv, W, Dv)``, float ``mask`` added to the scaled scores."""
-    if fused(q, v):
+    if softcap is None and fused(q, v):
         assert _FLASH is not None
         out, lse = _FLASH(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
         return out, lse
     n, Hq, R, _ = q.shape
     Hk, W, Dv = k.shape[1], k.shape[2], v.shape[3]
-    s = _mm_scores(q, k, mask, scale)  # (n, H, R, W)
+    s, _ = _mm_scores(q, k, mask, scale, softcap)  # (n, H, R, W)
     lse = torch.logsumexp(s, dim=-1)  # (n, H, R); -inf for rows that see nothing
     p = torch.exp(s - lse.masked_fill(lse == -math.inf, 0.0)[..., None])
     out = p.view(n, Hk, (Hq // Hk) * R, W) @ v.to(p.dtype)  # (n, Hkv, G*R, Dv)
@@ -89,10 +99,12 @@ def _kernel_backward(
     lse: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
+    softcap: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Flash-attention backward of one batch of tiles, given the *final* ``out`` and ``lse``
-    (``+inf`` for rows that see nothing): ``P = exp(s - lse)``, ``dS = P * (dP - D)``."""
-    if fused(q, v):
+    (``+inf`` for rows that see nothing): ``P = exp(s - lse)``, ``dS = P * (dP - D)`` (times
+    the cap's derivative under a soft-cap)."""
+    if softcap is None and fused(q, v):
         assert _FLASH_BWD is not None
         dq, dk, dv = _FLASH_BWD(dout, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
         return dq, dk, dv
@@ -100,10 +112,13 @@ def _kernel_backward(
     Hk, W, Dv = k.shape[1], k.shape[2], v.shape[3]
     GR = (Hq // Hk) * R
     acc = acc_dtype(q.dtype)
-    p = torch.exp(_mm_scores(q, k, mask, scale) - lse.to(acc)[..., None])  # (n, H, R, W)
+    s, slope = _mm_scores(q, k, mask, scale, softcap)
+    p = torch.exp(s - lse.to(acc)[..., None])  # (n, H, R, W)
     do = dout.to(acc)
     dp = (do.reshape(n, Hk, GR, Dv) @ v.to(acc).transpose(-1, -2)).view(n, Hq, R, W)
     ds = p * (dp - (do * out.to(acc)).sum(-1, keepdim=True))  # (n, H, R, W)
+    if slope is not None:
+        ds = ds * slope
     ds_g = ds.view(n, Hk, GR, W)
     dq = (ds_g @ k.to(acc)).view(n, Hq, R, Dk) * scale
     dk = ds_g.transpose(-1, -2) @ q.to(acc).reshape(n, Hk, GR, Dk) * scale  # (n, Hkv, W, Dk)
@@ -215,7 +230,12 @@ def merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lse_o: torch.Te
 
 
 def forward(
-    plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    plan: Plan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, L, _Dk = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]
@@ -229,7 +249,7 @@ def forward(
         c = plan.calls[0]  # one call covers everything (no mask, or one dense tile): no copies
         mask, dead = _mask_for(plan, c, 0, 1, q.dtype, H, q.device)
         o, lse_c = _kernel_forward(
-            q, k[:, :, c.k0 : c.k0 + c.W], v[:, :, c.k0 : c.k0 + c.W], mask, scale
+            q, k[:, :, c.k0 : c.k0 + c.W], v[:, :, c.k0 : c.k0 + c.W], mask, scale, softcap
         )
         if dead is not None:
             lse_c = lse_c.masked_fill(dead, -math.inf)
@@ -252,6 +272,7 @@ def forward(
                 _tiles(v, b, kh, k0, c.k_step, c.W, m),
                 mask,
                 scale,
+                softcap,
             )
             if dead is not None:
                 lse_c = lse_c.masked_fill(dead, -math.inf)
@@ -290,6 +311,7 @@ def backward(
     dout: torch.Tensor,
     lse: torch.Tensor,
     scale: float,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, H, L, Dk = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -318,6 +340,7 @@ def backward(
                 _tiles(lse, b, qh, q0, c.q_step, c.R, m),
                 mask,
                 scale,
+                softcap,
             )
             _tiles(dq, b, qh, q0, c.q_step, c.R, m).add_(dq_c)
             _add_keys(dk, dk_c, c, b, kh, k0, m)
