@@ -178,6 +178,15 @@ def test_acceptance_checks_read_the_rows() -> None:
                 _entry("attnkit", 90.0, gemm_fraction=0.55),
             ],
         ),
+        Row(
+            "window",
+            16384,
+            "float32",
+            "fwd+bwd",
+            1.0,
+            [_entry("sdpa", 500.0), _entry("attnkit", 100.0, peak_mib=2048.0)],
+        ),
+        Row("window", 65536, "float32", "fwd+bwd", 1.0, [_entry("attnkit", 900.0, peak_mib=9e4)]),
     ]
     result = BenchResult({}, 100.0, rows, 5)
     verdicts = {c.what: c.passed for c in acceptance(result)}
@@ -187,6 +196,10 @@ def test_acceptance_checks_read_the_rows() -> None:
     assert verdicts["window 256, L=16384 fwd: flex (warm) / auto"] is False  # 1.33x
     assert verdicts["window 256, L=16384 fwd: auto useful GFLOP/s / GEMM"] is True
     assert verdicts["8 documents, L=16384 fwd: SDPA (dense mask) / auto"] is None  # not run
+    assert verdicts["window 256, L=16384 fwd+bwd: SDPA (dense mask) / auto"] is False  # 5x
+    peak = "window 256, L=16384 fwd+bwd: auto peak memory above inputs (GiB)"
+    assert verdicts[peak] is False  # 2 GiB
+    assert verdicts["window 256, L=65536 fwd+bwd runs: auto peak memory above inputs (GiB)"]
     md = bench.to_markdown(result)
     assert (
         "| causal L=4096: auto time / SDPA time | causal L=4096 float32 fwd | 1.1 | <= 1.05 "
