@@ -225,6 +225,16 @@ def test_peers_say_why_they_skip() -> None:
     assert "no backward" in str(PEERS["flex"].skip(window, 4096, torch.float32, True, 8 << 30))
     assert PEERS["torch-mha"].skip(dense, 64, torch.float32, False, 8 << 30) == "module rows only"
     assert PEERS["attnkit"].skip(window, 65536, torch.float32, True, 8 << 30) is None
+    module = WORKLOADS["module"]
+    for name in ("naive", "sdpa", "flex", "attnkit"):
+        why = PEERS[name].skip(module, 64, torch.float32, False, 8 << 30)
+        assert why == "module rows compare modules"
+    x = module.inputs(16, torch.float32).x
+    assert x is not None
+    for name in ("torch-mha", "attnkit-mha"):
+        assert PEERS[name].skip(module, 16, torch.float32, True, 8 << 30) is None
+        out = PEERS[name].setup(module, module.inputs(16, torch.float32))()
+        assert out.shape == x.shape  # (B, L, E)
     with pytest.raises(AttentionInputError, match="-p/--peer 'nonsense' is not one of naive, "):
         bench.run([("dense", 64, "float32", "fwd")], peers=["nonsense"])
 
