@@ -178,6 +178,15 @@ def test_acceptance_checks_read_the_rows() -> None:
                 _entry("attnkit", 90.0, gemm_fraction=0.55),
             ],
         ),
+        Row(
+            "window",
+            16384,
+            "float32",
+            "fwd+bwd",
+            1.0,
+            [_entry("sdpa", 500.0), _entry("attnkit", 100.0, peak_mib=2048.0)],
+        ),
+        Row("window", 65536, "float32", "fwd+bwd", 1.0, [_entry("attnkit", 900.0, peak_mib=9e4)]),
     ]
     result = BenchResult({}, 100.0, rows, 5)
     verdicts = {c.what: c.passed for c in acceptance(result)}
@@ -187,6 +196,10 @@ def test_acceptance_checks_read_the_rows() -> None:
     assert verdicts["window 256, L=16384 fwd: flex (warm) / auto"] is False  # 1.33x
     assert verdicts["window 256, L=16384 fwd: auto useful GFLOP/s / GEMM"] is True
     assert verdicts["8 documents, L=16384 fwd: SDPA (dense mask) / auto"] is None  # not run
+    assert verdicts["window 256, L=16384 fwd+bwd: SDPA (dense mask) / auto"] is False  # 5x
+    peak = "window 256, L=16384 fwd+bwd: auto peak memory above inputs (GiB)"
+    assert verdicts[peak] is False  # 2 GiB
+    assert verdicts["window 256, L=65536 fwd+bwd runs: auto peak memory above inputs (GiB)"]
     md = bench.to_markdown(result)
     assert (
         "| causal L=4096: auto time / SDPA time | causal L=4096 float32 fwd | 1.1 | <= 1.05 "
@@ -212,6 +225,16 @@ def test_peers_say_why_they_skip() -> None:
     assert "no backward" in str(PEERS["flex"].skip(window, 4096, torch.float32, True, 8 << 30))
     assert PEERS["torch-mha"].skip(dense, 64, torch.float32, False, 8 << 30) == "module rows only"
     assert PEERS["attnkit"].skip(window, 65536, torch.float32, True, 8 << 30) is None
+    module = WORKLOADS["module"]
+    for name in ("naive", "sdpa", "flex", "attnkit"):
+        why = PEERS[name].skip(module, 64, torch.float32, False, 8 << 30)
+        assert why == "module rows compare modules"
+    x = module.inputs(16, torch.float32).x
+    assert x is not None
+    for name in ("torch-mha", "attnkit-mha"):
+        assert PEERS[name].skip(module, 16, torch.float32, True, 8 << 30) is None
+        out = PEERS[name].setup(module, module.inputs(16, torch.float32))()
+        assert out.shape == x.shape  # (B, L, E)
     with pytest.raises(AttentionInputError, match="-p/--peer 'nonsense' is not one of naive, "):
         bench.run([("dense", 64, "float32", "fwd")], peers=["nonsense"])
 

@@ -48,13 +48,25 @@ def _mask_batch(inputs: Inputs) -> int:
 
 
 class Peer:
-    """A way to compute a workload: ``skip`` says why not, ``setup`` returns the call."""
+    """A way to compute a workload: ``skip`` says why not, ``setup`` returns the call.
+
+    A peer runs either the attention rows (``q, k, v``) or, with ``module = True``, the module
+    rows (``x``); ``skip_case`` adds its own reasons (memory, dtype, backward) for its rows."""
+
+    module = False
 
     def __init__(self, name: str, description: str) -> None:
         self.name = name
         self.description = description
 
     def skip(
+        self, wl: Workload, L: int, dtype: torch.dtype, backward: bool, cap: float
+    ) -> str | None:
+        if wl.module != self.module:
+            return "module rows compare modules" if wl.module else "module rows only"
+        return self.skip_case(wl, L, dtype, backward, cap)
+
+    def skip_case(
         self, wl: Workload, L: int, dtype: torch.dtype, backward: bool, cap: float
     ) -> str | None:
         return None
@@ -64,11 +76,9 @@ class Peer:
 
 
 class _Naive(Peer):
-    def skip(
+    def skip_case(
         self, wl: Workload, L: int, dtype: torch.dtype, backward: bool, cap: float
     ) -> str | None:
-        if wl.module:
-            return "module rows compare modules"
         Lq, S = wl.sizes(L)
         need = wl.B * wl.H * Lq * S * (4 if dtype == torch.float32 else 2) * (5 if backward else 3)
         if need > cap:
@@ -93,11 +103,9 @@ class _Naive(Peer):
 
 
 class _Sdpa(Peer):
-    def skip(
+    def skip_case(
         self, wl: Workload, L: int, dtype: torch.dtype, backward: bool, cap: float
     ) -> str | None:
-        if wl.module:
-            return "module rows compare modules"
         Lq, S = wl.sizes(L)
         spec, causal = wl.spec(Lq, S)
         if spec is not None and not causal:
@@ -123,13 +131,11 @@ class _Sdpa(Peer):
 
 
 class _Flex(Peer):
-    def skip(
+    def skip_case(
         self, wl: Workload, L: int, dtype: torch.dtype, backward: bool, cap: float
     ) -> str | None:
         from attnkit.backends import flex
 
-        if wl.module:
-            return "module rows compare modules"
         if flex.unavailable():
             return str(flex.unavailable())
         if backward:
@@ -172,24 +178,33 @@ class _Flex(Peer):
         return run
 
 
-class _TorchMha(Peer):
-    def skip(
-        self, wl: Workload, L: int, dtype: torch.dtype, backward: bool, cap: float
-    ) -> str | None:
-        return None if wl.module else "module rows only"
+class _ModulePeer(Peer):
+    """A module built for ``x`` ``(B, L, E)`` with the workload's ``H`` heads, causal; the call
+    runs it on ``x``."""
+
+    module = True
 
     def setup(self, wl: Workload, inputs: Inputs) -> Fn:
-        assert inputs.x is not None
         x = inputs.x
+        assert x is not None  # every module row has x
+        layer = self.build(x, wl.H)
+        return lambda: layer(x)
+
+    def build(self, x: torch.Tensor, H: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        raise NotImplementedError
+
+
+class _TorchMha(_ModulePeer):
+    def build(self, x: torch.Tensor, H: int) -> Callable[[torch.Tensor], torch.Tensor]:
         E, L = x.shape[-1], x.shape[1]
-        m = torch.nn.MultiheadAttention(E, wl.H, batch_first=True, dtype=x.dtype)
+        m = torch.nn.MultiheadAttention(E, H, batch_first=True, dtype=x.dtype)
         future = torch.ones(L, L, dtype=torch.bool).triu(1)  # torch: True = may NOT attend
 
-        def run() -> torch.Tensor:
+        def layer(x: torch.Tensor) -> torch.Tensor:
             out: torch.Tensor = m(x, x, x, attn_mask=future, need_weights=False, is_causal=True)[0]
             return out
 
-        return run
+        return layer
 
 
 class _Attnkit(Peer):
@@ -199,12 +214,10 @@ class _Attnkit(Peer):
         super().__init__(name, description)
         self.backend = backend
 
-    def skip(
+    def skip_case(
         self, wl: Workload, L: int, dtype: torch.dtype, backward: bool, cap: float
     ) -> str | None:
         backend = self.backend
-        if wl.module:
-            return "module rows compare modules"
         if backend == "math":
             Lq, S = wl.sizes(L)
             need = wl.B * wl.H * Lq * S * 4 * (5 if backward else 3)
@@ -216,7 +229,7 @@ class _Attnkit(Peer):
             if spec is not None and not causal and Lq * S * 9 > cap:
                 return "the spec materialised as a dense mask exceeds the cap"
         if backend == "flex":
-            return _Flex("flex", "").skip(wl, L, dtype, backward, cap)
+            return _Flex("flex", "").skip_case(wl, L, dtype, backward, cap)
         return None
 
     def setup(self, wl: Workload, inputs: Inputs) -> Fn:
@@ -233,24 +246,17 @@ class _Attnkit(Peer):
         return run
 
 
-class _AttnkitMha(Peer):
-    def skip(
-        self, wl: Workload, L: int, dtype: torch.dtype, backward: bool, cap: float
-    ) -> str | None:
-        return None if wl.module else "module rows only"
-
-    def setup(self, wl: Workload, inputs: Inputs) -> Fn:
+class _AttnkitMha(_ModulePeer):
+    def build(self, x: torch.Tensor, H: int) -> Callable[[torch.Tensor], torch.Tensor]:
         import attnkit
 
-        assert inputs.x is not None
-        x = inputs.x
-        m = attnkit.MultiHeadAttention(x.shape[-1], wl.H, causal=True, dtype=x.dtype)
+        m = attnkit.MultiHeadAttention(x.shape[-1], H, causal=True, dtype=x.dtype)
 
-        def run() -> torch.Tensor:
+        def layer(x: torch.Tensor) -> torch.Tensor:
             out: torch.Tensor = m(x).output
             return out
 
-        return run
+        return layer
 
 
 def _peers() -> dict[str, Peer]:

@@ -4,6 +4,7 @@ acceptance checks computed from the rows that ran."""
 from __future__ import annotations
 
 import json
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,93 +49,77 @@ def _find(result: BenchResult, workload: str, L: int, dtype: str, mode: str) -> 
     )
 
 
-def _ratio(row: Row | None, num: str, den: str) -> float | None:
+def _measure(row: Row | None, measure: str) -> float | None:
+    """``"a/b"``: peer a's time over peer b's; ``"gemm"``: auto's useful GFLOP/s over the GEMM's;
+    ``"peak GiB"``: auto's peak memory above the inputs. ``None`` where the row lacks it."""
     if row is None:
         return None
-    a, b = row.entry(num), row.entry(den)
-    if a is None or b is None or a.ms is None or b.ms is None:
-        return None
-    return a.ms / b.ms
+    if "/" in measure:
+        num, den = measure.split("/")
+        a, b = row.entry(num), row.entry(den)
+        if a is None or b is None or a.ms is None or b.ms is None:
+            return None
+        return a.ms / b.ms
+    auto = row.entry("attnkit")
+    if measure == "gemm":
+        return auto.gemm_fraction if auto is not None else None
+    if measure == "peak GiB":
+        return auto.peak_mib / 1024 if auto is not None and auto.peak_mib is not None else None
+    raise KeyError(f"unknown acceptance measure {measure!r}")
+
+
+_COMPARE = {"<=": operator.le, ">=": operator.ge}
+
+
+def _passes(value: float, bar: str) -> bool:
+    """``"<= x"`` / ``">= x"`` compare the value; ``"fits in RAM"`` asks only that it was
+    measured."""
+    if bar == "fits in RAM":
+        return True
+    op, limit = bar.split(" ")
+    return bool(_COMPARE[op](value, float(limit)))
+
+
+#: The issue's acceptance criteria, per float32 row (workload, L, mode): what is judged, the
+#: measure (see :func:`_measure`) and the bar (see :func:`_passes`).
+_CRITERIA: dict[tuple[str, int, str], list[tuple[str, str, str]]] = {
+    ("dense", 4096, "fwd"): [("dense L=4096: auto time / SDPA time", "attnkit/sdpa", "<= 1.05")],
+    ("causal", 4096, "fwd"): [("causal L=4096: auto time / SDPA time", "attnkit/sdpa", "<= 1.05")],
+    ("window", 16384, "fwd"): [
+        ("window 256, L=16384 fwd: SDPA (dense mask) / auto", "sdpa/attnkit", ">= 10"),
+        ("window 256, L=16384 fwd: flex (warm) / auto", "flex/attnkit", ">= 1.5"),
+        ("window 256, L=16384 fwd: auto useful GFLOP/s / GEMM", "gemm", ">= 0.5"),
+    ],
+    ("window", 16384, "fwd+bwd"): [
+        ("window 256, L=16384 fwd+bwd: SDPA (dense mask) / auto", "sdpa/attnkit", ">= 10"),
+        ("window 256, L=16384 fwd+bwd: auto peak memory above inputs (GiB)", "peak GiB", "<= 1.5"),
+    ],
+    ("document", 16384, "fwd"): [
+        ("8 documents, L=16384 fwd: SDPA (dense mask) / auto", "sdpa/attnkit", ">= 4"),
+    ],
+    ("padding", 8192, "fwd"): [
+        ("25% key padding, L=8192 fwd: SDPA (dense mask) / auto", "sdpa/attnkit", ">= 1.2"),
+    ],
+    ("window", 65536, "fwd+bwd"): [
+        (
+            "window 256, L=65536 fwd+bwd runs: auto peak memory above inputs (GiB)",
+            "peak GiB",
+            "fits in RAM",
+        ),
+    ],
+}
 
 
 def acceptance(result: BenchResult) -> list[Check]:
     """The issue's acceptance rows, each with its measured value (where the run has it)."""
-    checks: list[Check] = []
-
-    def add(what: str, row: Row | None, value: float | None, bar: str, ok: bool | None) -> None:
+    checks = []
+    for (workload, L, mode), criteria in _CRITERIA.items():
+        row = _find(result, workload, L, "float32", mode)
         label = row.label if row is not None else "(row not run)"
-        checks.append(Check(what, label, value, bar, ok if value is not None else None))
-
-    for wl in ("dense", "causal"):
-        row = _find(result, wl, 4096, "float32", "fwd")
-        r = _ratio(row, "attnkit", "sdpa")
-        add(f"{wl} L=4096: auto time / SDPA time", row, r, "<= 1.05", r is not None and r <= 1.05)
-    row = _find(result, "window", 16384, "float32", "fwd")
-    r = _ratio(row, "sdpa", "attnkit")
-    add(
-        "window 256, L=16384 fwd: SDPA (dense mask) / auto",
-        row,
-        r,
-        ">= 10",
-        r is not None and r >= 10,
-    )
-    r = _ratio(row, "flex", "attnkit")
-    add("window 256, L=16384 fwd: flex (warm) / auto", row, r, ">= 1.5", r is not None and r >= 1.5)
-    auto = row.entry("attnkit") if row is not None else None
-    frac = auto.gemm_fraction if auto is not None else None
-    add(
-        "window 256, L=16384 fwd: auto useful GFLOP/s / GEMM",
-        row,
-        frac,
-        ">= 0.5",
-        frac is not None and frac >= 0.5,
-    )
-    row = _find(result, "window", 16384, "float32", "fwd+bwd")
-    r = _ratio(row, "sdpa", "attnkit")
-    add(
-        "window 256, L=16384 fwd+bwd: SDPA (dense mask) / auto",
-        row,
-        r,
-        ">= 10",
-        r is not None and r >= 10,
-    )
-    auto = row.entry("attnkit") if row is not None else None
-    peak = auto.peak_mib / 1024 if auto is not None and auto.peak_mib is not None else None
-    add(
-        "window 256, L=16384 fwd+bwd: auto peak memory above inputs (GiB)",
-        row,
-        peak,
-        "<= 1.5",
-        peak is not None and peak <= 1.5,
-    )
-    row = _find(result, "document", 16384, "float32", "fwd")
-    r = _ratio(row, "sdpa", "attnkit")
-    add(
-        "8 documents, L=16384 fwd: SDPA (dense mask) / auto",
-        row,
-        r,
-        ">= 4",
-        r is not None and r >= 4,
-    )
-    row = _find(result, "padding", 8192, "float32", "fwd")
-    r = _ratio(row, "sdpa", "attnkit")
-    add(
-        "25% key padding, L=8192 fwd: SDPA (dense mask) / auto",
-        row,
-        r,
-        ">= 1.2",
-        r is not None and r >= 1.2,
-    )
-    row = _find(result, "window", 65536, "float32", "fwd+bwd")
-    auto = row.entry("attnkit") if row is not None else None
-    peak = auto.peak_mib / 1024 if auto is not None and auto.peak_mib is not None else None
-    add(
-        "window 256, L=65536 fwd+bwd runs: auto peak memory above inputs (GiB)",
-        row,
-        peak,
-        "fits in RAM",
-        peak is not None,
-    )
+        for what, measure, bar in criteria:
+            value = _measure(row, measure)
+            passed = None if value is None else _passes(value, bar)
+            checks.append(Check(what, label, value, bar, passed))
     return checks
 
 

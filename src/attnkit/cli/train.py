@@ -218,15 +218,14 @@ def train(
         config = replace(resume_config(path), **given)
     else:
         config = TrainConfig(**asked).resolved()
-    config = check_run(
-        config,
-        path,
-        resume=resume,
-        overwrite=overwrite,
-        world_size=ddp,
-        device=device,
-        threads=threads,
-    )
+    run_options: dict[str, Any] = {
+        "resume": resume,
+        "overwrite": overwrite,
+        "world_size": ddp,
+        "device": device,
+        "threads": threads,
+    }
+    config = check_run(config, path, **run_options)  # all of it checked before the header
     if overwrite and (path / CHECKPOINT_NAME).exists():
         typer.echo(
             f"attnkit: note: --overwrite: this new run's first checkpoint replaces the one in "
@@ -236,16 +235,7 @@ def train(
     typer.echo(_header(config, ddp, threads, device))
     try:
         with _progress_bar(config.task) as progress:
-            result = run(
-                config,
-                path,
-                resume=resume,
-                overwrite=overwrite,
-                world_size=ddp,
-                device=device,
-                threads=threads,
-                progress=progress,
-            )
+            result = run(config, path, progress=progress, **run_options)
     except (DistributedTrainingError, TrainingDivergedError) as e:
         typer.echo(f"attnkit: error: {e}", err=True)
         raise typer.Exit(EXIT_FAILED) from None

@@ -184,7 +184,30 @@ class Task(ABC):
 
 
 @dataclass(frozen=True)
-class Reverse(Task):
+class _Letters(Task):
+    """A task over ``vocab`` letters ``a, b, ...``: the inputs are uniform letters and the
+    outputs are letters again (``V = C = vocab``)."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab
+
+    @property
+    def num_classes(self) -> int:
+        return self.vocab
+
+    def inputs(self, gen: torch.Generator, n: int) -> torch.Tensor:
+        return torch.randint(0, self.vocab, (n, self.length), generator=gen)  # (n, T)
+
+    def token(self, i: int) -> str:
+        return _LETTERS[i]
+
+    def label(self, c: int) -> str:
+        return _LETTERS[c]
+
+
+@dataclass(frozen=True)
+class Reverse(_Letters):
     """``y[i] = x[T-1-i]``; ``vocab`` letters ``a, b, ...``.
 
     >>> Reverse(length=4, vocab=8).alignment(torch.zeros(1, 4, dtype=torch.long))[0].int()
@@ -201,17 +224,6 @@ class Reverse(Task):
     summary: ClassVar[str] = "reverse a sequence of letters"
     alignment_name: ClassVar[str] = "the mirrored position T-1-i"
 
-    @property
-    def vocab_size(self) -> int:
-        return self.vocab
-
-    @property
-    def num_classes(self) -> int:
-        return self.vocab
-
-    def inputs(self, gen: torch.Generator, n: int) -> torch.Tensor:
-        return torch.randint(0, self.vocab, (n, self.length), generator=gen)  # (n, T)
-
     def targets(self, x: torch.Tensor) -> torch.Tensor:
         return x.flip(-1)
 
@@ -220,15 +232,9 @@ class Reverse(Task):
         mirror = torch.eye(T, dtype=torch.bool).flip(-1)  # (T, T): [i, T-1-i]
         return mirror.expand(x.shape[0], T, T)
 
-    def token(self, i: int) -> str:
-        return _LETTERS[i]
-
-    def label(self, c: int) -> str:
-        return _LETTERS[c]
-
 
 @dataclass(frozen=True)
-class Sort(Task):
+class Sort(_Letters):
     """``y = sorted(x)`` (repeats allowed); ``vocab`` letters.
 
     >>> x, y = Sort(length=5, vocab=4).sample(torch.Generator().manual_seed(0), 1)
@@ -243,29 +249,12 @@ class Sort(Task):
     summary: ClassVar[str] = "sort a sequence of letters"
     alignment_name: ClassVar[str] = "the input position holding the i-th smallest letter"
 
-    @property
-    def vocab_size(self) -> int:
-        return self.vocab
-
-    @property
-    def num_classes(self) -> int:
-        return self.vocab
-
-    def inputs(self, gen: torch.Generator, n: int) -> torch.Tensor:
-        return torch.randint(0, self.vocab, (n, self.length), generator=gen)  # (n, T)
-
     def targets(self, x: torch.Tensor) -> torch.Tensor:
         return x.sort(dim=-1).values
 
     def alignment(self, x: torch.Tensor) -> torch.Tensor:
         y = x.sort(dim=-1).values  # (B, T)
         return y[:, :, None] == x[:, None, :]  # (B, T, T): query i, key j holds y[i]
-
-    def token(self, i: int) -> str:
-        return _LETTERS[i]
-
-    def label(self, c: int) -> str:
-        return _LETTERS[c]
 
 
 @dataclass(frozen=True)
