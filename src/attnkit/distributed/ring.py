@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -43,125 +41,21 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from attnkit.backends.blocked import backward_from_lse, forward_with_lse, merge
 from attnkit.backends.blocked.tiles import acc_dtype
-from attnkit.distributed import profile as _profile
 from attnkit.distributed.faults import (
     TAG_DKV,
     TAG_KV,
     Pending,
     agree,
     as_timedelta,
-    exchange,
     float_bits,
-    wait_all,
 )
+from attnkit.distributed.ring_plan import WHERE, RingPlan
 from attnkit.distributed.sharding import Chunk, Layout, group_rank_and_size
 from attnkit.errors import AttentionInputError
 from attnkit.masks import MaskSpec, as_spec
 from attnkit.validate import make_call
 
 __all__ = ["ring_attention"]
-
-WHERE = "attnkit.distributed.ring_attention"
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """Everything one ring pass needs besides the tensors."""
-
-    group: dist.ProcessGroup | None
-    rank: int
-    world: int
-    timeout: timedelta
-    q_layout: Layout
-    k_layout: Layout
-    spec: MaskSpec | None
-    scale: float
-    #: the key/value heads of each ring pass, ``[start, stop)``; query heads follow their group
-    kv_groups: tuple[tuple[int, int], ...] = ((0, 1),)
-    #: query heads per key/value head
-    group_size: int = 1
-    #: which pass this plan runs (see :meth:`for_pass`)
-    part: int = 0
-
-    @property
-    def prev(self) -> int:
-        return (self.rank - 1) % self.world
-
-    def for_pass(self, part: int) -> tuple[_Plan, slice, slice]:
-        """The plan of pass ``part`` (its spec seeing only its heads), and its query and
-        key/value head slices."""
-        k0, k1 = self.kv_groups[part]
-        g = self.group_size
-        spec = self.spec
-        if spec is not None and len(self.kv_groups) > 1:
-            spec = spec.select_heads(k0 * g, k1 * g)
-        return replace(self, spec=spec, part=part), slice(k0 * g, k1 * g), slice(k0, k1)
-
-    def pairs(self, src: int) -> tuple[list[tuple[Chunk, Chunk]], int]:
-        """The (query chunk, key chunk) pairs with something visible, and how many were not."""
-        off = self.k_layout.total - self.q_layout.total
-        todo, skipped = [], 0
-        for qc in self.q_layout.chunks(self.rank):
-            for kc in self.k_layout.chunks(src):
-                if self.spec is not None:
-                    lo, hi = (torch.tensor([[x]]) for x in (qc.start, qc.start + qc.length - 1))
-                    klo, khi = (torch.tensor([[x]]) for x in (kc.start, kc.start + kc.length - 1))
-                    if self.spec.device is not None:
-                        lo, hi, klo, khi = (t.to(self.spec.device) for t in (lo, hi, klo, khi))
-                    any_, _ = self.spec.block_bounds(lo, hi, klo, khi, off)
-                    if not bool(any_.any()):
-                        skipped += 1
-                        continue
-                todo.append((qc, kc))
-        return todo, skipped
-
-    def post(
-        self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], tag: int
-    ) -> list[Pending]:
-        """Send to the next rank and receive from the previous one, without waiting."""
-        return exchange(sends, recvs, group=self.group, rank=self.rank, world=self.world, tag=tag)
-
-    def wait(self, pending: list[Pending], what: str) -> float:
-        """Wait (bounded) for ``pending``; return the seconds waited."""
-        t0 = time.perf_counter()
-        wait_all(
-            pending,
-            timeout=self.timeout,
-            where=WHERE,
-            rank=self.rank,
-            world=self.world,
-            what=what,
-        )
-        return time.perf_counter() - t0
-
-    def record(
-        self,
-        phase: str,
-        step: int,
-        clock: tuple[float, float],
-        wait_s: float,
-        sent: Sequence[torch.Tensor],
-        pairs: int,
-        skipped: int,
-    ) -> None:
-        if not _profile._ACTIVE:
-            return
-        cpu0, wall0 = clock
-        wall = time.perf_counter() - wall0 - wait_s
-        _profile._ACTIVE[-1].steps.append(
-            _profile.RingStep(
-                phase,
-                self.part,
-                step,
-                (self.rank - step) % self.world,
-                time.process_time() - cpu0,
-                wall,
-                wait_s,
-                sum(t.numel() * t.element_size() for t in sent),
-                pairs,
-                skipped,
-            )
-        )
 
 
 def _like(kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,7 +68,7 @@ def _rows(t: torch.Tensor, c: Chunk) -> torch.Tensor:
 
 
 def _forward(
-    plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    plan: RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All passes: out ``(B, H, Lq, Dv)`` and lse ``(B, H, Lq)`` in the accumulation dtype."""
     B, H, Lq, _ = q.shape
@@ -188,7 +82,7 @@ def _forward(
 
 
 def _forward_pass(
-    plan: _Plan,
+    plan: RingPlan,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -232,7 +126,7 @@ def _forward_pass(
 
 
 def _backward(
-    plan: _Plan,
+    plan: RingPlan,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -260,7 +154,7 @@ def _backward(
 
 
 def _backward_pass(
-    plan: _Plan,
+    plan: RingPlan,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -361,7 +255,7 @@ def _backward_pass(
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: FunctionCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan
+        ctx: FunctionCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan
     ) -> torch.Tensor:
         out, lse = _forward(plan, q, k, v)
         ctx.plan = plan  # type: ignore[attr-defined]
@@ -500,7 +394,7 @@ def ring_attention(
         where=WHERE,
     )
     spec = as_spec(mask, causal)  # the one place the causal flag and a mask combine
-    plan = _Plan(
+    plan = RingPlan(
         group,
         rank,
         world,

@@ -15,6 +15,7 @@ the backward recomputes each call from the saved log-sum-exp (the flash-attentio
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -161,6 +162,43 @@ def _launches(
     return [(b, s, min(c.n, s + chunk)) for b in entries for s in range(0, c.n, chunk)]
 
 
+@dataclass(frozen=True)
+class _Launch:
+    """One kernel launch of call ``c``: tiles ``s:e`` of one batch entry (or all)."""
+
+    c: Call
+    b: int | None
+    s: int
+    e: int
+    qh: slice
+    kh: slice
+
+    @property
+    def m(self) -> int:
+        return self.e - self.s
+
+    @property
+    def k0(self) -> int:
+        return self.c.k0 + self.s * self.c.k_step
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """The launch's query-side tiles of ``t`` (q, out, lse, their gradients): views."""
+        c = self.c
+        return _tiles(t, self.b, self.qh, c.q0 + self.s * c.q_step, c.q_step, c.R, self.m)
+
+    def keys(self, t: torch.Tensor) -> torch.Tensor:
+        """The launch's key-side tiles of ``t`` (k, v): views."""
+        c = self.c
+        return _tiles(t, self.b, self.kh, self.k0, c.k_step, c.W, self.m)
+
+
+def _each_launch(
+    c: Call, B: int, H: int, Hkv: int, per_tile_bytes: int, forward: bool
+) -> list[_Launch]:
+    qh, kh = _heads(c, H // Hkv)
+    return [_Launch(c, b, s, e, qh, kh) for b, s, e in _launches(c, B, per_tile_bytes, forward)]
+
+
 def _heads(c: Call, G: int) -> tuple[slice, slice]:
     if c.h is None:
         return slice(None), slice(None)
@@ -258,26 +296,16 @@ def forward(
     out = new((B, H, L, Dv), dtype=acc, device=q.device)
     lse = torch.full((B, H, L), -math.inf, dtype=acc, device=q.device)
     for c in plan.calls:
-        qh, kh = _heads(c, H // Hkv)
         per_tile = c.R * H * (Dv + 1) * 8  # the tiles' outputs and lse (masks are shared)
         if c.lazy or (plan.spec is not None and plan.spec.has_bias):
             per_tile += c.R * c.W * H * 4  # masks built per launch
-        for b, s, e in _launches(c, B, per_tile, forward=True):
-            m = e - s
-            q0, k0 = c.q0 + s * c.q_step, c.k0 + s * c.k_step
-            mask, dead = _mask_for(plan, c, s, e, q.dtype, H, q.device)
-            o, lse_c = _kernel_forward(
-                _tiles(q, b, qh, q0, c.q_step, c.R, m),
-                _tiles(k, b, kh, k0, c.k_step, c.W, m),
-                _tiles(v, b, kh, k0, c.k_step, c.W, m),
-                mask,
-                scale,
-                softcap,
-            )
+        for at in _each_launch(c, B, H, Hkv, per_tile, forward=True):
+            mask, dead = _mask_for(plan, c, at.s, at.e, q.dtype, H, q.device)
+            qt, kt, vt = at.rows(q), at.keys(k), at.keys(v)
+            o, lse_c = _kernel_forward(qt, kt, vt, mask, scale, softcap)
             if dead is not None:
                 lse_c = lse_c.masked_fill(dead, -math.inf)
-            ov = _tiles(out, b, qh, q0, c.q_step, c.R, m)
-            lv = _tiles(lse, b, qh, q0, c.q_step, c.R, m)
+            ov, lv = at.rows(out), at.rows(lse)
             if c.first:
                 ov.copy_(o)
                 lv.copy_(lse_c)
@@ -325,24 +353,13 @@ def backward(
     dk = torch.zeros(B, S, Hkv, Dk, dtype=acc, device=q.device).transpose(1, 2)
     dv = torch.zeros(B, S, Hkv, Dv, dtype=acc, device=q.device).transpose(1, 2)
     for c in plan.calls:
-        qh, kh = _heads(c, H // Hkv)
         per_tile = (c.R * H * (Dk + Dv) + c.W * Hkv * (Dk + Dv)) * 8  # the tiles' gradients
-        for b, s, e in _launches(c, B, per_tile, forward=False):
-            m = e - s
-            q0, k0 = c.q0 + s * c.q_step, c.k0 + s * c.k_step
-            mask, _ = _mask_for(plan, c, s, e, q.dtype, H, q.device)
-            dq_c, dk_c, dv_c = _kernel_backward(
-                _tiles(dout, b, qh, q0, c.q_step, c.R, m),
-                _tiles(q, b, qh, q0, c.q_step, c.R, m),
-                _tiles(k, b, kh, k0, c.k_step, c.W, m),
-                _tiles(v, b, kh, k0, c.k_step, c.W, m),
-                _tiles(out, b, qh, q0, c.q_step, c.R, m),
-                _tiles(lse, b, qh, q0, c.q_step, c.R, m),
-                mask,
-                scale,
-                softcap,
-            )
-            _tiles(dq, b, qh, q0, c.q_step, c.R, m).add_(dq_c)
-            _add_keys(dk, dk_c, c, b, kh, k0, m)
-            _add_keys(dv, dv_c, c, b, kh, k0, m)
+        for at in _each_launch(c, B, H, Hkv, per_tile, forward=False):
+            mask, _ = _mask_for(plan, c, at.s, at.e, q.dtype, H, q.device)
+            qt, kt, vt = at.rows(q), at.keys(k), at.keys(v)
+            ot, lt, dot = at.rows(out), at.rows(lse), at.rows(dout)
+            dq_c, dk_c, dv_c = _kernel_backward(dot, qt, kt, vt, ot, lt, mask, scale, softcap)
+            at.rows(dq).add_(dq_c)
+            _add_keys(dk, dk_c, c, at.b, at.kh, at.k0, at.m)
+            _add_keys(dv, dv_c, c, at.b, at.kh, at.k0, at.m)
     return dq, dk, dv
