@@ -409,10 +409,11 @@ def write_html(
     that select on click. The maps are drawn on canvases.
 
     Each map is stored compactly: its weights as integer codes scaled to the map's largest weight,
-    deflated and base64-encoded (6 layers x 12 heads at 512 tokens: about 5 MB). The codes are
-    16-bit up to 2**21 weights in all (6 x 12 maps of 170 tokens), 8-bit beyond; the readout shows
-    a weight as ``≈ w ± e``, ``e`` half a code step. The page inflates the codes with the
-    browser's ``DecompressionStream`` (every major browser since 2023).
+    deflated and base64-encoded. The codes are 16-bit up to 2**21 weights in all (6 x 12 maps of
+    170 tokens), 8-bit beyond; the readout shows a weight as ``≈ w ± e``, ``e`` half a code step.
+    The size depends on how well the maps compress, at most about 4/3 byte a weight beyond 2**21:
+    all-MiniLM-L6-v2's 6 x 12 maps of a 512-token text take about 5 MB. The page inflates the
+    codes with the browser's ``DecompressionStream`` (every major browser since 2023).
 
     >>> import tempfile
     >>> import numpy as np
