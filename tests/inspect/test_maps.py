@@ -5,11 +5,14 @@ Dimension legend: N layers, H heads, T tokens, E hidden width.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import subprocess
 import sys
+import zlib
 from pathlib import Path
+from typing import Any
 
 import matplotlib.image
 import numpy as np
@@ -41,11 +44,26 @@ def minilm_sized(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Pa
     return write_all(out, att, TOKENS, hidden, title="MiniLM <test> & co"), att
 
 
-def embedded_data(page: str) -> dict[str, object]:
+def embedded_data(page: str) -> dict[str, Any]:
     match = re.search(r'<script type="application/json" id="attn-data">(.*?)</script>', page, re.S)
     assert match is not None, "the page has no JSON data block"
-    data: dict[str, object] = json.loads(match.group(1))
+    data: dict[str, Any] = json.loads(match.group(1))
     return data
+
+
+def decoded(data: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """The page's decode() and matrix() in numpy: weights (N, H, T, T) and code steps (N, H).
+
+    base64, then zlib inflate, then 8- or 16-bit little-endian codes; weight = code * step with
+    step = scale / (2**bits - 1), the same float64 operations as the page's JavaScript.
+    """
+    bits = data["bits"]
+    codes = np.frombuffer(
+        zlib.decompress(base64.b64decode(data["codes"])), dtype=np.uint8 if bits == 8 else "<u2"
+    )
+    steps = np.array(data["scales"], dtype=np.float64) / (2**bits - 1)
+    N, H, T = data["layers"], data["heads"], len(data["tokens"])
+    return codes.reshape(N, H, T, T) * steps[:, :, None, None], steps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,14 +160,41 @@ def test_html_is_self_contained(minilm_sized: tuple[dict[str, Path], np.ndarray]
         assert stable_id in page
 
 
-def test_html_embeds_rounded_weights(minilm_sized: tuple[dict[str, Path], np.ndarray]) -> None:
+def test_html_embeds_the_weights(minilm_sized: tuple[dict[str, Path], np.ndarray]) -> None:
     paths, att = minilm_sized
     data = embedded_data(paths["html"].read_text(encoding="utf-8"))
     assert (data["layers"], data["heads"], data["tokens"]) == (6, 12, TOKENS)
-    embedded = np.array(data["attentions"])
-    assert embedded.shape == att.shape
-    np.testing.assert_allclose(embedded, att, rtol=0, atol=0.5e-5 + 1e-7)
-    assert len(paths["html"].read_bytes()) < 200_000  # 7,200 weights: rounding keeps it small
+    assert data["bits"] == 16  # 7,200 weights
+    weights, steps = decoded(data)
+    assert weights.shape == att.shape
+    np.testing.assert_allclose(weights, att, rtol=0, atol=float(steps.max()) / 2 + 1e-12)
+    assert len(paths["html"].read_bytes()) < 200_000
+
+
+@pytest.mark.parametrize(
+    ("shape", "bits"),
+    [
+        pytest.param((2, 3, 7), 16, id="16-bit"),
+        pytest.param((1, 2, 1100), 8, id="8-bit"),  # 2.4M weights, over HTML_16BIT_MAX
+    ],
+)
+def test_html_weights_decode_within_half_a_step(
+    tmp_path: Path, shape: tuple[int, int, int], bits: int
+) -> None:
+    att = softmax_maps(*shape)
+    att[0, -1] = 0.0  # an all-zero map, as a fully masked head gives: its step is 0
+    att[-1, 0, 1, 2] = -5e-4  # softmax rounding noise below 0 is stored as 0
+    page = write_html(tmp_path / "a.html", att, ["t"] * shape[2]).read_text(encoding="utf-8")
+    data = embedded_data(page)
+    assert data["bits"] == bits
+    weights, steps = decoded(data)
+    np.testing.assert_array_equal(steps * (2**bits - 1), att.clip(min=0).max(axis=(2, 3)))
+    assert (weights[0, -1] == 0).all()
+    assert weights[-1, 0, 1, 2] == 0
+    att[-1, 0, 1, 2] = 0
+    error = np.abs(weights - att)
+    bound = steps[:, :, None, None] / 2 + 1e-12
+    assert (error <= bound).all(), f"off by {float((error / bound).max()):.3f} half steps"
 
 
 def test_html_escapes_tokens_and_title(tmp_path: Path) -> None:
