@@ -13,7 +13,14 @@ from typing import Any
 import pytest
 import torch
 
-from attnkit import AttentionInputError, AttentionMaskWarning, CrossAttention, MultiHeadAttention
+from attnkit import (
+    AttentionInputError,
+    AttentionMaskWarning,
+    CrossAttention,
+    KVCache,
+    MultiHeadAttention,
+)
+from attnkit.modules.transformer import TransformerConfig, TransformerStack
 from validation_cases import B, Case, L, S, check_error, param, r
 
 MHA = "attnkit.MultiHeadAttention"
@@ -63,6 +70,42 @@ MODULE_CASES = [
             "an int >= 1",
             None,
             where=MHA,
+        ),
+    ),
+    param(
+        "kv-cache-max-len-zero",
+        Case(
+            lambda: KVCache(B, 2, max_len=0, head_dim=4),
+            "max_len",
+            ("`max_len` must be a positive int, got 0",),
+            ("max_len=0",),
+            "an int >= 1",
+            None,
+            where="attnkit.KVCache",
+        ),
+    ),
+    param(
+        "transformer-config-ffn-dim-zero",
+        Case(
+            lambda: TransformerConfig(dim=E, num_heads=4, ffn_dim=0),
+            "ffn_dim",
+            ("`ffn_dim` must be a positive int, got 0",),
+            ("ffn_dim=0",),
+            "an int >= 1",
+            None,
+            where="attnkit.TransformerConfig",
+        ),
+    ),
+    param(
+        "transformer-stack-num-layers-negative",
+        Case(
+            lambda: TransformerStack(TransformerConfig(dim=E, num_heads=4), num_layers=-1),
+            "num_layers",
+            ("`num_layers` must be an int >= 0, got -1",),
+            ("num_layers=-1",),
+            "an int >= 0",
+            None,
+            where="attnkit.TransformerStack",
         ),
     ),
     param(
