@@ -134,9 +134,21 @@ class _Attention(nn.Module):
             f"v_head_dim={self.v_head_dim}, causal={self.causal}, backend={self.backend!r}"
         )
 
-    def _check_input(self, name: str, x: object, width: int, width_name: str) -> torch.Tensor:
-        w = self.q_proj.weight
-        return check_input(self._where, name, x, width, width_name, self.batch_first, w.dtype)
+    def _batch_first_inputs(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The three inputs checked (rank, width, dtype), then ``(B, L|S, E)`` whatever the
+        layout."""
+        dtype = self.q_proj.weight.dtype
+        for name, x, width, width_name in (
+            ("query", query, self.embed_dim, "embed_dim"),
+            ("key", key, self.kdim, "kdim"),
+            ("value", value, self.vdim, "vdim"),
+        ):
+            check_input(self._where, name, x, width, width_name, self.batch_first, dtype)
+        if not self.batch_first:  # (L, B, E) -> (B, L, E)
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        return query, key, value
 
     def _attend(
         self,
@@ -151,11 +163,7 @@ class _Attention(nn.Module):
     ) -> AttentionOutput:
         where = self._where
         self_attention = key is query and value is query
-        self._check_input("query", query, self.embed_dim, "embed_dim")
-        self._check_input("key", key, self.kdim, "kdim")
-        self._check_input("value", value, self.vdim, "vdim")
-        if not self.batch_first:  # (L, B, E) -> (B, L, E)
-            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        query, key, value = self._batch_first_inputs(query, key, value)
         check_batch(where, query, key, value, self.batch_first)
         B, L, S = query.shape[0], query.shape[1], key.shape[1]
         mask = module_mask(
