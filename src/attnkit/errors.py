@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["AttentionInputError", "AttentionMaskWarning", "shape_str", "warn_user"]
+__all__ = ["AttentionInputError", "AttentionMaskWarning", "check_int", "shape_str", "warn_user"]
 
 
 def shape_str(name: str, t: torch.Tensor | Sequence[int], dims: Sequence[str] | None) -> str:
@@ -62,6 +62,24 @@ class AttentionInputError(ValueError):
         if fix:
             lines.append(f"  fix:      {fix}")
         super().__init__("\n".join(lines))
+
+
+def check_int(where: str, name: str, value: object, *, minimum: int = 1) -> int:
+    """``value`` if it is an int (not a bool) ``>= minimum``, else an error naming ``name``.
+
+    >>> check_int("attnkit.TransformerStack", "num_layers", 0, minimum=0)
+    0
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise AttentionInputError(
+            where,
+            name,
+            f"`{name}` must be {what}, got {value!r}.",
+            got=f"{name}={value!r}",
+            expected=f"an int >= {minimum}",
+        )
+    return value
 
 
 class AttentionMaskWarning(UserWarning):

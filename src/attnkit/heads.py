@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from attnkit.errors import AttentionInputError, shape_str
+from attnkit.errors import AttentionInputError, check_int, shape_str
 
 __all__ = ["merge_heads", "split_heads"]
 
@@ -28,14 +28,7 @@ def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     torch.Size([2, 2, 4, 4])
     """
     where = "attnkit.split_heads"
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise AttentionInputError(
-            where,
-            "num_heads",
-            f"`num_heads` must be a positive int, got {num_heads!r}.",
-            got=f"num_heads={num_heads!r}",
-            expected="an int >= 1",
-        )
+    check_int(where, "num_heads", num_heads)
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         got = (
             shape_str("x", x, ("B", "H", "L", "D"))
@@ -74,16 +67,8 @@ def merge_heads(x: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
     torch.Size([2, 4, 8])
     """
     where = "attnkit.merge_heads"
-    if num_heads is not None and (
-        isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1
-    ):
-        raise AttentionInputError(
-            where,
-            "num_heads",
-            f"`num_heads` must be a positive int or None, got {num_heads!r}.",
-            got=f"num_heads={num_heads!r}",
-            expected="an int >= 1 (or None to skip the check)",
-        )
+    if num_heads is not None:
+        check_int(where, "num_heads", num_heads)
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         got = (
             shape_str("x", x, ("B", "L", "E"))

@@ -176,6 +176,10 @@ def test_sequence_parallel_refuses_what_it_cannot_do_exactly(group_of_one: None)
     with pytest.raises(attnkit.AttentionInputError, match="covers the whole sequence") as e:
         sp(x, key_padding_mask=torch.ones(6, 2, dtype=torch.bool))
     assert "target (B=2, N=6)" in str(e.value)
+    assert e.value.fix == "it looks transposed: use key_padding_mask.T"
+    with pytest.raises(attnkit.AttentionInputError, match="covers the whole sequence") as e:
+        sp(x, attention_mask=torch.ones(2, 5, dtype=torch.bool))
+    assert e.value.fix == "pass the same full mask on every rank (not a shard of it)"
     with pytest.raises(attnkit.AttentionInputError, match="takes no float mask") as e:
         sp(x, key_padding_mask=torch.zeros(2, 6))
     assert e.value.argument == "key_padding_mask"

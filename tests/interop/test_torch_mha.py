@@ -175,10 +175,17 @@ def test_mask_from_torch_unfolds_3d_and_mixes_float() -> None:
     assert torch.equal(mixed, expected)
     with pytest.raises(attnkit.AttentionInputError, match="not a multiple of num_heads"):
         mask_from_torch(torch.zeros(5, L, S, dtype=torch.bool), num_heads=2)
-    with pytest.raises(attnkit.AttentionInputError, match="attn_mask"):
+    with pytest.raises(attnkit.AttentionInputError, match=r"`attn_mask` is 4-D torch\.bool") as e:
         mask_from_torch(torch.zeros(1, 1, L, S, dtype=torch.bool), num_heads=2)
-    with pytest.raises(attnkit.AttentionInputError, match="key_padding_mask"):
+    assert e.value.got == f"attn_mask (4-D: 1, 1, {L}, {S}) dtype=torch.bool"
+    assert e.value.expected == (
+        "a bool or float attn_mask (L, S) or (B * num_heads, L, S), as nn.MultiheadAttention"
+    )
+    assert e.value.fix is None
+    with pytest.raises(attnkit.AttentionInputError, match="`key_padding_mask` is 3-D") as e:
         mask_from_torch(key_padding_mask=torch.zeros(2, 1, 3, dtype=torch.bool), num_heads=2)
+    assert e.value.argument == "key_padding_mask"
+    assert e.value.expected == "a bool or float key_padding_mask (B, S), as nn.MultiheadAttention"
 
 
 def _torch_masks(kind: str, B: int, H: int, L: int, S: int, g: torch.Generator):

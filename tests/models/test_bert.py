@@ -217,7 +217,10 @@ def test_too_many_positions_is_an_error(minilm: tuple[BertEncoder, Any]) -> None
 def test_weight_mapping_errors(model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(AttentionInputError, match="not Hugging Face BERT encoder weights") as e:
         hf_bert_state_dict({"transformer.h.0.attn.c_attn.weight": torch.ones(1)})
-    assert "transformer.h.0.attn.c_attn.weight" in str(e.value)
+    assert e.value.got == "unexpected: transformer.h.0.attn.c_attn.weight"
+    assert e.value.expected == (
+        "names like encoder.layer.{i}.attention.self.query.weight (optionally with a bert. prefix)"
+    )
     config = (
         (model_dir / "config.json")
         .read_text()

@@ -20,7 +20,9 @@ from torch import nn
 
 from attnkit import AttentionInputError
 from attnkit.interop import from_hf
+from attnkit.interop.hf import hf_gpt2_state_dict
 from attnkit.models import GPT, BertEncoder, GPTConfig
+from attnkit.modules.transformer import TransformerConfig
 
 ATOL_LOGITS = 1e-4
 ATOL_HIDDEN = 1e-4
@@ -287,7 +289,53 @@ def test_attnkit_import_does_not_load_transformers() -> None:
 
 
 def test_gpt_config_validates() -> None:
-    with pytest.raises(AttentionInputError, match="vocab_size"):
+    with pytest.raises(AttentionInputError, match="`vocab_size` must be a positive int, got 0"):
         GPTConfig(vocab_size=0)
     with pytest.raises(AttentionInputError, match="not divisible by num_heads"):
         GPT(GPTConfig(dim=30, num_heads=4))
+
+
+def test_gpt_layer_config_takes_every_field_it_shares() -> None:
+    c = GPTConfig(
+        dim=48,
+        num_heads=4,
+        ffn_dim=100,
+        activation="relu",
+        norm_eps=1e-6,
+        dropout=0.1,
+        attn_dropout=0.2,
+        backend="math",
+    )
+    assert c.transformer_config() == TransformerConfig(
+        dim=48,
+        num_heads=4,
+        ffn_dim=100,
+        activation="relu",
+        norm_eps=1e-6,
+        norm_first=True,
+        dropout=0.1,
+        attn_dropout=0.2,
+        causal=True,
+        backend="math",
+    )
+
+
+def test_gpt2_weight_mapping_lists_unknown_names() -> None:
+    state = {
+        "transformer.h.0.attn.c_attn.weight": torch.zeros(4, 12),
+        "transformer.h.0.mlp.gate.weight": torch.zeros(4, 4),
+        "encoder.layer.0.output.dense.weight": torch.zeros(4, 4),
+    }
+    with pytest.raises(AttentionInputError) as e:
+        hf_gpt2_state_dict(state)
+    assert e.value.argument == "state_dict"
+    assert e.value.problem == "2 weight name(s) are not Hugging Face GPT-2 weights."
+    assert e.value.got == (
+        "unexpected: transformer.h.0.mlp.gate.weight, encoder.layer.0.output.dense.weight"
+    )
+    assert (
+        e.value.expected
+        == "names like h.{i}.attn.c_attn.weight (optionally with a transformer. prefix)"
+    )
+    assert e.value.fix is not None
+    assert "a GPT-2 checkpoint?" in e.value.fix

@@ -13,7 +13,14 @@ from typing import Any
 import pytest
 import torch
 
-from attnkit import AttentionInputError, AttentionMaskWarning, CrossAttention, MultiHeadAttention
+from attnkit import (
+    AttentionInputError,
+    AttentionMaskWarning,
+    CrossAttention,
+    KVCache,
+    MultiHeadAttention,
+)
+from attnkit.modules.transformer import TransformerConfig, TransformerLayer, TransformerStack
 from validation_cases import B, Case, L, S, check_error, param, r
 
 MHA = "attnkit.MultiHeadAttention"
@@ -63,6 +70,42 @@ MODULE_CASES = [
             "an int >= 1",
             None,
             where=MHA,
+        ),
+    ),
+    param(
+        "kv-cache-max-len-zero",
+        Case(
+            lambda: KVCache(B, 2, max_len=0, head_dim=4),
+            "max_len",
+            ("`max_len` must be a positive int, got 0",),
+            ("max_len=0",),
+            "an int >= 1",
+            None,
+            where="attnkit.KVCache",
+        ),
+    ),
+    param(
+        "transformer-config-ffn-dim-zero",
+        Case(
+            lambda: TransformerConfig(dim=E, num_heads=4, ffn_dim=0),
+            "ffn_dim",
+            ("`ffn_dim` must be a positive int, got 0",),
+            ("ffn_dim=0",),
+            "an int >= 1",
+            None,
+            where="attnkit.TransformerConfig",
+        ),
+    ),
+    param(
+        "transformer-stack-num-layers-negative",
+        Case(
+            lambda: TransformerStack(TransformerConfig(dim=E, num_heads=4), num_layers=-1),
+            "num_layers",
+            ("`num_layers` must be an int >= 0, got -1",),
+            ("num_layers=-1",),
+            "an int >= 0",
+            None,
+            where="attnkit.TransformerStack",
         ),
     ),
     param(
@@ -207,8 +250,52 @@ MODULE_CASES = [
             ("`key_padding_mask` does not match (B, S)",),
             (f"key_padding_mask (B={B}, S={S})", f"target (B={S}, S={B})"),
             "key_padding_mask (B, S), True = padding",
-            "the inputs look like (seq, batch, embed): pass batch_first=False",
+            "it looks transposed: use key_padding_mask.T; or, if the inputs are (seq, batch, "
+            "embed), pass batch_first=False or x.transpose(0, 1)",
             where=MHA,
+        ),
+    ),
+    param(
+        "kpm-transposed-self-attention",
+        # L == S: a (S, B) mask with batch-first inputs is the mask transposed, or the inputs
+        # are (seq, batch, embed); the fix names both, the mask's transpose first
+        Case(
+            lambda: mha()(r(B, S, E), key_padding_mask=_kpm(S, B)),
+            "key_padding_mask",
+            ("`key_padding_mask` does not match (B, S)",),
+            (f"key_padding_mask (B={S}, S={B})", f"target (B={B}, S={S})"),
+            "key_padding_mask (B, S), True = padding",
+            "it looks transposed: use key_padding_mask.T; or, if the inputs are (seq, batch, "
+            "embed), pass batch_first=False or x.transpose(0, 1)",
+            where=MHA,
+        ),
+    ),
+    param(
+        "attention-mask-transposed-in-a-transformer-layer",
+        Case(
+            lambda: TransformerLayer(TransformerConfig(dim=E, num_heads=4))(
+                r(B, S, E), attention_mask=torch.ones(S, B, dtype=torch.long)
+            ),
+            "attention_mask",
+            ("`attention_mask` does not match (B, S)",),
+            (f"attention_mask (B={S}, S={B})", f"target (B={B}, S={S})"),
+            "attention_mask (B, S), True/1 = a real key",
+            "it looks transposed: use attention_mask.T; or, if the inputs",
+            where=MHA,
+        ),
+    ),
+    param(
+        "kpm-of-the-query-length-in-cross-attention",
+        # (L, B) is not a transposed (B, S) here (L != S), nor a sign of (seq, batch, embed)
+        # inputs (those fail the batch check first when L != S)
+        Case(
+            lambda: CrossAttention(E, 4)(r(B, L, E), r(B, S, E), key_padding_mask=_kpm(L, B)),
+            "key_padding_mask",
+            ("does not match (B, S)",),
+            (f"key_padding_mask (B={L}, S={B})", f"target (B={B}, S={S})"),
+            "key_padding_mask (B, S)",
+            "build it as (batch, key length)",
+            where="attnkit.CrossAttention",
         ),
     ),
     param(

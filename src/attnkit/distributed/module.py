@@ -84,7 +84,7 @@ class SequenceParallel(nn.Module):
         self.num_heads, self.num_kv_heads = module.num_heads, module.num_kv_heads
         self.causal, self.batch_first = module.causal, module.batch_first
         self.dropout = module.dropout
-        self._check_input = module._check_input  # the module's own input checks and messages
+        self._batch_first_inputs = module._batch_first_inputs  # the module's checks, messages
         self.group = group
         self.timeout = timeout
 
@@ -137,11 +137,7 @@ class SequenceParallel(nn.Module):
             )
         key = query if key is None else key
         value = key if value is None else value
-        self._check_input("query", query, self.embed_dim, "embed_dim")
-        self._check_input("key", key, self.kdim, "kdim")
-        self._check_input("value", value, self.vdim, "vdim")
-        if not self.batch_first:  # (n, B, E) -> (B, n, E)
-            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        query, key, value = self._batch_first_inputs(query, key, value)  # (B, n, E)
         if key_padding_mask is not None or attention_mask is not None:
             mask = self._with_padding(key_padding_mask, attention_mask, mask, key)
         q = split_heads(self.q_proj(query), self.num_heads)  # (B, H, n, Dk)
@@ -187,6 +183,9 @@ class SequenceParallel(nn.Module):
                 else type(t).__name__
             )
             meaning = "bool, True = padding" if kpm is not None else "True/1 = a real key"
+            fix = "pass the same full mask on every rank (not a shard of it)"
+            if isinstance(t, torch.Tensor) and tuple(t.shape) == (N, B):
+                fix = f"it looks transposed: use {name}.T"
             raise AttentionInputError(
                 WHERE,
                 name,
@@ -194,7 +193,7 @@ class SequenceParallel(nn.Module):
                 "ring attention takes no float mask.",
                 got=f"{got}  target (B={B}, N={N})",
                 expected=f"{name} (B, N) over all ranks' tokens, {meaning}",
-                fix="pass the same full mask on every rank (not a shard of it)",
+                fix=fix,
             )
         keys = key_part(WHERE, kpm, real, B, N, key.dtype)  # (B, 1, 1, N) bool, True = real
         assert keys is not None  # one of the two was given

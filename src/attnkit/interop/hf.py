@@ -19,6 +19,7 @@ import torch
 from attnkit.errors import AttentionInputError
 from attnkit.models import BertConfig, BertEncoder, hf_bert_state_dict
 from attnkit.models.gpt import GPT, GPTConfig
+from attnkit.models.weight_names import rename_weights
 from attnkit.modules.transformer import Activation
 
 __all__ = ["from_hf", "hf_gpt2_state_dict"]
@@ -152,38 +153,34 @@ def hf_gpt2_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.T
     {'stack.layers.0.attn.q_proj.weight': (4, 4), 'stack.layers.0.attn.k_proj.weight': (4, 4),
      'stack.layers.0.attn.v_proj.weight': (4, 4)}
     """
-    out: dict[str, torch.Tensor] = {}
-    unknown = []
-    for name, tensor in state_dict.items():
-        key = name.removeprefix("transformer.")
-        if _GPT2_IGNORED.fullmatch(key):
-            continue
-        if key in _GPT2_TOP:
-            out[_GPT2_TOP[key]] = tensor
-        elif key == "lm_head.weight":
-            out[key] = tensor
-        elif m := re.fullmatch(r"h\.(\d+)\.(.+)\.(weight|bias)", key):
-            i, module, param = m.groups()
-            prefix = f"stack.layers.{i}"
-            if module in _GPT2_CONV1D and param == "weight":
-                tensor = tensor.t()  # Conv1D (in, out) -> Linear (out, in)
-            if module == "attn.c_attn":
-                q, k, v = tensor.chunk(3, dim=0)  # (3E, E) or (3E,) -> three (E, ...)
-                for part, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-                    out[f"{prefix}.attn.{part}.{param}"] = t.contiguous()
-            elif module in _GPT2_LAYER:
-                out[f"{prefix}.{_GPT2_LAYER[module]}.{param}"] = tensor.contiguous()
-            else:
-                unknown.append(name)
-        else:
-            unknown.append(name)
-    if unknown:
-        raise AttentionInputError(
-            "attnkit.interop.hf_gpt2_state_dict",
-            "state_dict",
-            f"{len(unknown)} weight name(s) are not Hugging Face GPT-2 weights.",
-            got=f"unexpected: {', '.join(unknown[:8])}" + (" ..." if len(unknown) > 8 else ""),
-            expected="names like transformer.h.{i}.attn.c_attn.weight",
-            fix="is this a GPT-2 checkpoint? Other architectures need their own mapping",
-        )
-    return out
+    return rename_weights(
+        state_dict,
+        _gpt2_to_attnkit,
+        where="attnkit.interop.hf_gpt2_state_dict",
+        model="GPT-2",
+        prefix="transformer.",
+        ignored=_GPT2_IGNORED,
+        example="h.{i}.attn.c_attn.weight",
+    )
+
+
+def _gpt2_to_attnkit(key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """One GPT-2 weight under attnkit's names (``c_attn`` gives three), or None if unknown."""
+    if key in _GPT2_TOP:
+        return {_GPT2_TOP[key]: tensor}
+    if key == "lm_head.weight":
+        return {key: tensor}
+    m = re.fullmatch(r"h\.(\d+)\.(.+)\.(weight|bias)", key)
+    if m is None:
+        return None
+    i, module, param = m.groups()
+    prefix = f"stack.layers.{i}"
+    if module in _GPT2_CONV1D and param == "weight":
+        tensor = tensor.t()  # Conv1D (in, out) -> Linear (out, in)
+    if module == "attn.c_attn":
+        q, k, v = tensor.chunk(3, dim=0)  # (3E, E) or (3E,) -> three (E, ...)
+        parts = (("q_proj", q), ("k_proj", k), ("v_proj", v))
+        return {f"{prefix}.attn.{part}.{param}": t.contiguous() for part, t in parts}
+    if module in _GPT2_LAYER:
+        return {f"{prefix}.{_GPT2_LAYER[module]}.{param}": tensor.contiguous()}
+    return None

@@ -246,16 +246,22 @@ def mask_from_torch(
     tensor([[[[1, 1, 0]]]], dtype=torch.int32)
     """
     where = "attnkit.interop.mask_from_torch"
-    for name, t in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask)):
-        if t is not None and t.dtype != torch.bool and not t.is_floating_point():
+    for name, t, ranks, shapes in (
+        ("attn_mask", attn_mask, (2, 3), "(L, S) or (B * num_heads, L, S)"),
+        ("key_padding_mask", key_padding_mask, (2,), "(B, S)"),
+    ):
+        if t is None:
+            continue
+        bad_dtype = t.dtype != torch.bool and not t.is_floating_point()
+        if bad_dtype or t.dim() not in ranks:
             raise AttentionInputError(
                 where,
                 name,
-                f"`{name}` has dtype {t.dtype}; torch's masks are bool (True = ignore) or float "
-                "(added to the scores).",
+                f"`{name}` is {t.dim()}-D {t.dtype}; torch's masks are bool (True = ignore) or "
+                f"float (added to the scores), `{name}` {shapes}.",
                 got=f"{shape_str(name, t, None)} dtype={t.dtype}",
-                expected=f"a bool or float {name}",
-                fix=f"{name}.bool() if 1 means ignore",
+                expected=f"a bool or float {name} {shapes}, as nn.MultiheadAttention",
+                fix=f"{name}.bool() if 1 means ignore" if bad_dtype else None,
             )
     parts: list[torch.Tensor] = []
     if attn_mask is not None:
@@ -271,24 +277,8 @@ def mask_from_torch(
                     expected="attn_mask (L, S) or (B * num_heads, L, S)",
                 )
             attn_mask = attn_mask.view(BH // num_heads, num_heads, L, S)
-        elif attn_mask.dim() != 2:
-            raise AttentionInputError(
-                where,
-                "attn_mask",
-                f"attn_mask is {attn_mask.dim()}-D.",
-                got=shape_str("attn_mask", attn_mask, None),
-                expected="attn_mask (L, S) or (B * num_heads, L, S), as nn.MultiheadAttention",
-            )
         parts.append(attn_mask)
     if key_padding_mask is not None:
-        if key_padding_mask.dim() != 2:
-            raise AttentionInputError(
-                where,
-                "key_padding_mask",
-                f"key_padding_mask is {key_padding_mask.dim()}-D.",
-                got=shape_str("key_padding_mask", key_padding_mask, None),
-                expected="key_padding_mask (B, S), as nn.MultiheadAttention",
-            )
         parts.append(key_padding_mask[:, None, None, :])  # (B, 1, 1, S)
     if not parts:
         return None

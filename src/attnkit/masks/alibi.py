@@ -10,7 +10,7 @@ from collections.abc import Hashable
 
 import torch
 
-from attnkit.errors import AttentionInputError
+from attnkit.errors import check_int
 from attnkit.masks.spec import MaskSpec, tensor_key
 
 __all__ = ["alibi", "alibi_slopes"]
@@ -26,14 +26,7 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     >>> alibi_slopes(8).tolist()
     [0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625, 0.0078125, 0.00390625]
     """
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise AttentionInputError(
-            "attnkit.alibi_slopes",
-            "num_heads",
-            "`num_heads` must be an int >= 1.",
-            got=f"num_heads={num_heads!r}",
-            expected="an int >= 1",
-        )
+    check_int("attnkit.alibi_slopes", "num_heads", num_heads)
 
     def power_of_2(n: int) -> list[float]:
         return [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]

@@ -20,6 +20,7 @@ import torch
 
 from attnkit.errors import AttentionInputError
 from attnkit.models.bert import BertConfig, BertEncoder
+from attnkit.models.weight_names import rename_weights
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -75,28 +76,15 @@ def hf_bert_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.T
     ...                     "pooler.dense.bias": torch.ones(1)})
     {'encoder.layers.3.attn.q_proj.weight': tensor([1.])}
     """
-    out: dict[str, torch.Tensor] = {}
-    unknown = []
-    for name, tensor in state_dict.items():
-        key = name.removeprefix("bert.")
-        if _HF_IGNORED.fullmatch(key):
-            continue
-        target = _hf_to_attnkit(key)
-        if target is None:
-            unknown.append(name)
-        else:
-            out[target] = tensor
-    if unknown:
-        raise AttentionInputError(
-            "attnkit.models.hf_bert_state_dict",
-            "state_dict",
-            f"{len(unknown)} weight name(s) are not Hugging Face BERT encoder weights.",
-            got=f"unexpected: {', '.join(unknown[:8])}" + (" ..." if len(unknown) > 8 else ""),
-            expected="names like encoder.layer.{i}.attention.self.query.weight (optionally "
-            "with a bert. prefix)",
-            fix="is this a BERT checkpoint? Other architectures need their own mapping",
-        )
-    return out
+    return rename_weights(
+        state_dict,
+        lambda key, tensor: None if (name := _hf_to_attnkit(key)) is None else {name: tensor},
+        where="attnkit.models.hf_bert_state_dict",
+        model="BERT encoder",
+        prefix="bert.",
+        ignored=_HF_IGNORED,
+        example="encoder.layer.{i}.attention.self.query.weight",
+    )
 
 
 def load_bert(

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from attnkit.errors import AttentionInputError, shape_str
+from attnkit.configs import derive_config
+from attnkit.errors import AttentionInputError, check_int, shape_str
 from attnkit.models.token_ids import check_token_ids
 from attnkit.modules.kv_cache import KVCache
 from attnkit.modules.positions import LearnedPositions
@@ -54,31 +55,13 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_positions", "num_layers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise AttentionInputError(
-                    "attnkit.models.GPTConfig",
-                    name,
-                    f"`{name}` must be a positive int.",
-                    got=f"{name}={value!r}",
-                    expected="an int >= 1",
-                )
+            check_int("attnkit.models.GPTConfig", name, getattr(self, name))
         self.transformer_config()  # validates the layer's fields
 
     def transformer_config(self) -> TransformerConfig:
-        """One decoder layer: pre-norm, causal, biases everywhere."""
-        return TransformerConfig(
-            dim=self.dim,
-            num_heads=self.num_heads,
-            ffn_dim=self.ffn_dim,
-            activation=self.activation,
-            norm_eps=self.norm_eps,
-            norm_first=True,
-            dropout=self.dropout,
-            attn_dropout=self.attn_dropout,
-            causal=True,
-            backend=self.backend,
-        )
+        """One decoder layer: the fields it shares with this config, pre-norm, causal, biases
+        everywhere."""
+        return derive_config(TransformerConfig, self, norm_first=True, causal=True)
 
 
 class GPT(nn.Module):

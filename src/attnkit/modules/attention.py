@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from attnkit.errors import AttentionInputError
+from attnkit.errors import AttentionInputError, check_int
 from attnkit.functional import AttentionOutput, run_call
 from attnkit.heads import merge_heads, split_heads
 from attnkit.inspect.tracing import active_trace, record_module_end, record_module_start
-from attnkit.modules.checks import check_batch, check_input, positive_int
+from attnkit.modules.checks import check_batch, check_input
 from attnkit.modules.kv_cache import KVCache
 from attnkit.modules.masking import Mask, MaskArgs, combine, module_mask
 from attnkit.modules.positions import RotaryEmbedding
@@ -62,9 +62,9 @@ class _Attention(nn.Module):
         super().__init__()
         where = f"attnkit.{type(self).__name__}"
         self._where = where
-        E = positive_int(where, "embed_dim", embed_dim)
-        H = positive_int(where, "num_heads", num_heads)
-        Hkv = positive_int(where, "num_kv_heads", H if num_kv_heads is None else num_kv_heads)
+        E = check_int(where, "embed_dim", embed_dim)
+        H = check_int(where, "num_heads", num_heads)
+        Hkv = check_int(where, "num_kv_heads", H if num_kv_heads is None else num_kv_heads)
         if head_dim is None and E % H != 0:
             divisors = [h for h in range(1, E + 1) if E % h == 0]
             raise AttentionInputError(
@@ -97,15 +97,15 @@ class _Attention(nn.Module):
                 expected="0 <= dropout < 1 (the probability of dropping an attention weight)",
                 fix="dropout=0.0 turns it off",
             )
-        Dk = positive_int(where, "head_dim", E // H if head_dim is None else head_dim)
-        Dv = positive_int(where, "v_head_dim", Dk if v_head_dim is None else v_head_dim)
+        Dk = check_int(where, "head_dim", E // H if head_dim is None else head_dim)
+        Dv = check_int(where, "v_head_dim", Dk if v_head_dim is None else v_head_dim)
         self.embed_dim = E
         self.num_heads = H
         self.num_kv_heads = Hkv
         self.head_dim = Dk
         self.v_head_dim = Dv
-        self.kdim = positive_int(where, "kdim", E if kdim is None else kdim)
-        self.vdim = positive_int(where, "vdim", E if vdim is None else vdim)
+        self.kdim = check_int(where, "kdim", E if kdim is None else kdim)
+        self.vdim = check_int(where, "vdim", E if vdim is None else vdim)
         self.dropout = float(dropout)
         self.batch_first = batch_first
         self.causal = causal
@@ -135,9 +135,21 @@ class _Attention(nn.Module):
             f"v_head_dim={self.v_head_dim}, causal={self.causal}, backend={self.backend!r}"
         )
 
-    def _check_input(self, name: str, x: object, width: int, width_name: str) -> torch.Tensor:
-        w = self.q_proj.weight
-        return check_input(self._where, name, x, width, width_name, self.batch_first, w.dtype)
+    def _batch_first_inputs(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The three inputs checked (rank, width, dtype), then ``(B, L|S, E)`` whatever the
+        layout."""
+        dtype = self.q_proj.weight.dtype
+        for name, x, width, width_name in (
+            ("query", query, self.embed_dim, "embed_dim"),
+            ("key", key, self.kdim, "kdim"),
+            ("value", value, self.vdim, "vdim"),
+        ):
+            check_input(self._where, name, x, width, width_name, self.batch_first, dtype)
+        if not self.batch_first:  # (L, B, E) -> (B, L, E)
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        return query, key, value
 
     def _attend(
         self,
@@ -152,11 +164,7 @@ class _Attention(nn.Module):
     ) -> AttentionOutput:
         where = self._where
         self_attention = key is query and value is query
-        self._check_input("query", query, self.embed_dim, "embed_dim")
-        self._check_input("key", key, self.kdim, "kdim")
-        self._check_input("value", value, self.vdim, "vdim")
-        if not self.batch_first:  # (L, B, E) -> (B, L, E)
-            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        query, key, value = self._batch_first_inputs(query, key, value)
         check_batch(where, query, key, value, self.batch_first)
         B, L, S = query.shape[0], query.shape[1], key.shape[1]
         mask = module_mask(

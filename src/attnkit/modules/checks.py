@@ -9,20 +9,7 @@ import torch
 
 from attnkit.errors import AttentionInputError, shape_str
 
-__all__ = ["check_batch", "check_input", "positive_int"]
-
-
-def positive_int(where: str, name: str, value: object) -> int:
-    """``value`` if it is an int >= 1, else an error naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise AttentionInputError(
-            where,
-            name,
-            f"`{name}` must be a positive int, got {value!r}.",
-            got=f"{name}={value!r}",
-            expected="an int >= 1",
-        )
-    return value
+__all__ = ["check_batch", "check_input"]
 
 
 def check_input(

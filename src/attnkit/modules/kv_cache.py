@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnkit.errors import AttentionInputError, shape_str
+from attnkit.errors import AttentionInputError, check_int, shape_str
 from attnkit.masks import MaskSpec, padding, sequence_causal
 
 __all__ = ["KVCache"]
@@ -81,14 +81,7 @@ class KVCache(nn.Module):
             ("head_dim", head_dim),
             ("v_head_dim", Dv),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise AttentionInputError(
-                    WHERE,
-                    name,
-                    f"`{name}` must be a positive int.",
-                    got=f"{name}={value!r}",
-                    expected="an int >= 1",
-                )
+            check_int(WHERE, name, value)
         B, Hkv, N = batch_size, num_kv_heads, max_len
         self.max_len = N
         self.register_buffer(

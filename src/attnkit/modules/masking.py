@@ -169,25 +169,20 @@ def key_part(
         return None
     _check_key_shape(where, name, t, B, S, seq_first)
     if name == "key_padding_mask":
-        if t.dtype != torch.bool and not t.is_floating_point():
-            raise AttentionInputError(
-                where,
-                name,
-                f"`key_padding_mask` has dtype {t.dtype}; as in nn.MultiheadAttention it is bool "
-                "(True = padding) or float (added to the scores).",
-                got=f"{shape_str(name, t, ('B', 'S'))} dtype={t.dtype}",
-                expected="bool (B, S), True = padding; or float (B, S)",
-                fix="0/1 ints with 1 = a real token are attention_mask=...; "
-                "or key_padding_mask=ids == pad_id",
-            )
-        _check_float_dtype(where, name, t, dtype)
+        _check_torch_dtype(
+            where,
+            name,
+            t,
+            dtype,
+            dims=("B", "S"),
+            true_means="padding",
+            expected="bool (B, S), True = padding; or float (B, S)",
+            fix="0/1 ints with 1 = a real token are attention_mask=...; "
+            "or key_padding_mask=ids == pad_id",
+        )
         if t.dtype == torch.bool and S > 0:
             _warn_empty_rows(t.all(dim=1), name)
-        from attnkit.interop.torch_mha import mask_from_torch  # the one translation point
-
-        translated = mask_from_torch(key_padding_mask=t, num_heads=1)
-        assert translated is not None
-        return translated  # (B, 1, 1, S)
+        return _from_torch(key_padding_mask=t, num_heads=1)  # (B, 1, 1, S)
     if t.dtype != torch.bool:
         if t.is_floating_point() or t.is_complex():
             raise AttentionInputError(
@@ -224,25 +219,22 @@ def _attn_part(
     """torch's ``attn_mask`` checked against ``(B, H, L, S)`` and translated."""
     B, H, L, S = size
     name = "attn_mask"
-    if not isinstance(attn_mask, torch.Tensor):
-        raise AttentionInputError(
-            where,
-            name,
-            f"`attn_mask` must be a tensor, got {type(attn_mask).__name__}.",
-            got=type(attn_mask).__name__,
-            expected="bool or float (L, S) or (B * num_heads, L, S), as nn.MultiheadAttention",
-        )
-    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-        raise AttentionInputError(
-            where,
-            name,
-            f"`attn_mask` has dtype {attn_mask.dtype}; as in nn.MultiheadAttention it is bool "
-            "(True = not allowed) or float (added to the scores).",
-            got=f"{shape_str(name, attn_mask, None)} dtype={attn_mask.dtype}",
-            expected="a bool or float attn_mask",
-            fix="attn_mask.bool() if 1 means blocked; mask= takes attnkit's True = may attend",
-        )
-    _check_float_dtype(where, name, attn_mask, dtype)
+    _check_tensor(
+        where,
+        name,
+        attn_mask,
+        "bool or float (L, S) or (B * num_heads, L, S), as nn.MultiheadAttention",
+    )
+    _check_torch_dtype(
+        where,
+        name,
+        attn_mask,
+        dtype,
+        dims=None,
+        true_means="not allowed",
+        expected="a bool or float attn_mask",
+        fix="attn_mask.bool() if 1 means blocked; mask= takes attnkit's True = may attend",
+    )
     shape = tuple(attn_mask.shape)
     if shape not in ((L, S), (B * H, L, S)):
         fix = "build it as (L, S), or (B * num_heads, L, S) with row b * num_heads + h"
@@ -261,37 +253,81 @@ def _attn_part(
             expected=f"attn_mask (L={L}, S={S}) or (B*H={B * H}, L={L}, S={S})",
             fix=fix,
         )
-    from attnkit.interop.torch_mha import mask_from_torch  # the one translation point
-
-    translated = mask_from_torch(attn_mask, num_heads=H)
-    assert translated is not None
-    return translated  # (L, S) or (B, H, L, S)
+    return _from_torch(attn_mask=attn_mask, num_heads=H)  # (L, S) or (B, H, L, S)
 
 
-def _check_key_shape(
-    where: str, name: str, t: object, B: int, S: int, seq_first: tuple[int, int] | None
-) -> None:
+def _from_torch(
+    *,
+    attn_mask: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    num_heads: int,
+) -> torch.Tensor:
+    """A torch mask, checked already, in attnkit's convention, by the one translation point."""
+    from attnkit.interop.torch_mha import mask_from_torch
+
+    translated = mask_from_torch(attn_mask, key_padding_mask, num_heads=num_heads)
+    assert translated is not None  # one of the two was given
+    return translated
+
+
+def _check_tensor(where: str, name: str, t: object, expected: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise AttentionInputError(
             where,
             name,
             f"`{name}` must be a tensor, got {type(t).__name__}.",
             got=type(t).__name__,
-            expected=f"{name} (B, S)",
+            expected=expected,
         )
-    if tuple(t.shape) == (B, S):
+    return t
+
+
+def _check_torch_dtype(
+    where: str,
+    name: str,
+    t: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    dims: tuple[str, ...] | None,
+    true_means: str,
+    expected: str,
+    fix: str,
+) -> None:
+    """One of torch's masks is bool (True = ``true_means``) or float of the query's dtype."""
+    if t.dtype != torch.bool and not t.is_floating_point():
+        raise AttentionInputError(
+            where,
+            name,
+            f"`{name}` has dtype {t.dtype}; as in nn.MultiheadAttention it is bool "
+            f"(True = {true_means}) or float (added to the scores).",
+            got=f"{shape_str(name, t, dims)} dtype={t.dtype}",
+            expected=expected,
+            fix=fix,
+        )
+    _check_float_dtype(where, name, t, dtype)
+
+
+def _check_key_shape(
+    where: str, name: str, t: object, B: int, S: int, seq_first: tuple[int, int] | None
+) -> None:
+    mask = _check_tensor(where, name, t, f"{name} (B, S)")
+    shape = tuple(mask.shape)
+    if shape == (B, S):
         return
     fix = "build it as (batch, key length)"
-    if tuple(t.shape) == (S, B):
+    if shape == (S, B):
         fix = f"it looks transposed: use {name}.T"
-    if tuple(t.shape) == seq_first:
-        fix = "the inputs look like (seq, batch, embed): pass batch_first=False"
+        if shape == seq_first:  # then L == S, and the inputs may be what is transposed instead
+            fix += (
+                "; or, if the inputs are (seq, batch, embed), pass batch_first=False "
+                "or x.transpose(0, 1)"
+            )
     meaning = "True = padding" if name == "key_padding_mask" else "True/1 = a real key"
     raise AttentionInputError(
         where,
         name,
         f"`{name}` does not match (B, S).",
-        got=shape_str(name, t, ("B", "S")) + f"  target (B={B}, S={S})",
+        got=shape_str(name, mask, ("B", "S")) + f"  target (B={B}, S={S})",
         expected=f"{name} (B, S), {meaning}",
         fix=fix,
     )

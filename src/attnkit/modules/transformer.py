@@ -23,7 +23,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import nn
 
-from attnkit.errors import AttentionInputError
+from attnkit.errors import AttentionInputError, check_int
 from attnkit.masks import MaskSpec
 from attnkit.modules.attention import CrossAttention, MultiHeadAttention
 from attnkit.modules.kv_cache import KVCache
@@ -76,10 +76,8 @@ class TransformerConfig:
     def __post_init__(self) -> None:
         for name in ("dim", "num_heads", "ffn_dim", "context_dim"):
             value = getattr(self, name)
-            if value is None and name in ("ffn_dim", "context_dim"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise _bad(name, f"`{name}` must be a positive int.", value, "an int >= 1")
+            if value is not None or name in ("dim", "num_heads"):  # the others may be None
+                check_int("attnkit.TransformerConfig", name, value)
         if self.activation not in _ACTIVATIONS:
             raise _bad(
                 "activation",
@@ -317,14 +315,7 @@ class TransformerStack(nn.Module):
 
     def __init__(self, config: TransformerConfig, num_layers: int) -> None:
         super().__init__()
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
-            raise AttentionInputError(
-                "attnkit.TransformerStack",
-                "num_layers",
-                "`num_layers` must be an int >= 0.",
-                got=f"num_layers={num_layers!r}",
-                expected="an int >= 0",
-            )
+        check_int("attnkit.TransformerStack", "num_layers", num_layers, minimum=0)
         self.config = config
         self.layers = nn.ModuleList(TransformerLayer(config) for _ in range(num_layers))
         self.final_norm: nn.Module = (

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnkit.configs import derive_config
 from attnkit.errors import AttentionInputError
 from attnkit.train import guards
 from attnkit.train.checkpoint import (
@@ -136,13 +137,12 @@ class TrainConfig:
 
     def model_config(self) -> ModelConfig:
         task = self.make_task()
-        return ModelConfig(
+        return derive_config(
+            ModelConfig,
+            self,
             vocab_size=task.vocab_size,
             num_classes=task.num_classes,
             max_length=task.length,
-            dim=self.dim,
-            num_layers=self.num_layers,
-            num_heads=self.num_heads,
         )
 
 
