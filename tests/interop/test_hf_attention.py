@@ -12,6 +12,9 @@ gradients ``rtol=1e-4, atol=1e-5`` (float32 throughout).
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -211,29 +214,35 @@ def test_set_attn_implementation_switches_a_loaded_model() -> None:
     torch.testing.assert_close(got[real], expected[real], atol=ATOL_LOGITS, rtol=0)
 
 
+PADDED_SPECS = {  # what each layer's attnkit call gets, for the left-padded batch
+    "llama": ["causal() & key_mask(<bool (2, 9)>)"] * 2,
+    "mistral": ["causal() & sliding_window(4) & key_mask(<bool (2, 9)>)"] * 2,
+    "qwen2": ["causal() & key_mask(<bool (2, 9)>)",
+              "causal() & sliding_window(4) & key_mask(<bool (2, 9)>)"],
+}  # fmt: skip
+UNPADDED_SPECS = {
+    "llama": ["causal()"] * 2,
+    "mistral": ["causal() & sliding_window(4)"] * 2,  # exactly the band kernel's rule
+    "qwen2": ["causal()", "causal() & sliding_window(4)"],
+}
+
+
+@pytest.mark.parametrize("name", list(DECODERS))
 def test_attnkit_ran_and_structured_masks_reached_it_as_specs(
-    monkeypatch: pytest.MonkeyPatch,
+    name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _, ours = _pair("mistral")
+    _, ours = _pair(name)
     masks = _Masks(monkeypatch)
     ids, mask = _batch()
     with torch.no_grad(), attnkit.trace() as t:
         ours(ids, attention_mask=mask)
-        ours(ids)  # no padding: exactly causal() & sliding_window(4), the band kernel's rule
-    assert len(t.backends) == 4
+        ours(ids)
+    assert len(t.backends) == 4  # one attnkit call per layer and forward
     assert set(t.backends) <= set(attnkit.available_backends())
     assert all(isinstance(m, MaskSpec) for m in masks.seen)
-    assert repr(masks.seen[0]) == "causal() & sliding_window(4) & key_mask(<bool (2, 9)>)"
-    assert repr(masks.seen[2]) == "causal() & sliding_window(4)"
-    assert attnkit.masks.causal_window(masks.seen[2]) == WINDOW
-
-
-def test_qwen2_gets_a_causal_spec_and_a_window_spec(monkeypatch: pytest.MonkeyPatch) -> None:
-    _, ours = _pair("qwen2")
-    masks = _Masks(monkeypatch)
-    with torch.no_grad():
-        ours(_batch()[0])
-    assert [repr(m) for m in masks.seen] == ["causal()", "causal() & sliding_window(4)"]
+    assert [repr(m) for m in masks.seen] == PADDED_SPECS[name] + UNPADDED_SPECS[name]
+    if name == "mistral":
+        assert attnkit.masks.causal_window(masks.seen[2]) == WINDOW
 
 
 def test_a_decoder_made_bidirectional_stays_bidirectional() -> None:
@@ -421,6 +430,22 @@ def test_gemma2_soft_capping_is_refused_with_the_fix() -> None:
     assert "this model uses logit soft-capping (Gemma 2)" in message
     assert "got:      softcap=50.0 from Gemma2Attention" in message
     assert 'attn_implementation="eager"' in message
+
+
+def test_docs_hf_blocks_run_and_print_what_the_page_shows() -> None:
+    page = (Path(__file__).resolve().parents[2] / "docs" / "hf.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    assert len(blocks) == 4
+    printed = io.StringIO()
+    namespace: dict[str, object] = {}
+    with contextlib.redirect_stdout(printed):
+        for i, block in enumerate(blocks):
+            exec(compile(block, f"docs/hf.md block {i}", "exec"), namespace)
+    lines = printed.getvalue().splitlines()
+    assert lines[0] == "torch.Size([1, 10])"
+    assert lines[1].startswith("attnkit.interop.hf_attention (Gemma2Attention): this model uses")
+    assert len(lines) == 5
+    assert all(line in page for line in lines)  # the page shows the message as it is
 
 
 # ---------------------------------------------------------------------------------------------

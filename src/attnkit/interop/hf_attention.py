@@ -3,9 +3,9 @@
 Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
 D head dim.
 
-The two lines a user writes (transformers is imported only here, when they run)::
+The two lines a user writes (transformers is imported by the first, not before)::
 
-    attnkit.interop.register_hf()
+    attnkit.interop.register_hf()          # after `import attnkit.interop`
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="attnkit")
 
 transformers asks an attention implementation for two functions; :func:`register_hf` registers
@@ -95,8 +95,8 @@ def register_hf(name: str = "attnkit") -> str:
         AttentionInputError: ``name`` is not a plain name, or transformers already uses it
             for another implementation (``"sdpa"``, ``"eager"``, another library's).
 
-    >>> import attnkit
-    >>> attnkit.interop.register_hf()
+    >>> from attnkit.interop import register_hf
+    >>> register_hf()
     'attnkit'
     """
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
@@ -332,7 +332,8 @@ def _refuse(module: nn.Module, kwargs: dict[str, Any]) -> None:
             f"it ({meaning}) would give a different model.",
             got=f"{name}={shown} from {type(module).__name__}",
             expected=f"{name}=None",
-            fix='load this model with attn_implementation="eager"',
+            fix='load this model with attn_implementation="eager" (or call '
+            'model.set_attn_implementation("eager"))',
         )
 
 
