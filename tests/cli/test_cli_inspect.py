@@ -444,6 +444,9 @@ def loaded():
 report = {}
 import attnkit
 report["import attnkit"] = loaded()
+import attnkit.interop
+attnkit.interop.register_hf  # defined; transformers is imported only when it is called
+report["import attnkit.interop"] = loaded()
 import typer.main
 from attnkit.cli import app
 commands = sorted(typer.main.get_command(app).commands)
@@ -471,4 +474,14 @@ def test_help_and_light_commands_do_not_import_heavy_libraries() -> None:
     assert set(report.pop("commands")) >= {"demo", "doctor", "show", "trace", "version"}
     assert "show --help" in report
     assert "doctor" in report
+    assert "import attnkit.interop" in report
     assert report == {step: [] for step in report}, report
+
+
+def test_register_hf_imports_transformers_only_when_called() -> None:
+    code = (
+        "import sys, attnkit.interop; before = 'transformers' in sys.modules; "
+        "attnkit.interop.register_hf(); print(before, 'transformers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"]
