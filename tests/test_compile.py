@@ -27,9 +27,10 @@ TOL = {"atol": 1e-5, "rtol": 1e-5}
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method`:DeprecationWarning")
 
 
-def _qkv(L: int, seed: int, B: int = 2, H: int = 4, Hkv: int = 2) -> list[torch.Tensor]:
+def _qkv(L: int, seed: int, Hkv: int = 2, Dv: int = 8) -> list[torch.Tensor]:
+    """q, k, v of 4 query heads and ``Hkv`` key/value heads, ``Dk = 16``."""
     g = torch.Generator().manual_seed(seed)
-    shapes = ((B, H, L, 16), (B, Hkv, L, 16), (B, Hkv, L, 8))
+    shapes = ((2, 4, L, 16), (2, Hkv, L, 16), (2, Hkv, L, Dv))
     return [torch.randn(*s, generator=g).requires_grad_() for s in shapes]
 
 
@@ -70,9 +71,13 @@ def window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def test_a_window_compiles_with_inductor_and_keeps_the_blocked_kernels(
     op_calls: list[str],
 ) -> None:
-    qkv = _qkv(256, seed=0)
-    assert attnkit.explain(*qkv, mask=masks.causal() & masks.sliding_window(64)).chosen == (
-        "blocked"
+    qkv = _qkv(256, seed=0, Hkv=4, Dv=16)  # the band kernel's case (the others run tiles)
+    report = attnkit.explain(*qkv, mask=masks.causal() & masks.sliding_window(64))
+    assert report.chosen == "blocked"
+    assert report.notes["blocked"] == (
+        "causal sliding window 64: forward and backward run attnkit's AVX2 band kernel "
+        "(one pass each, no tiles); under torch.compile the same, as one custom op "
+        "(attnkit::blocked_attention)"
     )
     with torch._inductor.config.patch(compile_threads=1):
         got = _run(torch.compile(window, fullgraph=True), qkv)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
+import sys
 from typing import Any
 
 import torch
@@ -113,7 +114,7 @@ def _parse(structure: str) -> Any:
 
 @functools.lru_cache(maxsize=256)
 def _class(module: str, qualname: str) -> type[MaskSpec]:
-    obj: Any = importlib.import_module(module)
+    obj: Any = sys.modules.get(module) or importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)
     if not (isinstance(obj, type) and issubclass(obj, MaskSpec)):
