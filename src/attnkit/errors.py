@@ -61,7 +61,10 @@ class AttentionInputError(ValueError):
         lines = [f"{where}: {problem}", f"  got:      {got}", f"  expected: {expected}"]
         if fix:
             lines.append(f"  fix:      {fix}")
-        super().__init__("\n".join(lines))
+        # what ValueError.__init__(message) sets. Dynamo traces this assignment, not that call:
+        # under torch.compile(fullgraph=True) its error names this one (where and problem), and
+        # without fullgraph this one reaches the caller whole
+        self.args = ("\n".join(lines),)
 
 
 def check_int(where: str, name: str, value: object, *, minimum: int = 1) -> int:

@@ -156,7 +156,8 @@ def test_explain_says_which_kernel_runs_the_band(monkeypatch: pytest.MonkeyPatch
     note = attnkit.explain(q, q, q, mask=spec).notes["blocked"]
     assert note == (
         "causal sliding window 64: forward and backward run attnkit's AVX2 band kernel "
-        "(one pass each, no tiles)"
+        "(one pass each, no tiles); under torch.compile the same, as one custom op "
+        "(attnkit::blocked_attention)"
     )
     # switched off (as on a machine where it cannot be built): torch's kernel, and why
     monkeypatch.setenv(band.ENV, "0")

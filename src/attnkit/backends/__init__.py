@@ -16,6 +16,12 @@ masks.sliding_window(256))``:
    the band kernel for a causal window, else tiles of torch's fused kernel over the non-empty
    blocks) and runs it forward (and backward, from the same plan) with autograd.
 
+Inside ``torch.compile`` (``fullgraph=True`` included) the dispatcher makes the same choice, and
+the choice traces: ``blocked`` runs as one custom op, ``attnkit::blocked_attention``
+(:mod:`attnkit.backends.blocked.compiled`: the same kernels, planned when the op runs), ``flex``
+calls ``flex_attention`` inside the graph, and ``sdpa`` and ``math`` are torch ops.
+:func:`attnkit.explain`'s notes say what a compiled call runs where it differs.
+
 Dense backends (``math``, ``sdpa``) ask the call for ``call.dense_mask()`` (materialised once);
 spec backends (``blocked``, ``flex``) read ``call.mask``; kernels with a causal flag read
 ``call.causal``. No backend sees an argument it cannot take, so none re-checks its input.

@@ -12,6 +12,10 @@ torch compiles one kernel per shape and mask; the block masks are cached per (sp
 dtype), so after the first call of a kind the per-call cost is the kernel alone. The first
 call's time (the compile) is kept per cache entry and reported by :func:`attnkit.explain`.
 
+Inside ``torch.compile`` the backend calls ``flex_attention`` itself, which Dynamo compiles into
+the caller's graph, with a block mask built in that graph by ``create_block_mask`` from the
+spec's predicate (attnkit's block map and caches read values and ids, which a graph cannot).
+
 On CPU, this torch's compiled ``flex_attention`` runs inference only (no backward), in float32,
 bfloat16 and float16; :func:`check` says so instead of failing inside the compiler.
 """
@@ -116,12 +120,42 @@ def _entry(spec: MaskSpec | None, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return entry
 
 
+def _run_traced(call: AttentionCall) -> torch.Tensor:
+    """Inside ``torch.compile``: ``flex_attention`` itself, compiled with the caller's graph,
+    and its block mask built in that graph by ``create_block_mask`` from the spec's predicate
+    (attnkit's block map and the mask cache read values and ids, which a graph cannot)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    spec = call.mask
+    block_mask = None
+    if spec is not None:
+        L, S = call.dims.L, call.dims.S
+        off = S - L
+
+        def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> Any:
+            return spec.allowed(b, h, q, kv, off)
+
+        block_mask = create_block_mask(
+            mask_mod, spec.batch, spec.heads, L, S, device=call.q.device, BLOCK_SIZE=BLOCK
+        )
+    return flex_attention(
+        call.q,
+        call.k,
+        call.v,
+        block_mask=block_mask,
+        scale=call.scale,
+        enable_gqa=call.grouped,
+    )
+
+
 class FlexBackend(Backend):
     name = "flex"
     description = "torch's flex_attention, compiled once per mask and shape (inference only on CPU)"
     fused = True
 
     def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if torch.compiler.is_compiling():
+            return _run_traced(call), None
         q, k, v = call.q, call.k, call.v
         entry = _entry(call.mask, q, k, v)
         fn = _compiled()
@@ -179,14 +213,20 @@ class FlexBackend(Backend):
         return None
 
     def note(self, call: AttentionCall) -> str:
-        """Whether the kernel for this call is compiled, and what its compile took."""
+        """Whether the kernel for this call is compiled, what its compile took, and what a call
+        inside ``torch.compile`` runs instead."""
         entry = _CACHE.get(_key(call.mask, call.q, call.k, call.v))
         if entry is None or entry.seconds is None:
-            return (
+            state = (
                 "not compiled for this shape and mask yet: the first call compiles "
                 "(tens of seconds on a 2-core CPU), later calls run the cached kernel"
             )
-        return (
-            f"compiled and cached for this shape and mask (the first call took "
-            f"{entry.seconds:.1f} s, compile included); {entry.calls} calls since"
+        else:
+            state = (
+                f"compiled and cached for this shape and mask (the first call took "
+                f"{entry.seconds:.1f} s, compile included); {entry.calls} calls since"
+            )
+        return state + (
+            "; under torch.compile, flex_attention is compiled into the caller's graph and its "
+            "block mask built there by create_block_mask (the spec's predicate on every pair)"
         )

@@ -7,6 +7,9 @@ The package, in the order a call goes through it:
 
 * ``__init__`` (here): the backend (``check``, ``rule``, ``note``, ``run``) and the autograd
   function, which plans once and hands the same plan to the forward and the backward;
+* ``compiled``: inside ``torch.compile``, ``run`` hands the call to one custom op,
+  ``attnkit::blocked_attention`` (forward and backward ops over the same functions below),
+  which Dynamo keeps opaque; the spec goes in as tensors, numbers and a string;
 * ``blocks``: :func:`plan_blocks` (band kernel or tiles) and the public block functions
   :func:`forward_with_lse` / :func:`backward_from_lse`, which ring attention builds on;
 * ``plan``: the tile planner, reading the spec's block map (:func:`attnkit.masks.block_states`);
@@ -31,7 +34,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from attnkit.backends.base import Backend
-from attnkit.backends.blocked import band
+from attnkit.backends.blocked import band, compiled
 from attnkit.backends.blocked.blocks import (
     BlockPlan,
     backward_from_lse,
@@ -118,6 +121,8 @@ class BlockedBackend(Backend):
     fused = True
 
     def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if torch.compiler.is_compiling():  # one opaque op in the graph; it plans when it runs
+            return compiled.run(call), None
         q, k, v, sinks = call.q, call.k, call.v, call.sinks
         plan = plan_blocks(q, k, v, call.mask, softcap=call.softcap)
         grads = call.needs_grad or (sinks is not None and sinks.requires_grad)
@@ -134,6 +139,13 @@ class BlockedBackend(Backend):
             return "it has no dropout (dropout_p > 0)"
         if call.mask_needs_grad:
             return "it does not differentiate a float mask"
+        if torch.compiler.is_compiling():
+            if call.softcap is not None or call.sinks is not None:
+                return (
+                    "under torch.compile its custom op has no soft-cap or sinks yet "
+                    "(math serves them there)"
+                )
+            return compiled.unsupported(call)
         return None
 
     def rule(self, call: AttentionCall) -> tuple[bool, str]:
@@ -156,7 +168,17 @@ class BlockedBackend(Backend):
         )
 
     def note(self, call: AttentionCall) -> str:
-        """The plan in one line, for :func:`attnkit.explain`."""
+        """The plan in one line, and what changes under ``torch.compile``, for
+        :func:`attnkit.explain`."""
+        reason = compiled.unsupported(call)
+        under_compile = (
+            f"; under torch.compile the same, as one custom op ({compiled.OP})"
+            if reason is None
+            else f"; {reason}, so it cannot serve a compiled call"
+        )
+        return self._plan_note(call) + under_compile
+
+    def _plan_note(self, call: AttentionCall) -> str:
         if call.mask is not None and call.mask.from_tensor:  # planning reads the whole mask
             return "a dense mask: its empty blocks are found when it runs (one pass over the mask)"
         q, k, v = call.q, call.k, call.v

@@ -1,0 +1,285 @@
+"""The ``blocked`` backend under ``torch.compile``: one custom op, ``attnkit::blocked_attention``.
+
+Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
+Dk query/key head dim, Dv value head dim.
+
+Dynamo cannot trace the blocked backend itself: its planner reads the mask's values
+(``.tolist()``), its tiles are Python loops and the band kernel is a C++ call, and a graph break
+is an error under ``fullgraph=True``. A compiled call therefore hands the whole computation to
+one opaque custom op (``torch.library.custom_op``) with a fake implementation (shapes only) and
+a backward op of its own. The compiled graph keeps attnkit's block-sparse kernels: the op plans
+the call when it runs, from the real tensors, with the same plan cache as an eager call.
+
+An op cannot take a mask spec (a Python object), so :func:`flatten` (traced by Dynamo: it only
+reads attributes) turns one into what an op takes: its tensors, its ints (symbolic under dynamic
+shapes), its floats, and a string for the rest (the classes and the ``None``/``bool``/``str``
+constants). :func:`rebuild` makes the same spec again inside the op. The string is a constant of
+the graph: a spec of another structure compiles another graph, as any constant does.
+
+>>> from attnkit.masks import causal, sliding_window
+>>> spec = causal() & sliding_window(4)
+>>> tensors, ints, floats, structure = flatten(spec)
+>>> ints, repr(rebuild(tensors, ints, floats, structure))
+([4], 'causal() & sliding_window(4)')
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib
+import sys
+from typing import Any
+
+import torch
+
+from attnkit.backends.blocked.blocks import backward_from_lse, forward_with_lse, plan_blocks
+from attnkit.call import AttentionCall
+from attnkit.masks import MaskSpec
+
+__all__ = ["OP", "flatten", "rebuild", "run", "unsupported"]
+
+#: the op's name, as ``torch.ops.attnkit.blocked_attention``
+OP = "attnkit::blocked_attention"
+
+_SPEC_ARGS = "Tensor[] tensors, SymInt[] ints, float[] floats, str structure, float scale"
+
+
+def _flatten_node(
+    spec: MaskSpec, tensors: list[torch.Tensor], ints: list[Any], floats: list[float]
+) -> tuple[Any, ...] | str:
+    """One spec as ``(module, class name, ((attribute, kind, payload), ...))``; kinds: ``t``
+    tensor, ``i`` int, ``f`` float (payloads: indices into the lists), ``s`` a spec (payload:
+    its node), ``c`` a ``None``/``bool``/``str`` constant (payload: the value). A string:
+    why the spec cannot be taken apart."""
+    cls = type(spec)
+    if "<locals>" in cls.__qualname__:
+        return f"its class {cls.__qualname__} is defined inside a function"
+    items: list[tuple[str, str, Any]] = []
+    for name, value in vars(spec).items():
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+            items.append((name, "t", len(tensors) - 1))
+        elif isinstance(value, MaskSpec):
+            node = _flatten_node(value, tensors, ints, floats)
+            if isinstance(node, str):
+                return node
+            items.append((name, "s", node))
+        elif value is None or isinstance(value, (bool, str)):
+            items.append((name, "c", value))
+        elif isinstance(value, (int, torch.SymInt)):
+            ints.append(value)
+            items.append((name, "i", len(ints) - 1))
+        elif isinstance(value, float):
+            floats.append(value)
+            items.append((name, "f", len(floats) - 1))
+        else:
+            return f"{cls.__name__}.{name} is a {type(value).__name__}"
+    return (cls.__module__, cls.__qualname__, tuple(items))
+
+
+def flatten(
+    spec: MaskSpec | None,
+) -> tuple[list[torch.Tensor], list[Any], list[float], str] | str:
+    """``(tensors, ints, floats, structure)``: ``spec`` in the form the op takes
+    (``structure`` is ``""`` for no mask); or why it cannot be taken apart (a string: its
+    class is local to a function, or an attribute is neither a tensor, a spec, a number, a
+    string nor ``None``)."""
+    tensors: list[torch.Tensor] = []
+    ints: list[Any] = []
+    floats: list[float] = []
+    if spec is None:
+        return tensors, ints, floats, ""
+    node = _flatten_node(spec, tensors, ints, floats)
+    if isinstance(node, str):
+        return node
+    return tensors, ints, floats, repr(node)
+
+
+def unsupported(call: AttentionCall) -> str | None:
+    """Why the op cannot run ``call`` (its spec cannot be taken apart), or ``None``."""
+    flat = flatten(call.mask)
+    if isinstance(flat, str):
+        return (
+            "under torch.compile it runs as a custom op, which takes the mask spec as tensors, "
+            f"numbers and the names of its classes, but {flat}"
+        )
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _parse(structure: str) -> Any:
+    return ast.literal_eval(structure)
+
+
+@functools.lru_cache(maxsize=256)
+def _class(module: str, qualname: str) -> type[MaskSpec]:
+    obj: Any = sys.modules.get(module) or importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not (isinstance(obj, type) and issubclass(obj, MaskSpec)):
+        raise TypeError(f"{module}.{qualname} is not a MaskSpec class")
+    return obj
+
+
+def _rebuild_node(
+    node: Any, tensors: list[torch.Tensor], ints: list[int], floats: list[float]
+) -> MaskSpec:
+    module, qualname, items = node
+    cls = _class(module, qualname)
+    spec = cls.__new__(cls)
+    values: dict[str, list[Any]] = {"t": tensors, "i": ints, "f": floats}
+    for name, kind, payload in items:
+        if kind == "s":
+            value: Any = _rebuild_node(payload, tensors, ints, floats)
+        elif kind == "c":
+            value = payload
+        else:
+            value = values[kind][payload]
+        spec.__dict__[name] = value
+    return spec
+
+
+def rebuild(
+    tensors: list[torch.Tensor], ints: list[int], floats: list[float], structure: str
+) -> MaskSpec | None:
+    """The spec :func:`flatten` took apart (with these tensors and numbers)."""
+    if not structure:
+        return None
+    return _rebuild_node(_parse(structure), tensors, ints, floats)
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op(
+    OP,
+    mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, {_SPEC_ARGS}) -> (Tensor, Tensor)",
+)
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tensors: list[torch.Tensor],
+    ints: list[int],
+    floats: list[float],
+    structure: str,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out (B, H, L, Dv)`` in q's dtype and ``lse (B, H, L)`` (float32; float64 for float64
+    q), both contiguous, as the fake implementation promises."""
+    spec = rebuild(tensors, ints, floats, structure)
+    plan = plan_blocks(q, k, v, spec)
+    out, lse = forward_with_lse(q, k, v, mask=spec, scale=scale, plan=plan)
+    return out.to(q.dtype).contiguous(), lse.to(_lse_dtype(q)).contiguous()
+
+
+@_forward.register_fake
+def _forward_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tensors: list[torch.Tensor],
+    ints: list[int],
+    floats: list[float],
+    structure: str,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, L, _ = q.shape
+    out = q.new_empty((B, H, L, v.shape[-1]))  # (B, H, L, Dv)
+    return out, q.new_empty((B, H, L), dtype=_lse_dtype(q))
+
+
+@torch.library.custom_op(
+    "attnkit::blocked_attention_backward",
+    mutates_args=(),
+    schema=(
+        "(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, "
+        f"{_SPEC_ARGS}) -> (Tensor, Tensor, Tensor)"
+    ),
+)
+def _backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    tensors: list[torch.Tensor],
+    ints: list[int],
+    floats: list[float],
+    structure: str,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dq, dk, dv`` in the dtypes of q, k, v, contiguous."""
+    spec = rebuild(tensors, ints, floats, structure)
+    plan = plan_blocks(q, k, v, spec)
+    dq, dk, dv = backward_from_lse(q, k, v, out, dout, lse, mask=spec, scale=scale, plan=plan)
+    return (
+        dq.to(q.dtype).contiguous(),
+        dk.to(k.dtype).contiguous(),
+        dv.to(v.dtype).contiguous(),
+    )
+
+
+@_backward.register_fake
+def _backward_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    tensors: list[torch.Tensor],
+    ints: list[int],
+    floats: list[float],
+    structure: str,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),
+    )
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
+    q, k, v, tensors, ints, floats, structure, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *tensors)
+    ctx.spec_args = (ints, floats, structure, scale)
+    ctx.mark_non_differentiable(lse)
+    # no gradient for the spec's arguments; torch wants a list of them for a list that holds
+    # only tensors (an empty one included)
+    ctx.no_grads = tuple(
+        [None] * len(x)
+        if isinstance(x, list) and all(isinstance(t, torch.Tensor) for t in x)
+        else None
+        for x in inputs[3:]
+    )
+
+
+def _autograd_backward(ctx: Any, dout: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
+    q, k, v, out, lse, *tensors = ctx.saved_tensors
+    ints, floats, structure, scale = ctx.spec_args
+    dq, dk, dv = torch.ops.attnkit.blocked_attention_backward(
+        q, k, v, out, dout, lse, tensors, ints, floats, structure, scale
+    )
+    return (dq, dk, dv, *ctx.no_grads)
+
+
+_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def run(call: AttentionCall) -> torch.Tensor:
+    """``out (B, H, L, Dv)`` of ``call`` through the op (what a compiled call runs)."""
+    flat = flatten(call.mask)
+    if isinstance(flat, str):  # check() refused it (unsupported)
+        raise TypeError(flat)
+    tensors, ints, floats, structure = flat
+    out, _ = torch.ops.attnkit.blocked_attention(
+        call.q, call.k, call.v, tensors, ints, floats, structure, call.scale
+    )
+    return out  # type: ignore[no-any-return]
