@@ -313,8 +313,6 @@ def hf_mask(
 
 _REFUSED = {
     # kwarg: (the model feature, what the model would lose)
-    "softcap": ("logit soft-capping (Gemma 2)", "scores = softcap * tanh(scores / softcap)"),
-    "s_aux": ("attention sinks (s_aux)", "one learned logit per head in each softmax"),
     "position_bias": ("a relative position bias (position_bias)", "a bias added to the scores"),
 }
 
@@ -380,8 +378,10 @@ def hf_attention(
         scaling: multiplies ``q @ k^T`` (default ``1 / sqrt(D)``).
         sliding_window: used only with no mask (the mask holds the window otherwise).
         **kwargs: ``output_attentions`` (else ``module.config.output_attentions``) asks for
-            the weights. ``softcap``, ``s_aux`` and ``position_bias`` raise
-            :class:`~attnkit.AttentionInputError`: attnkit does not compute them yet.
+            the weights; ``softcap`` (Gemma 2's logit soft-cap) and ``s_aux`` (gpt-oss's
+            attention sinks, ``(H,)``) go to :func:`attnkit.attention` as ``softcap`` and
+            ``sinks``. ``position_bias`` raises :class:`~attnkit.AttentionInputError`: attnkit
+            does not compute it yet.
 
     Returns:
         ``(output (B, L, H, D) contiguous, weights (B, H, L, S) or None)``.
@@ -391,6 +391,7 @@ def hf_attention(
     want = kwargs.get("output_attentions")
     if want is None:
         want = getattr(getattr(module, "config", None), "output_attentions", False)
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     weights = None
     if want:
         out, weights = attention(
@@ -402,9 +403,19 @@ def hf_attention(
             scale=scaling,
             dropout_p=dropout,
             return_weights=True,
+            softcap=softcap,
+            sinks=sinks,
         )
     else:
         out = attention(
-            query, key, value, mask=mask, causal=causal_flag, scale=scaling, dropout_p=dropout
+            query,
+            key,
+            value,
+            mask=mask,
+            causal=causal_flag,
+            scale=scaling,
+            dropout_p=dropout,
+            softcap=softcap,
+            sinks=sinks,
         )
     return out.transpose(1, 2).contiguous(), weights  # (B, L, H, D)
