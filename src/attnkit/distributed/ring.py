@@ -126,27 +126,22 @@ def _forward_pass(
 
 
 def _backward(
-    plan: RingPlan,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dout: torch.Tensor,
+    plan: RingPlan, saved: tuple[torch.Tensor, ...], dout: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """All passes: dq, dk, dv in the accumulation dtype."""
+    """All passes, from what the forward saved ``(q, k, v, out, lse)``: dq, dk, dv in the
+    accumulation dtype."""
+    q, k, v, out, lse = saved
     acc = acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # (B, H, Lq, Dk)
     if len(plan.kv_groups) == 1:
-        dk, dv = _backward_pass(plan, q, k, v, out, lse, dout, dq)
+        dk, dv = _backward_pass(plan, saved, dout, dq)
         return dq, dk, dv
     dk = torch.empty(k.shape, dtype=acc, device=k.device)  # (B, Hkv, Sk, Dk)
     dv = torch.empty(v.shape, dtype=acc, device=v.device)  # (B, Hkv, Sk, Dv)
     for part in range(len(plan.kv_groups)):
         sub, qh, kh = plan.for_pass(part)
-        dk_g, dv_g = _backward_pass(
-            sub, q[:, qh], k[:, kh], v[:, kh], out[:, qh], lse[:, qh], dout[:, qh], dq[:, qh]
-        )
+        group = (q[:, qh], k[:, kh], v[:, kh], out[:, qh], lse[:, qh])
+        dk_g, dv_g = _backward_pass(sub, group, dout[:, qh], dq[:, qh])
         dk[:, kh].copy_(dk_g)
         dv[:, kh].copy_(dv_g)
         del dk_g, dv_g
@@ -154,17 +149,11 @@ def _backward(
 
 
 def _backward_pass(
-    plan: RingPlan,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    dout: torch.Tensor,
-    dq: torch.Tensor,
+    plan: RingPlan, saved: tuple[torch.Tensor, ...], dout: torch.Tensor, dq: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One trip of one head group's K/V (and their gradients) around the ring; adds into
     ``dq`` and returns this rank's dk, dv of the group."""
+    q, k, v, out, lse = saved
     acc = acc_dtype(q.dtype)
     world = plan.world
     cur = (k.contiguous(), v.contiguous())
@@ -266,7 +255,7 @@ class _RingAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
-        dq, dk, dv = _backward(ctx.plan, q, k, v, out, lse, dout)  # type: ignore[attr-defined]
+        dq, dk, dv = _backward(ctx.plan, (q, k, v, out, lse), dout)  # type: ignore[attr-defined]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 

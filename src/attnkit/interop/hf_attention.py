@@ -391,31 +391,17 @@ def hf_attention(
     want = kwargs.get("output_attentions")
     if want is None:
         want = getattr(getattr(module, "config", None), "output_attentions", False)
-    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    common: dict[str, Any] = {
+        "mask": mask,
+        "causal": causal_flag,
+        "scale": scaling,
+        "dropout_p": dropout,
+        "softcap": kwargs.get("softcap"),
+        "sinks": kwargs.get("s_aux"),
+    }
     weights = None
     if want:
-        out, weights = attention(
-            query,
-            key,
-            value,
-            mask=mask,
-            causal=causal_flag,
-            scale=scaling,
-            dropout_p=dropout,
-            return_weights=True,
-            softcap=softcap,
-            sinks=sinks,
-        )
+        out, weights = attention(query, key, value, return_weights=True, **common)
     else:
-        out = attention(
-            query,
-            key,
-            value,
-            mask=mask,
-            causal=causal_flag,
-            scale=scaling,
-            dropout_p=dropout,
-            softcap=softcap,
-            sinks=sinks,
-        )
+        out = attention(query, key, value, **common)
     return out.transpose(1, 2).contiguous(), weights  # (B, L, H, D)

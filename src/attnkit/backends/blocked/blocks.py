@@ -197,4 +197,4 @@ def backward_from_lse(
         if p.band.serves and p.band.window is not None and fp32:
             return band.kernel().band_backward(q, k, v, out, dout, lse, p.band.window, float(scale))  # type: ignore[no-any-return]
         tile_plan = p.tiles(q, k, v, backward=True)
-        return tiles.backward(tile_plan, q, k, v, out, dout, lse, scale, p.softcap)
+        return tiles.backward(tile_plan, (q, k, v, out, lse), dout, scale, p.softcap)

@@ -332,15 +332,14 @@ def _add_keys(
 
 def backward(
     plan: Plan,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
+    saved: tuple[torch.Tensor, ...],
     dout: torch.Tensor,
-    lse: torch.Tensor,
     scale: float,
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (accumulation dtype) of ``plan`` from what the forward saved, ``(q, k, v,
+    out, lse)`` with the *final* out and lse, and the output gradient ``dout``."""
+    q, k, v, out, lse = saved
     B, H, L, Dk = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     acc = acc_dtype(q.dtype)
