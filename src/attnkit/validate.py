@@ -5,8 +5,9 @@ Dk query/key head dim, Dv value head dim, E model width.
 
 Every check raises :class:`~attnkit.errors.AttentionInputError` with the argument's name, the
 shapes it got (with dim names), what was expected and the likely fix. Checks that look at tensor
-*values* (the inverted-causal-mask warning) are skipped while ``torch.compile`` traces, so that a
-compiled model has no data-dependent branches; shape and dtype checks always run.
+*values* (``+inf`` or NaN in a float mask, the inverted-causal-mask warning) are skipped while
+``torch.compile`` traces, so that a compiled model has no data-dependent branches, and on the
+``meta`` device (no values); shape and dtype checks always run.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import torch
 from attnkit.call import AttentionCall, Dims
 from attnkit.errors import AttentionInputError, shape_str, warn_user
 from attnkit.masks import MaskSpec, as_spec
+from attnkit.memory import AttentionMemoryError, refuse
 
-__all__ = ["make_call", "mask_dims_str"]
+__all__ = ["make_call", "mask_dims_str", "too_big_error"]
 
 Q_DIMS = ("B", "H", "L", "Dk")
 K_DIMS = ("B", "Hkv", "S", "Dk")
@@ -230,7 +232,7 @@ def make_call(
         q,
         k,
         v,
-        as_spec(mask, causal, L=dims.L, S=dims.S),
+        as_spec(mask, causal, L=dims.L, S=dims.S, where=where),
         float(scale) if scale is not None else 1.0 / math.sqrt(dims.Dk),
         float(dropout_p),
         return_weights,
@@ -257,6 +259,19 @@ def _validate_spec(mask: MaskSpec, q: torch.Tensor, dims: Dims, where: str) -> N
             got=f"mask={mask!r}  q (B={dims.B}, H={dims.H}, L={dims.L}, Dk={dims.Dk})",
             expected=f"a spec for {dims.H} heads",
             fix="build it with the model's number of query heads",
+        )
+    if mask.length is not None and mask.length != dims.S:
+        fix = "build it from a tensor with one entry per key, S of them"
+        if mask.length == dims.L:
+            fix = f"its tensor has one entry per query (L={dims.L}); it needs one per key"
+        raise AttentionInputError(
+            where,
+            "mask",
+            f"the mask spec {mask!r} is built for {mask.length} keys but k has S={dims.S}.",
+            got=f"mask={mask!r} (length {mask.length})  k (B={dims.B}, Hkv={dims.Hkv}, "
+            f"S={dims.S}, Dk={dims.Dk})",
+            expected=f"document ids / key_mask keep with one entry per key: {dims.S}",
+            fix=fix + " (with a KV cache, S counts the cached keys too)",
         )
     device = mask.device
     if device is not None and device != q.device:
@@ -329,9 +344,37 @@ def _validate_mask(mask: object, q: torch.Tensor, dims: Dims, where: str) -> Non
             expected="each mask dim equal to the target's or 1, at most 4 dims",
             fix=fix,
         )
-    square = mask.dim() >= 2 and mask.shape[-2] == mask.shape[-1] == dims.L > 1
-    if square and not torch.compiler.is_compiling():
+    if not _can_read_values(mask):
+        return
+    if mask.is_floating_point():
+        _check_mask_values(mask, where)
+    if mask.dim() >= 2 and mask.shape[-2] == mask.shape[-1] == dims.L > 1:
         _warn_if_inverted_causal(mask)
+
+
+def _can_read_values(t: torch.Tensor) -> bool:
+    """Value checks run outside ``torch.compile``'s tracing, on tensors that hold values."""
+    return not torch.compiler.is_compiling() and t.device.type != "meta"
+
+
+def _check_mask_values(mask: torch.Tensor, where: str) -> None:
+    """A float mask is added to the scores: ``+inf`` or NaN there make the whole row NaN."""
+    bad = ~(mask < math.inf)  # +inf and NaN (NaN compares False)
+    if not bool(bad.any()):
+        return
+    n_inf = int((mask == math.inf).sum())
+    n_nan = int(mask.isnan().sum())
+    found = " and ".join(f"{n} {name}" for n, name in ((n_inf, "+inf"), (n_nan, "NaN")) if n)
+    raise AttentionInputError(
+        where,
+        "mask",
+        f"the float `mask` holds {found}: those are not mask values (added to the scores, "
+        "they make the whole query row NaN).",
+        got=f"{mask_dims_str(mask)} dtype={mask.dtype}: {found}",
+        expected="0 where a key is allowed, -inf where it is blocked (finite values add a bias)",
+        fix="mask.masked_fill(mask == float('inf'), float('-inf')) if +inf meant blocked; "
+        "mask.nan_to_num(nan=0.0) if NaN meant allowed; or a bool mask (True = may attend)",
+    )
 
 
 def _warn_if_inverted_causal(mask: torch.Tensor) -> None:
@@ -353,3 +396,36 @@ def _warn_if_inverted_causal(mask: torch.Tensor) -> None:
             "instead of a mask, or invert it with ~mask (a mask built as "
             "ones(L, L).triu(1).bool() marks the positions to *block*)."
         )
+
+
+def too_big_error(
+    where: str, call: AttentionCall, backend: str, nbytes: int, what: str, limit: int
+) -> AttentionMemoryError:
+    """The error of a call whose backend would allocate ``nbytes`` of L x S memory above
+    ``limit``, with the ways to a backend that never does (``blocked``)."""
+    ways = []
+    if call.return_weights:
+        ways.append("return_weights=False (only math forms the (B, H, L, S) weights)")
+    if call.dropout_p > 0.0:
+        ways.append("dropout_p=0.0")
+    if call.mask_needs_grad:
+        ways.append("a float mask that needs no gradient")
+    if ways:
+        fix = f"{'; '.join(ways)}: then the blocked backend runs it"
+    else:
+        fix = "backend='blocked' runs it"
+    fix += (
+        " without L x S tensors (a mask spec from attnkit.masks, block by block); or fewer "
+        "queries per call (a smaller L)"
+    )
+    d = call.dims
+    return refuse(
+        where,
+        "return_weights" if call.return_weights and backend == "math" else "backend",
+        what,
+        nbytes,
+        limit,
+        got=f"q (B={d.B}, H={d.H}, L={d.L}, Dk={d.Dk})  k (Hkv={d.Hkv}, S={d.S})  "
+        f"{call.q.dtype} on {call.q.device}; backend {backend!r}",
+        fix=fix,
+    )

@@ -54,6 +54,13 @@ class SdpaBackend(Backend):
         )
         return out, None
 
+    def dense_allocation(self, call: AttentionCall) -> tuple[int, str] | None:
+        """A mask spec (other than causal with ``L == S``) is materialised for torch."""
+        nbytes = 0 if (call.causal and call.dims.L == call.dims.S) else call.dense_mask_bytes()
+        if not nbytes:
+            return None
+        return nbytes, f"materialising the mask spec {call.mask!r} for torch's fused kernel"
+
     def check(self, call: AttentionCall) -> str | None:
         q, k, v = call.q, call.k, call.v
         if call.return_weights:

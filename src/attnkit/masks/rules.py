@@ -83,11 +83,28 @@ def _check_shape(
         )
 
 
+def _check_not_negative(call: str, argument: str, t: torch.Tensor, meaning: str) -> None:
+    """Refuse negative entries (a value check: skipped while torch.compile traces)."""
+    if torch.compiler.is_compiling() or t.device.type == "meta" or not bool((t < 0).any()):
+        return
+    bad = t[t < 0].tolist()[:5]
+    spec_error(
+        call,
+        argument,
+        f"`{argument}` holds negative values {bad}; {meaning}.",
+        got=f"{argument}={t.tolist() if t.numel() <= 16 else tuple(t.shape)}",
+        expected=f"{argument} >= 0 (0: {'none' if argument != 'prefix_len' else 'plain causal'})",
+        fix=f"{argument}.clamp(min=0) if negative meant empty",
+    )
+
+
 def _bool_at(table: torch.Tensor, b: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return table[b, idx.clamp(0, table.shape[-1] - 1)]
 
 
 class _Causal(MaskSpec):
+    scratch_bytes = 0
+
     def key(self) -> Hashable:
         return ("causal",)
 
@@ -132,9 +149,12 @@ class _Window(MaskSpec):
 class _Padding(MaskSpec):
     """Keys at or beyond each sequence's length are padding; optionally query rows too."""
 
+    scratch_bytes = 0
+
     def __init__(self, lengths: torch.Tensor, q_lengths: torch.Tensor | None) -> None:
         self.lengths = _int_tensor("padding", "lengths", lengths, "(B,)")
         _check_shape("padding", "lengths", lengths, (1,), "(B,)")
+        _check_not_negative("padding", "lengths", lengths, "a length counts real keys")
         self.q_lengths = None
         if q_lengths is not None:
             self.q_lengths = _int_tensor("padding", "q_lengths", q_lengths, "(B,)")
@@ -147,6 +167,7 @@ class _Padding(MaskSpec):
                     expected="both (B,)",
                     fix="one key length and one query length per sequence",
                 )
+            _check_not_negative("padding", "q_lengths", q_lengths, "a length counts real queries")
         self.batch = lengths.shape[0]
 
     def key(self) -> Hashable:
@@ -177,6 +198,8 @@ class _Padding(MaskSpec):
 
 class _KeyMask(MaskSpec):
     """Keys allowed per sequence, from a bool ``(B, S)`` tensor (True = a real key)."""
+
+    scratch_bytes = 0
 
     def __init__(self, keep: torch.Tensor) -> None:
         if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or keep.dim() != 2:
@@ -221,6 +244,8 @@ class _KeyMask(MaskSpec):
 
 class _Document(MaskSpec):
     """Packed sequences: a query sees only keys of its own document."""
+
+    scratch_bytes = 1
 
     def __init__(self, ids: torch.Tensor) -> None:
         ids = _int_tensor("document", "ids", ids, "(S,) or (B, S)")
@@ -268,12 +293,15 @@ class _Document(MaskSpec):
 class _PrefixKeys(MaskSpec):
     """Keys before ``prefix_len`` (per sequence when a tensor) are visible to every query."""
 
+    scratch_bytes = 0
+
     def __init__(self, prefix_len: int | torch.Tensor) -> None:
         if isinstance(prefix_len, torch.Tensor):
             self.prefix: int | torch.Tensor = _int_tensor(
                 "prefix_lm", "prefix_len", prefix_len, "(B,)"
             )
             _check_shape("prefix_lm", "prefix_len", prefix_len, (1,), "(B,)")
+            _check_not_negative("prefix_lm", "prefix_len", prefix_len, "it counts prompt keys")
             self.batch = prefix_len.shape[0]
         elif isinstance(prefix_len, bool) or not isinstance(prefix_len, int) or prefix_len < 0:
             spec_error(
@@ -345,7 +373,8 @@ def padding(lengths: torch.Tensor, q_lengths: torch.Tensor | None = None) -> Mas
     """Sequence ``b`` has ``lengths[b]`` real keys; the rest are padding.
 
     ``q_lengths`` also marks query rows at or beyond ``q_lengths[b]`` as padding: they see
-    nothing, so their output is 0.
+    nothing, so their output is 0. Lengths beyond ``S`` (or ``L``) mean every key (query) is
+    real; negative lengths are refused.
     """
     return _Padding(lengths, q_lengths)
 

@@ -19,6 +19,8 @@ class _SequenceCausal(MaskSpec):
     """The end-aligned causal rule per sequence: the last of the ``new`` queries of sequence
     ``b`` stands at its last cached key, ``lengths[b] - 1``; keys past it are not seen."""
 
+    scratch_bytes = 0
+
     def __init__(self, lengths: torch.Tensor, new: int) -> None:
         self.lengths = lengths  # (B,)
         self.new = new
