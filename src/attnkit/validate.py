@@ -21,7 +21,7 @@ from attnkit.errors import AttentionInputError, shape_str, warn_user
 from attnkit.masks import MaskSpec, as_spec
 from attnkit.memory import AttentionMemoryError, refuse
 
-__all__ = ["make_call", "mask_dims_str", "too_big_error"]
+__all__ = ["check_mask_values", "make_call", "mask_dims_str", "too_big_error"]
 
 Q_DIMS = ("B", "H", "L", "Dk")
 K_DIMS = ("B", "Hkv", "S", "Dk")
@@ -346,8 +346,7 @@ def _validate_mask(mask: object, q: torch.Tensor, dims: Dims, where: str) -> Non
         )
     if not _can_read_values(mask):
         return
-    if mask.is_floating_point():
-        _check_mask_values(mask, where)
+    check_mask_values(mask, where)
     if mask.dim() >= 2 and mask.shape[-2] == mask.shape[-1] == dims.L > 1:
         _warn_if_inverted_causal(mask)
 
@@ -357,8 +356,14 @@ def _can_read_values(t: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling() and t.device.type != "meta"
 
 
-def _check_mask_values(mask: torch.Tensor, where: str) -> None:
-    """A float mask is added to the scores: ``+inf`` or NaN there make the whole row NaN."""
+def check_mask_values(
+    mask: torch.Tensor, where: str, name: str = "mask", shape: str | None = None
+) -> None:
+    """A float mask is added to the scores: ``+inf`` or NaN there make the whole row NaN, so
+    they are refused (``name`` is the argument, ``shape`` its shape with dim names). A value
+    check: skipped while ``torch.compile`` traces and on the ``meta`` device."""
+    if not mask.is_floating_point() or not _can_read_values(mask):
+        return
     bad = ~(mask < math.inf)  # +inf and NaN (NaN compares False)
     if not bool(bad.any()):
         return
@@ -367,13 +372,13 @@ def _check_mask_values(mask: torch.Tensor, where: str) -> None:
     found = " and ".join(f"{n} {name}" for n, name in ((n_inf, "+inf"), (n_nan, "NaN")) if n)
     raise AttentionInputError(
         where,
-        "mask",
-        f"the float `mask` holds {found}: those are not mask values (added to the scores, "
+        name,
+        f"the float `{name}` holds {found}: those are not mask values (added to the scores, "
         "they make the whole query row NaN).",
-        got=f"{mask_dims_str(mask)} dtype={mask.dtype}: {found}",
+        got=f"{shape or mask_dims_str(mask)} dtype={mask.dtype}: {found}",
         expected="0 where a key is allowed, -inf where it is blocked (finite values add a bias)",
-        fix="mask.masked_fill(mask == float('inf'), float('-inf')) if +inf meant blocked; "
-        "mask.nan_to_num(nan=0.0) if NaN meant allowed; or a bool mask (True = may attend)",
+        fix=f"{name}.masked_fill({name} == float('inf'), float('-inf')) if +inf meant blocked; "
+        f"{name}.nan_to_num(nan=0.0) if NaN meant allowed; or a bool mask",
     )
 
 
@@ -405,7 +410,10 @@ def too_big_error(
     ``limit``, with the ways to a backend that never does (``blocked``)."""
     ways = []
     if call.return_weights:
-        ways.append("return_weights=False (only math forms the (B, H, L, S) weights)")
+        ways.append(
+            "no weights: return_weights=False (need_weights=False in the modules; only math "
+            "forms the (B, H, L, S) weights)"
+        )
     if call.dropout_p > 0.0:
         ways.append("dropout_p=0.0")
     if call.mask_needs_grad:

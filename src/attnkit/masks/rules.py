@@ -10,7 +10,7 @@ from collections.abc import Hashable
 
 import torch
 
-from attnkit.masks.spec import MaskSpec, _Or, spec_error, tensor_key
+from attnkit.masks.spec import MaskSpec, _Or, spec_error, tensor_key, values_str
 
 __all__ = [
     "causal",
@@ -92,7 +92,7 @@ def _check_not_negative(call: str, argument: str, t: torch.Tensor, meaning: str)
         call,
         argument,
         f"`{argument}` holds negative values {bad}; {meaning}.",
-        got=f"{argument}={t.tolist() if t.numel() <= 16 else tuple(t.shape)}",
+        got=f"{argument}={values_str(t)}",
         expected=f"{argument} >= 0 (0: {'none' if argument != 'prefix_len' else 'plain causal'})",
         fix=f"{argument}.clamp(min=0) if negative meant empty",
     )
@@ -192,8 +192,8 @@ class _Padding(MaskSpec):
         return any_, all_
 
     def __repr__(self) -> str:
-        extra = "" if self.q_lengths is None else f", q_lengths={self.q_lengths.tolist()}"
-        return f"padding({self.lengths.tolist()}{extra})"
+        extra = "" if self.q_lengths is None else f", q_lengths={values_str(self.q_lengths)}"
+        return f"padding({values_str(self.lengths)}{extra})"
 
 
 class _KeyMask(MaskSpec):
@@ -331,7 +331,7 @@ class _PrefixKeys(MaskSpec):
         return k_lo < n, k_hi < n
 
     def __repr__(self) -> str:
-        n = self.prefix.tolist() if isinstance(self.prefix, torch.Tensor) else self.prefix
+        n = values_str(self.prefix) if isinstance(self.prefix, torch.Tensor) else self.prefix
         return f"prefix_keys({n})"
 
 

@@ -10,7 +10,7 @@ from collections.abc import Hashable
 
 import torch
 
-from attnkit.masks.spec import MaskSpec, tensor_key
+from attnkit.masks.spec import MaskSpec, tensor_key, values_str
 
 __all__ = ["sequence_causal"]
 
@@ -40,7 +40,7 @@ class _SequenceCausal(MaskSpec):
         return k_lo <= q_hi + start, k_hi <= q_lo + start
 
     def __repr__(self) -> str:
-        return f"sequence_causal(lengths={self.lengths.tolist()}, new={self.new})"
+        return f"sequence_causal(lengths={values_str(self.lengths)}, new={self.new})"
 
 
 def sequence_causal(lengths: torch.Tensor, new: int) -> MaskSpec:

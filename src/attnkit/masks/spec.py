@@ -21,7 +21,16 @@ import torch
 from attnkit.errors import AttentionInputError
 from attnkit.memory import exceeds, refuse
 
-__all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMap", "MaskSpec", "block_states", "tensor_key"]
+__all__ = [
+    "EMPTY",
+    "FULL",
+    "PARTIAL",
+    "BlockMap",
+    "MaskSpec",
+    "block_states",
+    "tensor_key",
+    "values_str",
+]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -35,6 +44,14 @@ def spec_error(
     raise AttentionInputError(
         f"{WHERE}.{call}", argument, problem, got=got, expected=expected, fix=fix
     )
+
+
+def values_str(t: torch.Tensor) -> str:
+    """A spec tensor's values for its repr: the list, or its shape where it holds no values
+    (``meta``) or too many to read."""
+    if t.device.type == "meta" or t.numel() > 64:
+        return f"<{tuple(t.shape)} on {t.device.type}>"
+    return str(t.tolist())
 
 
 def tensor_key(t: torch.Tensor) -> Hashable:

@@ -137,7 +137,9 @@ class _Attention(nn.Module):
 
     def _check_input(self, name: str, x: object, width: int, width_name: str) -> torch.Tensor:
         w = self.q_proj.weight
-        return check_input(self._where, name, x, width, width_name, self.batch_first, w.dtype)
+        return check_input(
+            self._where, name, x, width, width_name, self.batch_first, w.dtype, w.device
+        )
 
     def _attend(
         self,
