@@ -52,7 +52,8 @@ def no_dense(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _parts(exc: AttentionMemoryError) -> tuple[str, str, str, str]:
     lines = str(exc).splitlines()
-    assert lines[1].startswith("  got:      ") and lines[2].startswith("  expected: ")
+    assert lines[1].startswith("  got:      ")
+    assert lines[2].startswith("  expected: ")
     assert lines[3].startswith("  fix:      ")
     return lines[0], lines[1], lines[2], lines[3]
 
@@ -67,7 +68,8 @@ def test_weights_above_the_limit_raise_before_anything_runs(
     exc = info.value
     assert isinstance(exc, AttentionInputError)
     assert exc.argument == "return_weights"
-    assert exc.nbytes == 3 * 4 * 1024 * 1024 * 4 and exc.limit == MiB
+    assert exc.nbytes == 3 * 4 * 1024 * 1024 * 4
+    assert exc.limit == MiB
     problem, got, expected, fix = _parts(exc)
     assert problem.startswith("attnkit.attention: the math backend's scores and weights ")
     assert "(B=1, H=4, L=1024, S=1024) in torch.float32" in problem
@@ -99,7 +101,8 @@ def test_a_spec_above_the_limit_goes_to_blocked(set_limit: SetLimit, no_dense: N
     assert e.chosen == "blocked"
     for name in ("sdpa", "math"):
         reason = e.verdicts[name]
-        assert reason is not None and "above attnkit's memory limit of 0.000977 GiB" in reason
+        assert reason is not None
+        assert "above attnkit's memory limit of 0.000977 GiB" in reason
     assert "materialising the mask spec causal() & sliding_window(8)" in str(e.verdicts["sdpa"])
     out = attnkit.attention(q, q, q, mask=spec)
     dense = (torch.arange(1024)[:, None] - torch.arange(1024)[None, :]).clamp(min=-1) < 8
@@ -217,7 +220,9 @@ def test_meta_tensors_allocate_nothing_and_are_never_refused(set_limit: SetLimit
     set_limit(1)
     q = torch.randn(1, 2, 4096, 8, device="meta")
     out, w = attnkit.attention(q, q, q, return_weights=True)
-    assert out.device.type == "meta" and w is not None and w.shape == (1, 2, 4096, 4096)
+    assert out.device.type == "meta"
+    assert w is not None
+    assert w.shape == (1, 2, 4096, 4096)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1G"])

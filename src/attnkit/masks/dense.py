@@ -32,7 +32,8 @@ class DenseMask(MaskSpec):
     def __init__(self, mask: torch.Tensor) -> None:
         # as the user gave it, dense backends take it unchanged; a 0-D or 1-D mask (it
         # broadcasts) is viewed as (1, S) or (1, 1), as torch's fused kernels need 2 dims
-        self.tensor = mask if mask.dim() >= 2 else mask.reshape((1,) * (2 - mask.dim()) + mask.shape)
+        lead = (1,) * (2 - mask.dim())
+        self.tensor = mask if mask.dim() >= 2 else mask.reshape(lead + tuple(mask.shape))
         m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (B', H', L', S')
         self.m = m
         self.ok = m if m.dtype == torch.bool else m != -math.inf
