@@ -356,12 +356,10 @@ def _can_read_values(t: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling() and t.device.type != "meta"
 
 
-def check_mask_values(
-    mask: torch.Tensor, where: str, name: str = "mask", shape: str | None = None
-) -> None:
+def check_mask_values(mask: torch.Tensor, where: str, name: str = "mask") -> None:
     """A float mask is added to the scores: ``+inf`` or NaN there make the whole row NaN, so
-    they are refused (``name`` is the argument, ``shape`` its shape with dim names). A value
-    check: skipped while ``torch.compile`` traces and on the ``meta`` device."""
+    they are refused (``name`` is the argument). A value check: skipped while
+    ``torch.compile`` traces and on the ``meta`` device."""
     if not mask.is_floating_point() or not _can_read_values(mask):
         return
     bad = ~(mask < math.inf)  # +inf and NaN (NaN compares False)
@@ -375,7 +373,8 @@ def check_mask_values(
         name,
         f"the float `{name}` holds {found}: those are not mask values (added to the scores, "
         "they make the whole query row NaN).",
-        got=f"{shape or mask_dims_str(mask)} dtype={mask.dtype}: {found}",
+        got=f"{mask_dims_str(mask) if name == 'mask' else shape_str(name, mask, None)} "
+        f"dtype={mask.dtype}: {found}",
         expected="0 where a key is allowed, -inf where it is blocked (finite values add a bias)",
         fix=f"{name}.masked_fill({name} == float('inf'), float('-inf')) if +inf meant blocked; "
         f"{name}.nan_to_num(nan=0.0) if NaN meant allowed; or a bool mask",

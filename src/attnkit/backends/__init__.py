@@ -49,6 +49,8 @@ Adding a backend is one file: subclass :class:`Backend`, register an instance::
 
 from __future__ import annotations
 
+import torch
+
 from attnkit.backends.base import Backend
 from attnkit.call import AttentionCall
 from attnkit.errors import AttentionInputError
@@ -166,7 +168,10 @@ def choose(call: AttentionCall, backend: str, where: str) -> Backend:
 
 def over_limit(backend: Backend, call: AttentionCall) -> tuple[tuple[int, str], int] | None:
     """``((bytes, what), limit)`` when ``backend``'s L x S memory for ``call`` is above
-    attnkit's memory limit (:mod:`attnkit.memory`), else ``None``."""
+    attnkit's memory limit (:mod:`attnkit.memory`), else ``None`` (always while
+    ``torch.compile`` traces: the guard reads the free memory, which a graph cannot)."""
+    if torch.compiler.is_compiling():
+        return None
     need = backend.dense_allocation(call)
     limit = None if need is None else exceeds(need[0], call.q.device)
     return None if need is None or limit is None else (need, limit)
