@@ -303,3 +303,18 @@ def test_the_value_check_is_skipped_while_compiling(monkeypatch: pytest.MonkeyPa
     assert not out[:, :, 0].isnan().any()
     with pytest.raises(AttentionInputError, match="does not broadcast"):
         attend(torch.zeros(S, L, dtype=torch.float64))
+
+
+def test_a_key_shard_is_checked_against_the_whole_sequence() -> None:
+    """Ring attention validates its shard of the keys against a spec over every shard."""
+    from attnkit.validate import make_call
+
+    q, k, v = qkv()
+    whole = masks.document(torch.zeros(2 * S, dtype=torch.long))
+    assert make_call(q, k, v, whole, False, None, 0.0, key_shards=2).mask is whole
+    with pytest.raises(AttentionInputError) as info:
+        make_call(q, k, v, whole, False, None, 0.0, key_shards=3)
+    assert info.value.problem == (
+        f"the mask spec document(<ids (1, 14)>) is built for 14 keys but k has S=21 "
+        f"(3 shards of {S} keys)."
+    )

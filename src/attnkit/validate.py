@@ -77,12 +77,15 @@ def make_call(
     *,
     where: str = WHERE,
     explaining: bool = False,
+    key_shards: int = 1,
 ) -> AttentionCall:
     """Check one attention call and build it: the one door into the backends.
 
     Folds the ``causal`` flag and the mask into one spec (:func:`attnkit.masks.as_spec`) and
     fixes the scale. ``explaining=True`` marks a call of :func:`attnkit.explain` (nothing runs).
-    Raises :class:`AttentionInputError` for bad input.
+    ``key_shards``: ``k`` is one of that many equal shards of the keys, and a mask spec spans
+    all of them (ring attention validates its shard). Raises :class:`AttentionInputError` for
+    bad input.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, where)
@@ -183,7 +186,7 @@ def make_call(
         )
     dims = Dims(B, H, Hkv, L, S, Dk, Dv)
     if mask is not None:
-        _validate_mask(mask, q, dims, where)
+        _validate_mask(mask, q, dims, where, key_shards)
     if not isinstance(causal, bool):
         raise AttentionInputError(
             where,
@@ -241,7 +244,9 @@ def make_call(
     )
 
 
-def _validate_spec(mask: MaskSpec, q: torch.Tensor, dims: Dims, where: str) -> None:
+def _validate_spec(
+    mask: MaskSpec, q: torch.Tensor, dims: Dims, where: str, key_shards: int = 1
+) -> None:
     if mask.batch is not None and mask.batch != dims.B:
         raise AttentionInputError(
             where,
@@ -260,17 +265,19 @@ def _validate_spec(mask: MaskSpec, q: torch.Tensor, dims: Dims, where: str) -> N
             expected=f"a spec for {dims.H} heads",
             fix="build it with the model's number of query heads",
         )
-    if mask.length is not None and mask.length != dims.S:
+    S = dims.S * key_shards  # the whole sequence's keys
+    if mask.length is not None and mask.length != S:
         fix = "build it from a tensor with one entry per key, S of them"
-        if mask.length == dims.L:
+        if mask.length == dims.L * key_shards:
             fix = f"its tensor has one entry per query (L={dims.L}); it needs one per key"
+        shards = "" if key_shards == 1 else f" ({key_shards} shards of {dims.S} keys)"
         raise AttentionInputError(
             where,
             "mask",
-            f"the mask spec {mask!r} is built for {mask.length} keys but k has S={dims.S}.",
+            f"the mask spec {mask!r} is built for {mask.length} keys but k has S={S}{shards}.",
             got=f"mask={mask!r} (length {mask.length})  k (B={dims.B}, Hkv={dims.Hkv}, "
             f"S={dims.S}, Dk={dims.Dk})",
-            expected=f"document ids / key_mask keep with one entry per key: {dims.S}",
+            expected=f"document ids / key_mask keep with one entry per key: {S}",
             fix=fix + " (with a KV cache, S counts the cached keys too)",
         )
     device = mask.device
@@ -285,9 +292,11 @@ def _validate_spec(mask: MaskSpec, q: torch.Tensor, dims: Dims, where: str) -> N
         )
 
 
-def _validate_mask(mask: object, q: torch.Tensor, dims: Dims, where: str) -> None:
+def _validate_mask(
+    mask: object, q: torch.Tensor, dims: Dims, where: str, key_shards: int = 1
+) -> None:
     if isinstance(mask, MaskSpec):
-        _validate_spec(mask, q, dims, where)
+        _validate_spec(mask, q, dims, where, key_shards)
         return
     if not isinstance(mask, torch.Tensor):
         raise AttentionInputError(
