@@ -435,6 +435,8 @@ def too_big_error(
         "queries per call (a smaller L)"
     )
     d = call.dims
+    spec = call.mask
+    mask = "" if spec is None or spec.from_tensor else f"  mask={spec!r}"
     return refuse(
         where,
         "return_weights" if call.return_weights and backend == "math" else "backend",
@@ -442,6 +444,6 @@ def too_big_error(
         nbytes,
         limit,
         got=f"q (B={d.B}, H={d.H}, L={d.L}, Dk={d.Dk})  k (Hkv={d.Hkv}, S={d.S})  "
-        f"{call.q.dtype} on {call.q.device}; backend {backend!r}",
+        f"{call.q.dtype} on {call.q.device}; backend {backend!r}{mask}",
         fix=fix,
     )
