@@ -165,7 +165,7 @@ def test_to_dense_refuses_above_the_limit(set_limit: SetLimit) -> None:
     problem, got, _, fix = _parts(info.value)
     assert problem.startswith(
         "attnkit.masks.to_dense: materialising the mask spec causal() & sliding_window(8) as "
-        "a (1, 1, 2048, 2048) torch.bool tensor would take 0.0742 GiB"
+        "a (1, 1, 2048, 2048) bool tensor would take 0.0742 GiB"
     )
     assert "L=2048  S=2048  on cpu" in got
     assert "attention(..., backend='blocked')" in fix

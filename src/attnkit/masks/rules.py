@@ -10,7 +10,7 @@ from collections.abc import Hashable
 
 import torch
 
-from attnkit.masks.spec import MaskSpec, _Or, spec_error, tensor_key, values_str
+from attnkit.masks.spec import MaskSpec, _Or, spec_error, tensor_key
 
 __all__ = [
     "causal",
@@ -46,6 +46,14 @@ def causal_mask(L: int, S: int, *, device: torch.device | str | None = None) -> 
             [1, 1, 1, 1]], dtype=torch.int32)
     """
     return torch.ones(L, S, dtype=torch.bool, device=device).tril(S - L)
+
+
+def values_str(t: torch.Tensor) -> str:
+    """A spec tensor's values for its repr: the list, or its shape where it holds no values
+    (``meta``) or too many to read."""
+    if t.device.type == "meta" or t.numel() > 64:
+        return f"<{tuple(t.shape)} on {t.device.type}>"
+    return str(t.tolist())
 
 
 def _int_tensor(call: str, argument: str, t: object, shapes: str) -> torch.Tensor:

@@ -10,7 +10,8 @@ from collections.abc import Hashable
 
 import torch
 
-from attnkit.masks.spec import MaskSpec, tensor_key, values_str
+from attnkit.masks.rules import values_str
+from attnkit.masks.spec import MaskSpec, tensor_key
 
 __all__ = ["sequence_causal"]
 

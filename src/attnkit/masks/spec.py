@@ -21,16 +21,7 @@ import torch
 from attnkit.errors import AttentionInputError
 from attnkit.memory import exceeds, refuse
 
-__all__ = [
-    "EMPTY",
-    "FULL",
-    "PARTIAL",
-    "BlockMap",
-    "MaskSpec",
-    "block_states",
-    "tensor_key",
-    "values_str",
-]
+__all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMap", "MaskSpec", "block_states", "tensor_key"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -44,14 +35,6 @@ def spec_error(
     raise AttentionInputError(
         f"{WHERE}.{call}", argument, problem, got=got, expected=expected, fix=fix
     )
-
-
-def values_str(t: torch.Tensor) -> str:
-    """A spec tensor's values for its repr: the list, or its shape where it holds no values
-    (``meta``) or too many to read."""
-    if t.device.type == "meta" or t.numel() > 64:
-        return f"<{tuple(t.shape)} on {t.device.type}>"
-    return str(t.tolist())
 
 
 def tensor_key(t: torch.Tensor) -> Hashable:
@@ -189,9 +172,7 @@ class MaskSpec:
 
     def dense_bytes(self, L: int, S: int, dtype: torch.dtype = torch.float32) -> int:
         """The bytes :meth:`to_dense` allocates at most: the mask ``(B', H', L, S)`` (bool, or
-        ``dtype`` with a score bias) and the index arithmetic of its predicate
-        (:attr:`scratch_bytes` per pair). A mask tensor (:class:`~attnkit.masks.DenseMask`)
-        allocates nothing.
+        ``dtype`` with a bias) and its predicate's index arithmetic (:attr:`scratch_bytes`).
 
         >>> from attnkit.masks import causal, sliding_window
         >>> causal().dense_bytes(1000, 1000), (causal() & sliding_window(8)).dense_bytes(10, 10)
@@ -202,9 +183,8 @@ class MaskSpec:
         return B * H * L * S * (item + self.scratch_bytes)
 
     def check_dense(self, L: int, S: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Refuse to materialise this spec for ``S`` keys when it is built for another key
-        length, or when it would take more than attnkit's memory limit
-        (:mod:`attnkit.memory`); raises before anything is allocated."""
+        """Refuse, before allocating, to materialise this spec for another key length than
+        its own, or above attnkit's memory limit (:mod:`attnkit.memory`)."""
         if self.length is not None and self.length != S:
             spec_error(
                 "to_dense",
@@ -214,15 +194,16 @@ class MaskSpec:
                 expected=f"S == {self.length}, the length of the spec's tensor",
                 fix="build the spec from a tensor of one entry per key",
             )
-        nbytes = self.dense_bytes(L, S, dtype)
-        limit = exceeds(nbytes, device)
+        limit = exceeds(nbytes := self.dense_bytes(L, S, dtype), device)
         if limit is not None:
-            B, H = self.batch or 1, self.heads or 1
-            kind = dtype if self.has_bias else torch.bool
+            shape, kind = (
+                (self.batch or 1, self.heads or 1, L, S),
+                dtype if self.has_bias else "bool",
+            )
             raise refuse(
                 f"{WHERE}.to_dense",
                 "mask",
-                f"materialising the mask spec {self!r} as a ({B}, {H}, {L}, {S}) {kind} tensor",
+                f"materialising the mask spec {self!r} as a {shape} {kind} tensor",
                 nbytes,
                 limit,
                 got=f"spec {self!r}  L={L}  S={S}  on {device}",
