@@ -376,7 +376,7 @@ def check_mask_values(mask: torch.Tensor, where: str, name: str = "mask") -> Non
         return
     n_inf = int((mask == math.inf).sum())
     n_nan = int(mask.isnan().sum())
-    found = " and ".join(f"{n} {name}" for n, name in ((n_inf, "+inf"), (n_nan, "NaN")) if n)
+    found = " and ".join(f"{n} {kind}" for n, kind in ((n_inf, "+inf"), (n_nan, "NaN")) if n)
     raise AttentionInputError(
         where,
         name,
