@@ -229,11 +229,17 @@ def test_a_per_head_mask_that_blocks_one_head_entirely(backend: str) -> None:
         assert torch.allclose(g, r, atol=1e-12)
 
 
-def test_explain_never_materialises_a_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_explain_never_materialises_a_spec(
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
     """At L = S = 65536 a dense mask would be 4 GiB: explain shows the dense-mask backends a
-    zero-stride stand-in with the mask's shape and dtype, and their verdicts stay the same."""
+    zero-stride stand-in with the mask's shape and dtype, and their verdicts stay the same
+    (under an ample memory limit: the verdicts here are the backends' own)."""
     from attnkit.masks import MaskSpec, causal, sliding_window
     from attnkit.modules.positions import alibi
+
+    previous = attnkit.set_memory_limit(2**50)
+    request.addfinalizer(lambda: attnkit.set_memory_limit(previous))
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("explain materialised a mask spec")

@@ -13,6 +13,7 @@ from attnkit.functional import AttentionOutput, attention
 from attnkit.heads import merge_heads, split_heads
 from attnkit.inspect.tracing import Trace, trace
 from attnkit.masks import causal_mask
+from attnkit.memory import AttentionMemoryError, set_memory_limit
 from attnkit.modules import CrossAttention, MultiHeadAttention, SelfAttention
 from attnkit.modules.kv_cache import KVCache
 
@@ -22,6 +23,7 @@ __all__ = [
     "AttentionCall",
     "AttentionInputError",
     "AttentionMaskWarning",
+    "AttentionMemoryError",
     "AttentionOutput",
     "CrossAttention",
     "Explanation",
@@ -35,6 +37,7 @@ __all__ = [
     "explain",
     "merge_heads",
     "register_backend",
+    "set_memory_limit",
     "split_heads",
     "trace",
     "unregister_backend",

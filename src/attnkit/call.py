@@ -94,11 +94,20 @@ class AttentionCall:
         t = self.mask_tensor
         return t is not None and t.requires_grad and torch.is_grad_enabled()
 
+    def dense_mask_bytes(self) -> int:
+        """The bytes :meth:`dense_mask` would allocate (at most): 0 for no mask, a user's
+        tensor or a mask already built; else what materialising the spec takes
+        (:meth:`~attnkit.masks.MaskSpec.dense_bytes`)."""
+        if self.mask is None or "dense" in self._dense:
+            return 0
+        return self.mask.dense_bytes(self.dims.L, self.dims.S, self.q.dtype)
+
     def dense_mask(self) -> torch.Tensor | None:
         """The mask as one tensor broadcastable to ``(B, H, L, S)``: bool (True = may attend)
         or float (added to the scores), built once per call; ``None`` for no mask.
 
-        A user's tensor comes back unchanged; a spec is materialised with ``to_dense``.
+        A user's tensor comes back unchanged; a spec is materialised with ``to_dense``, which
+        refuses (:class:`~attnkit.AttentionMemoryError`) above attnkit's memory limit.
         """
         spec = self.mask
         if spec is None:

@@ -10,9 +10,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnkit.backends import AUTO_ORDER, available_backends, choose, get_backend, rule_of
+from attnkit.backends import (
+    AUTO_ORDER,
+    available_backends,
+    choose,
+    get_backend,
+    over_limit,
+    rule_of,
+)
 from attnkit.call import Dims
 from attnkit.masks import MaskSpec
+from attnkit.memory import format_bytes
 from attnkit.validate import make_call
 
 __all__ = ["Explanation", "explain"]
@@ -110,6 +118,14 @@ def explain(
     chosen = choose(call, backend, where)
     backends = {name: get_backend(name) for name in available_backends()}
     verdicts = {name: b.check(call) for name, b in backends.items()}
+    for name, b in backends.items():
+        over = over_limit(b, call) if verdicts[name] is None else None
+        if over is not None:
+            (nbytes, what), limit = over
+            verdicts[name] = (
+                f"{what} would take {format_bytes(nbytes)}, above attnkit's memory limit of "
+                f"{format_bytes(limit)}"
+            )
     rules = {name: rule for name, b in backends.items() if (rule := b.rule(call)) is not None}
     notes = {
         name: note
@@ -132,5 +148,10 @@ def explain(
     if call.softcap is not None or call.sinks is not None:
         sinks_str = "none" if call.sinks is None else f"({d.H},) per head"
         summary += f"\n  softcap: {call.softcap}; sinks: {sinks_str}"
-    why = rule_of(chosen, call)[1]
+    fires, why = rule_of(chosen, call)
+    if not fires:  # auto's second pass: the backends whose rule fires are above the memory limit
+        why = (
+            "the backends whose rule fires would allocate L x S tensors above attnkit's memory "
+            f"limit; {chosen.name} is the first in auto's order that serves the call within it"
+        )
     return Explanation(chosen.name, backend, d, summary, verdicts, rules, why, notes)

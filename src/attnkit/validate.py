@@ -5,8 +5,9 @@ Dk query/key head dim, Dv value head dim, E model width.
 
 Every check raises :class:`~attnkit.errors.AttentionInputError` with the argument's name, the
 shapes it got (with dim names), what was expected and the likely fix. Checks that look at tensor
-*values* (the inverted-causal-mask warning) are skipped while ``torch.compile`` traces, so that a
-compiled model has no data-dependent branches; shape and dtype checks always run.
+*values* (``+inf`` or NaN in a float mask, the inverted-causal-mask warning) are skipped while
+``torch.compile`` traces, so that a compiled model has no data-dependent branches, and on the
+``meta`` device (no values); shape and dtype checks always run.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import torch
 from attnkit.call import AttentionCall, Dims
 from attnkit.errors import AttentionInputError, shape_str, warn_user
 from attnkit.masks import MaskSpec, as_spec
+from attnkit.memory import AttentionMemoryError, refuse
 
-__all__ = ["make_call", "mask_dims_str"]
+__all__ = ["check_mask_values", "make_call", "mask_dims_str", "too_big_error"]
 
 Q_DIMS = ("B", "H", "L", "Dk")
 K_DIMS = ("B", "Hkv", "S", "Dk")
@@ -77,12 +79,15 @@ def make_call(
     explaining: bool = False,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    key_shards: int = 1,
 ) -> AttentionCall:
     """Check one attention call and build it: the one door into the backends.
 
     Folds the ``causal`` flag and the mask into one spec (:func:`attnkit.masks.as_spec`) and
     fixes the scale. ``explaining=True`` marks a call of :func:`attnkit.explain` (nothing runs).
-    Raises :class:`AttentionInputError` for bad input.
+    ``key_shards``: ``k`` is one of that many equal shards of the keys, and a mask spec spans
+    all of them (ring attention validates its shard). Raises :class:`AttentionInputError` for
+    bad input.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, where)
@@ -183,7 +188,7 @@ def make_call(
         )
     dims = Dims(B, H, Hkv, L, S, Dk, Dv)
     if mask is not None:
-        _validate_mask(mask, q, dims, where)
+        _validate_mask(mask, q, dims, where, key_shards)
     if not isinstance(causal, bool):
         raise AttentionInputError(
             where,
@@ -235,7 +240,7 @@ def make_call(
         q,
         k,
         v,
-        as_spec(mask, causal, L=dims.L, S=dims.S),
+        as_spec(mask, causal, L=dims.L, S=dims.S, where=where),
         float(scale) if scale is not None else 1.0 / math.sqrt(dims.Dk),
         float(dropout_p),
         return_weights,
@@ -282,7 +287,9 @@ def _validate_sinks(sinks: object, q: torch.Tensor, dims: Dims, where: str) -> N
     raise AttentionInputError(where, "sinks", problem, got=got, expected=want, fix=fix)
 
 
-def _validate_spec(mask: MaskSpec, q: torch.Tensor, dims: Dims, where: str) -> None:
+def _validate_spec(
+    mask: MaskSpec, q: torch.Tensor, dims: Dims, where: str, key_shards: int = 1
+) -> None:
     if mask.batch is not None and mask.batch != dims.B:
         raise AttentionInputError(
             where,
@@ -301,6 +308,21 @@ def _validate_spec(mask: MaskSpec, q: torch.Tensor, dims: Dims, where: str) -> N
             expected=f"a spec for {dims.H} heads",
             fix="build it with the model's number of query heads",
         )
+    S = dims.S * key_shards  # the whole sequence's keys
+    if mask.length is not None and mask.length != S:
+        fix = "build it from a tensor with one entry per key, S of them"
+        if mask.length == dims.L * key_shards:
+            fix = f"its tensor has one entry per query (L={dims.L}); it needs one per key"
+        shards = "" if key_shards == 1 else f" ({key_shards} shards of {dims.S} keys)"
+        raise AttentionInputError(
+            where,
+            "mask",
+            f"the mask spec {mask!r} is built for {mask.length} keys but k has S={S}{shards}.",
+            got=f"mask={mask!r} (length {mask.length})  k (B={dims.B}, Hkv={dims.Hkv}, "
+            f"S={dims.S}, Dk={dims.Dk})",
+            expected=f"document ids / key_mask keep with one entry per key: {S}",
+            fix=fix + " (with a KV cache, S counts the cached keys too)",
+        )
     device = mask.device
     if device is not None and device != q.device:
         raise AttentionInputError(
@@ -313,9 +335,11 @@ def _validate_spec(mask: MaskSpec, q: torch.Tensor, dims: Dims, where: str) -> N
         )
 
 
-def _validate_mask(mask: object, q: torch.Tensor, dims: Dims, where: str) -> None:
+def _validate_mask(
+    mask: object, q: torch.Tensor, dims: Dims, where: str, key_shards: int = 1
+) -> None:
     if isinstance(mask, MaskSpec):
-        _validate_spec(mask, q, dims, where)
+        _validate_spec(mask, q, dims, where, key_shards)
         return
     if not isinstance(mask, torch.Tensor):
         raise AttentionInputError(
@@ -372,9 +396,41 @@ def _validate_mask(mask: object, q: torch.Tensor, dims: Dims, where: str) -> Non
             expected="each mask dim equal to the target's or 1, at most 4 dims",
             fix=fix,
         )
-    square = mask.dim() >= 2 and mask.shape[-2] == mask.shape[-1] == dims.L > 1
-    if square and not torch.compiler.is_compiling():
+    if not _can_read_values(mask):
+        return
+    check_mask_values(mask, where)
+    if mask.dim() >= 2 and mask.shape[-2] == mask.shape[-1] == dims.L > 1:
         _warn_if_inverted_causal(mask)
+
+
+def _can_read_values(t: torch.Tensor) -> bool:
+    """Value checks run outside ``torch.compile``'s tracing, on tensors that hold values."""
+    return not torch.compiler.is_compiling() and t.device.type != "meta"
+
+
+def check_mask_values(mask: torch.Tensor, where: str, name: str = "mask") -> None:
+    """A float mask is added to the scores: ``+inf`` or NaN there make the whole row NaN, so
+    they are refused (``name`` is the argument). A value check: skipped while
+    ``torch.compile`` traces and on the ``meta`` device."""
+    if not mask.is_floating_point() or not _can_read_values(mask):
+        return
+    bad = ~(mask < math.inf)  # +inf and NaN (NaN compares False)
+    if not bool(bad.any()):
+        return
+    n_inf = int((mask == math.inf).sum())
+    n_nan = int(mask.isnan().sum())
+    found = " and ".join(f"{n} {kind}" for n, kind in ((n_inf, "+inf"), (n_nan, "NaN")) if n)
+    raise AttentionInputError(
+        where,
+        name,
+        f"the float `{name}` holds {found}: those are not mask values (added to the scores, "
+        "they make the whole query row NaN).",
+        got=f"{mask_dims_str(mask) if name == 'mask' else shape_str(name, mask, None)} "
+        f"dtype={mask.dtype}: {found}",
+        expected="0 where a key is allowed, -inf where it is blocked (finite values add a bias)",
+        fix=f"{name}.masked_fill({name} == float('inf'), float('-inf')) if +inf meant blocked; "
+        f"{name}.nan_to_num(nan=0.0) if NaN meant allowed; or a bool mask",
+    )
 
 
 def _warn_if_inverted_causal(mask: torch.Tensor) -> None:
@@ -396,3 +452,41 @@ def _warn_if_inverted_causal(mask: torch.Tensor) -> None:
             "instead of a mask, or invert it with ~mask (a mask built as "
             "ones(L, L).triu(1).bool() marks the positions to *block*)."
         )
+
+
+def too_big_error(
+    where: str, call: AttentionCall, backend: str, nbytes: int, what: str, limit: int
+) -> AttentionMemoryError:
+    """The error of a call whose backend would allocate ``nbytes`` of L x S memory above
+    ``limit``, with the ways to a backend that never does (``blocked``)."""
+    ways = []
+    if call.return_weights:
+        ways.append(
+            "no weights: return_weights=False (need_weights=False in the modules; only math "
+            "forms the (B, H, L, S) weights)"
+        )
+    if call.dropout_p > 0.0:
+        ways.append("dropout_p=0.0")
+    if call.mask_needs_grad:
+        ways.append("a float mask that needs no gradient")
+    if ways:
+        fix = f"{'; '.join(ways)}: then the blocked backend runs it"
+    else:
+        fix = "backend='blocked' runs it"
+    fix += (
+        " without L x S tensors (a mask spec from attnkit.masks, block by block); or fewer "
+        "queries per call (a smaller L)"
+    )
+    d = call.dims
+    spec = call.mask
+    mask = "" if spec is None or spec.from_tensor else f"  mask={spec!r}"
+    return refuse(
+        where,
+        "return_weights" if call.return_weights and backend == "math" else "backend",
+        what,
+        nbytes,
+        limit,
+        got=f"q (B={d.B}, H={d.H}, L={d.L}, Dk={d.Dk})  k (Hkv={d.Hkv}, S={d.S})  "
+        f"{call.q.dtype} on {call.q.device}; backend {backend!r}{mask}",
+        fix=fix,
+    )

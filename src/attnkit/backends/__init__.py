@@ -11,7 +11,11 @@ masks.sliding_window(256))``:
    the mask into one spec there, the only place they combine.
 2. :func:`choose` picks the backend: a named one if its ``check`` passes (else an error, never
    a fallback), or for ``"auto"`` the first backend, by descending ``priority``, whose ``rule``
-   fires and whose ``check`` passes. A spec on a large problem goes to ``blocked``.
+   fires and whose ``check`` passes. A spec on a large problem goes to ``blocked``. A backend
+   whose ``dense_allocation`` (its L x S memory) is above attnkit's memory limit
+   (:mod:`attnkit.memory`) is refused when named and passed over by ``auto``, which then takes
+   the first backend that serves the call within the limit, its rule fired or not; if none
+   does, :class:`~attnkit.AttentionMemoryError` says how much and the way out.
 3. ``backend.run(call)``: ``blocked`` plans the call once (:mod:`attnkit.backends.blocked.plan`:
    the band kernel for a causal window, else tiles of torch's fused kernel over the non-empty
    blocks) and runs it forward (and backward, from the same plan) with autograd.
@@ -51,9 +55,13 @@ Adding a backend is one file: subclass :class:`Backend`, register an instance::
 
 from __future__ import annotations
 
+import torch
+
 from attnkit.backends.base import Backend
 from attnkit.call import AttentionCall
 from attnkit.errors import AttentionInputError
+from attnkit.memory import exceeds
+from attnkit.validate import too_big_error
 
 __all__ = [
     "AUTO_ORDER",
@@ -61,6 +69,7 @@ __all__ = [
     "available_backends",
     "choose",
     "get_backend",
+    "over_limit",
     "register_backend",
     "unregister_backend",
 ]
@@ -115,10 +124,20 @@ def rule_of(backend: Backend, call: AttentionCall) -> tuple[bool, str]:
 def choose(call: AttentionCall, backend: str, where: str) -> Backend:
     """The backend that runs ``call``: named (must serve it) or ``"auto"``."""
     if backend == "auto":
+        too_big: tuple[Backend, tuple[int, str], int] | None = None
         for name in AUTO_ORDER:
             chosen = _REGISTRY[name]
             if rule_of(chosen, call)[0] and chosen.check(call) is None:
-                return chosen
+                over = over_limit(chosen, call)
+                if over is None:
+                    return chosen
+                too_big = too_big or (chosen, *over)
+        if too_big is not None:  # then any backend that serves the call within the limit
+            for name in AUTO_ORDER:
+                chosen = _REGISTRY[name]
+                if chosen.check(call) is None and over_limit(chosen, call) is None:
+                    return chosen
+            raise too_big_error(where, call, too_big[0].name, *too_big[1], too_big[2])
         raise AttentionInputError(  # unreachable while `math` serves every call
             where,
             "backend",
@@ -147,7 +166,21 @@ def choose(call: AttentionCall, backend: str, where: str) -> Backend:
             expected="a backend that can serve the call (attnkit never falls back silently)",
             fix="backend='auto' takes one that can; attnkit.explain(...) shows why",
         )
+    over = over_limit(chosen, call)
+    if over is not None:
+        raise too_big_error(where, call, backend, *over[0], over[1])
     return chosen
+
+
+def over_limit(backend: Backend, call: AttentionCall) -> tuple[tuple[int, str], int] | None:
+    """``((bytes, what), limit)`` when ``backend``'s L x S memory for ``call`` is above
+    attnkit's memory limit (:mod:`attnkit.memory`), else ``None`` (always while
+    ``torch.compile`` traces: the guard reads the free memory, which a graph cannot)."""
+    if torch.compiler.is_compiling():
+        return None
+    need = backend.dense_allocation(call)
+    limit = None if need is None else exceeds(need[0], call.q.device)
+    return None if need is None or limit is None else (need, limit)
 
 
 def _register_builtin() -> None:

@@ -45,6 +45,13 @@ class Backend:
         taken wherever :meth:`check` passes and no backend of higher priority was)."""
         return None
 
+    def dense_allocation(self, call: AttentionCall) -> tuple[int, str] | None:
+        """The memory this backend allocates for the call that grows as ``L x S`` (scores,
+        weights, a materialised mask spec): ``(bytes, what it is)``, or ``None`` for none.
+        The dispatcher refuses a backend whose need is above attnkit's memory limit
+        (:mod:`attnkit.memory`), and ``auto`` takes another one that can serve."""
+        return None
+
     def note(self, call: AttentionCall) -> str | None:
         """An extra line for :func:`attnkit.explain` (a plan, a compile state), or ``None``."""
         return None

@@ -24,6 +24,20 @@ class MathBackend(Backend):
     description = "reference: matmul, softmax, matmul in plain PyTorch (returns weights)"
     priority = 10
 
+    def dense_allocation(self, call: AttentionCall) -> tuple[int, str]:
+        """The scores and weights ``(B, H, L, S)``: about three such tensors are alive at once
+        (scores, masked scores, weights), plus the mask when a spec is materialised."""
+        B, H, L, S = call.dims.B, call.dims.H, call.dims.L, call.dims.S
+        scores = B * H * L * S * call.q.dtype.itemsize
+        mask = call.dense_mask_bytes()
+        what = (
+            f"the math backend's scores and weights (B={B}, H={H}, L={L}, S={S}) in "
+            f"{call.q.dtype} (about 3 such tensors at once)"
+        )
+        if mask:
+            what += " and the mask spec materialised"
+        return 3 * scores + mask, what
+
     def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         q, k, v = call.q, call.k, call.v
         B, H, L, Dk = q.shape

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from attnkit.backends.base import Backend
 from attnkit.call import AttentionCall
+from attnkit.memory import exceeds
 
 __all__ = ["SdpaBackend"]
 
@@ -54,6 +55,13 @@ class SdpaBackend(Backend):
         )
         return out, None
 
+    def dense_allocation(self, call: AttentionCall) -> tuple[int, str] | None:
+        """A mask spec (other than causal with ``L == S``) is materialised for torch."""
+        nbytes = 0 if (call.causal and call.dims.L == call.dims.S) else call.dense_mask_bytes()
+        if not nbytes:
+            return None
+        return nbytes, "materialising the mask spec for torch's fused kernel"
+
     def check(self, call: AttentionCall) -> str | None:
         q, k, v = call.q, call.k, call.v
         if call.return_weights:
@@ -78,6 +86,10 @@ class SdpaBackend(Backend):
             if call.mask_needs_grad:
                 return "torch's fused CPU kernel does not differentiate a float mask"
         elif device == "cuda":  # torch's own public rules (not run on the CPU-only test machine)
+            need = self.dense_allocation(call)
+            if need is not None and exceeds(need[0], q.device) is not None:
+                # torch's rules read the mask: it is not materialised above the memory limit
+                return f"{need[1]} would exceed attnkit's memory limit"
             is_causal, mask = _flag_and_mask(call)
             params = torch.backends.cuda.SDPAParams(
                 q, k, v, mask, call.dropout_p, is_causal, call.grouped

@@ -350,8 +350,8 @@ def ring_attention(
             fix="attnkit.masks.padding(lengths), key_mask(keep), document(ids), "
             "sliding_window(n), combined with & and |",
         )
-    dims = make_call(q, k, v, mask, causal, scale, 0.0, where=WHERE).dims
     rank, world = group_rank_and_size(group, WHERE)
+    dims = make_call(q, k, v, mask, causal, scale, 0.0, where=WHERE, key_shards=world).dims
     td = as_timedelta(timeout, WHERE)
     if causal and (dims.L % 2 or dims.S % 2):
         raise AttentionInputError(

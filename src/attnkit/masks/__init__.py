@@ -33,7 +33,10 @@ Where things live: the protocol, combinators and :func:`block_states` in ``spec.
 built-in rules in ``rules.py``; ALiBi in ``alibi.py``; the KV cache's per-sequence causal rule
 in ``sequence.py``; a mask tensor as a spec in ``dense.py``; and :func:`as_spec`, the one place
 where the ``causal`` flag and a mask combine, in ``normalize.py``. Constructors raise
-:class:`~attnkit.AttentionInputError` with the fix.
+:class:`~attnkit.AttentionInputError` with the fix. A spec built from per-key tensors
+(``key_mask``, ``document``) has a ``length``, which must be the call's ``S``; ``to_dense``
+refuses, before allocating, a dense form above attnkit's memory limit (:mod:`attnkit.memory`;
+``dense_bytes`` says what it would take).
 """
 
 from attnkit.masks.alibi import alibi, alibi_slopes

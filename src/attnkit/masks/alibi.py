@@ -40,6 +40,7 @@ class _ALiBi(MaskSpec):
     """Every pair allowed; score bias ``-slope_h * |q + off - kv|`` (position distance)."""
 
     has_bias = True
+    scratch_bytes = 24  # the float64 bias and the int64 distances, per pair
 
     def __init__(self, num_heads: int, device: torch.device | str | None) -> None:
         self.heads = num_heads

@@ -12,6 +12,7 @@ from collections.abc import Hashable
 import torch
 
 from attnkit.masks.spec import MaskSpec
+from attnkit.memory import exceeds, refuse
 
 __all__ = ["DenseMask"]
 
@@ -26,9 +27,13 @@ class DenseMask(MaskSpec):
     """
 
     from_tensor = True
+    scratch_bytes = 32  # allowed() gathers with four broadcast int64 index tensors
 
     def __init__(self, mask: torch.Tensor) -> None:
-        self.tensor = mask  # as the user gave it: dense backends take it unchanged
+        # as the user gave it, dense backends take it unchanged; a 0-D or 1-D mask (it
+        # broadcasts) is viewed as (1, S) or (1, 1), as torch's fused kernels need 2 dims
+        lead = (1,) * (2 - mask.dim())
+        self.tensor = mask if mask.dim() >= 2 else mask.reshape(lead + tuple(mask.shape))
         m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (B', H', L', S')
         self.m = m
         self.ok = m if m.dtype == torch.bool else m != -math.inf
@@ -42,6 +47,9 @@ class DenseMask(MaskSpec):
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.tensor]
+
+    def dense_bytes(self, L: int, S: int, dtype: torch.dtype = torch.float32) -> int:
+        return 0  # to_dense returns the tensor itself
 
     def to_dense(self, L, S, *, device=None, dtype=torch.float32):  # type: ignore[no-untyped-def]
         return self.m
@@ -63,6 +71,7 @@ class DenseMask(MaskSpec):
 
     def block_bounds(self, q_lo, q_hi, k_lo, k_hi, off):  # type: ignore[no-untyped-def]
         if self._sums is None:
+            self._check_sums()
             ok = self.ok.to(torch.int64)
             self._sums = torch.nn.functional.pad(ok.cumsum(2).cumsum(3), (1, 0, 1, 0))
         c = self._sums  # (B', H', L'+1, S'+1)
@@ -74,6 +83,24 @@ class DenseMask(MaskSpec):
         n = c[:, :, qb + 1, kb + 1] - c[:, :, qa, kb + 1] - c[:, :, qb + 1, ka] + c[:, :, qa, ka]
         area = (qb - qa + 1) * (kb - ka + 1)
         return n > 0, n == area
+
+    def _check_sums(self) -> None:
+        """The prefix sums take three int64 copies of the mask's shape: refuse them above
+        attnkit's memory limit (:mod:`attnkit.memory`)."""
+        nbytes = 3 * 8 * self.ok.numel()
+        limit = exceeds(nbytes, self.ok.device)
+        if limit is not None:
+            raise refuse(
+                "attnkit.masks",
+                "mask",
+                f"planning the {self!r} block by block (int64 prefix sums of its shape)",
+                nbytes,
+                limit,
+                got=f"{self!r} on {self.ok.device}",
+                fix="pass the mask as a spec from attnkit.masks (key_mask(keep), "
+                "padding(lengths), causal(), document(ids), ...), which is planned from its "
+                "rule; or a backend that takes the tensor as it is (backend='sdpa')",
+            )
 
     def __repr__(self) -> str:
         kind = "bool" if self.m.dtype == torch.bool else "float"

@@ -10,6 +10,7 @@ import torch
 from attnkit.masks.dense import DenseMask
 from attnkit.masks.rules import causal, causal_mask, is_causal
 from attnkit.masks.spec import MaskSpec, spec_error
+from attnkit.memory import exceeds, refuse
 
 __all__ = ["as_spec"]
 
@@ -20,6 +21,7 @@ def as_spec(
     *,
     L: int | None = None,
     S: int | None = None,
+    where: str = "attnkit.masks.as_spec",
 ) -> MaskSpec | None:
     """A call's whole mask rule as one spec (``None``: every pair allowed).
 
@@ -27,7 +29,10 @@ def as_spec(
     - a tensor becomes a :class:`~attnkit.masks.DenseMask` (dense backends get it back
       unchanged); with ``causal_flag`` the end-aligned causal rule is merged into it first
       (bool: ``mask & causal_mask(L, S)``; float: ``-inf`` where causal forbids), so a dense
-      backend still sees one tensor;
+      backend still sees one tensor. Where that merged tensor would exceed attnkit's memory
+      limit (:mod:`attnkit.memory`), it stays ``DenseMask(mask) & causal()`` (the blocked
+      backend runs it block by block), or, for a float mask that needs a gradient,
+      :class:`~attnkit.AttentionMemoryError` is raised (``where`` names the caller);
     - the flag alone is ``causal()``, except for one query against ``S >= 1`` keys (a decode
       step): that query stands at the last key and sees every key, so no rule is needed.
 
@@ -60,6 +65,9 @@ def as_spec(
                     expected="L and S (query and key lengths) given",
                     fix="as_spec(mask, True, L=q.shape[2], S=k.shape[2])",
                 )
+            lazy = _too_big_to_merge(mask, L, S, where)
+            if lazy:
+                return DenseMask(mask) & causal()
             allowed = causal_mask(L, S, device=mask.device)  # (L, S)
             if mask.dtype == torch.bool:
                 mask = mask & allowed
@@ -69,3 +77,29 @@ def as_spec(
     if not causal_flag or (L == 1 and S is not None and S >= 1):
         return None
     return causal()
+
+
+def _too_big_to_merge(mask: torch.Tensor, L: int, S: int, where: str) -> bool:
+    """Whether ``mask`` merged with the causal rule would exceed attnkit's memory limit: the
+    causal mask ``(L, S)`` (two passes) and its inverse, and the merged mask of the broadcast
+    shape ``(..., L, S)``. A float mask that needs a gradient must merge: it raises then."""
+    lead = 1
+    for n in mask.shape[:-2]:
+        lead *= n
+    nbytes = 3 * L * S + lead * L * S * mask.element_size()
+    limit = exceeds(nbytes, mask.device)
+    if limit is None:
+        return False
+    if not (mask.requires_grad and torch.is_grad_enabled()):
+        return True
+    raise refuse(
+        where,
+        "mask",
+        f"merging the causal rule into the float mask {tuple(mask.shape)} that needs a "
+        f"gradient, as a (..., {L}, {S}) tensor,",
+        nbytes,
+        limit,
+        got=f"mask {tuple(mask.shape)} {mask.dtype} (requires_grad)  causal=True  L={L}  S={S}",
+        fix="fewer queries per call (a smaller L); or a mask that needs no gradient, which "
+        "the blocked backend runs block by block (best as a spec from attnkit.masks)",
+    )

@@ -48,6 +48,14 @@ def causal_mask(L: int, S: int, *, device: torch.device | str | None = None) -> 
     return torch.ones(L, S, dtype=torch.bool, device=device).tril(S - L)
 
 
+def values_str(t: torch.Tensor) -> str:
+    """A spec tensor's values for its repr: the list, or its shape where it holds no values
+    (``meta``) or too many to read."""
+    if t.device.type == "meta" or t.numel() > 64:
+        return f"<{tuple(t.shape)} on {t.device.type}>"
+    return str(t.tolist())
+
+
 def _int_tensor(call: str, argument: str, t: object, shapes: str) -> torch.Tensor:
     if (
         not isinstance(t, torch.Tensor)
@@ -96,11 +104,28 @@ def _int_at_least(call: str, argument: str, n: object, low: int, meaning: str, f
     return n
 
 
+def _check_not_negative(call: str, argument: str, t: torch.Tensor, meaning: str) -> None:
+    """Refuse negative entries (a value check: skipped while torch.compile traces)."""
+    if torch.compiler.is_compiling() or t.device.type == "meta" or not bool((t < 0).any()):
+        return
+    bad = t[t < 0].tolist()[:5]
+    spec_error(
+        call,
+        argument,
+        f"`{argument}` holds negative values {bad}; {meaning}.",
+        got=f"{argument}={values_str(t)}",
+        expected=f"{argument} >= 0 (0: {'none' if argument != 'prefix_len' else 'plain causal'})",
+        fix=f"{argument}.clamp(min=0) if negative meant empty",
+    )
+
+
 def _bool_at(table: torch.Tensor, b: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return table[b, idx.clamp(0, table.shape[-1] - 1)]
 
 
 class _Causal(MaskSpec):
+    scratch_bytes = 0
+
     def key(self) -> Hashable:
         return ("causal",)
 
@@ -143,9 +168,12 @@ class _Window(MaskSpec):
 class _Padding(MaskSpec):
     """Keys at or beyond each sequence's length are padding; optionally query rows too."""
 
+    scratch_bytes = 0
+
     def __init__(self, lengths: torch.Tensor, q_lengths: torch.Tensor | None) -> None:
         self.lengths = _int_tensor("padding", "lengths", lengths, "(B,)")
         _check_shape("padding", "lengths", lengths, (1,), "(B,)")
+        _check_not_negative("padding", "lengths", lengths, "a length counts real keys")
         self.q_lengths = None
         if q_lengths is not None:
             self.q_lengths = _int_tensor("padding", "q_lengths", q_lengths, "(B,)")
@@ -158,6 +186,7 @@ class _Padding(MaskSpec):
                     expected="both (B,)",
                     fix="one key length and one query length per sequence",
                 )
+            _check_not_negative("padding", "q_lengths", q_lengths, "a length counts real queries")
         self.batch = lengths.shape[0]
 
     def key(self) -> Hashable:
@@ -182,12 +211,14 @@ class _Padding(MaskSpec):
         return any_, all_
 
     def __repr__(self) -> str:
-        extra = "" if self.q_lengths is None else f", q_lengths={self.q_lengths.tolist()}"
-        return f"padding({self.lengths.tolist()}{extra})"
+        extra = "" if self.q_lengths is None else f", q_lengths={values_str(self.q_lengths)}"
+        return f"padding({values_str(self.lengths)}{extra})"
 
 
 class _KeyMask(MaskSpec):
     """Keys allowed per sequence, from a bool ``(B, S)`` tensor (True = a real key)."""
+
+    scratch_bytes = 0
 
     def __init__(self, keep: torch.Tensor) -> None:
         if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or keep.dim() != 2:
@@ -232,6 +263,8 @@ class _KeyMask(MaskSpec):
 
 class _Document(MaskSpec):
     """Packed sequences: a query sees only keys of its own document."""
+
+    scratch_bytes = 1
 
     def __init__(self, ids: torch.Tensor) -> None:
         ids = _int_tensor("document", "ids", ids, "(S,) or (B, S)")
@@ -279,12 +312,15 @@ class _Document(MaskSpec):
 class _PrefixKeys(MaskSpec):
     """Keys before ``prefix_len`` (per sequence when a tensor) are visible to every query."""
 
+    scratch_bytes = 0
+
     def __init__(self, prefix_len: int | torch.Tensor) -> None:
         if isinstance(prefix_len, torch.Tensor):
             self.prefix: int | torch.Tensor = _int_tensor(
                 "prefix_lm", "prefix_len", prefix_len, "(B,)"
             )
             _check_shape("prefix_lm", "prefix_len", prefix_len, (1,), "(B,)")
+            _check_not_negative("prefix_lm", "prefix_len", prefix_len, "it counts prompt keys")
             self.batch = prefix_len.shape[0]
         else:
             self.prefix = _int_at_least(
@@ -312,7 +348,7 @@ class _PrefixKeys(MaskSpec):
         return k_lo < n, k_hi < n
 
     def __repr__(self) -> str:
-        n = self.prefix.tolist() if isinstance(self.prefix, torch.Tensor) else self.prefix
+        n = values_str(self.prefix) if isinstance(self.prefix, torch.Tensor) else self.prefix
         return f"prefix_keys({n})"
 
 
@@ -354,7 +390,8 @@ def padding(lengths: torch.Tensor, q_lengths: torch.Tensor | None = None) -> Mas
     """Sequence ``b`` has ``lengths[b]`` real keys; the rest are padding.
 
     ``q_lengths`` also marks query rows at or beyond ``q_lengths[b]`` as padding: they see
-    nothing, so their output is 0.
+    nothing, so their output is 0. Lengths beyond ``S`` (or ``L``) mean every key (query) is
+    real; negative lengths are refused.
     """
     return _Padding(lengths, q_lengths)
 

@@ -10,6 +10,7 @@ from collections.abc import Hashable
 
 import torch
 
+from attnkit.masks.rules import values_str
 from attnkit.masks.spec import MaskSpec, tensor_key
 
 __all__ = ["sequence_causal"]
@@ -18,6 +19,8 @@ __all__ = ["sequence_causal"]
 class _SequenceCausal(MaskSpec):
     """The end-aligned causal rule per sequence: the last of the ``new`` queries of sequence
     ``b`` stands at its last cached key, ``lengths[b] - 1``; keys past it are not seen."""
+
+    scratch_bytes = 0
 
     def __init__(self, lengths: torch.Tensor, new: int) -> None:
         self.lengths = lengths  # (B,)
@@ -38,7 +41,7 @@ class _SequenceCausal(MaskSpec):
         return k_lo <= q_hi + start, k_hi <= q_lo + start
 
     def __repr__(self) -> str:
-        return f"sequence_causal(lengths={self.lengths.tolist()}, new={self.new})"
+        return f"sequence_causal(lengths={values_str(self.lengths)}, new={self.new})"
 
 
 def sequence_causal(lengths: torch.Tensor, new: int) -> MaskSpec:

@@ -19,6 +19,7 @@ from typing import NoReturn
 import torch
 
 from attnkit.errors import AttentionInputError
+from attnkit.memory import exceeds, refuse
 
 __all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMap", "MaskSpec", "block_states", "tensor_key"]
 
@@ -102,6 +103,9 @@ class MaskSpec:
     from_tensor: bool = False
     #: the key length a position-indexed spec is built for (``key_mask``, ``document``), or None
     length: int | None = None
+    #: bytes per ``(b, h, q, kv)`` pair that evaluating :meth:`allowed` over a whole grid
+    #: allocates besides the mask itself, at most (int64 index arithmetic); see :meth:`dense_bytes`
+    scratch_bytes: int = 16
 
     def key(self) -> Hashable | None:
         """What identifies this spec in a cache (``None``: do not cache it)."""
@@ -153,6 +157,7 @@ class MaskSpec:
         ``dtype`` instead (``H'`` = ``heads``, or 1): the bias where allowed, ``-inf`` elsewhere.
         """
         dev = torch.device(device) if device is not None else self.device
+        self.check_dense(L, S, dev or torch.device("cpu"), dtype)
         B = self.batch or 1
         H = (self.heads or 1) if self.has_bias else 1
         b = torch.arange(B, device=dev).view(B, 1, 1, 1)
@@ -164,6 +169,47 @@ class MaskSpec:
         if bias is None:
             return allowed
         return torch.where(allowed, bias.to(dtype), float("-inf")).expand(B, H, L, S)
+
+    def dense_bytes(self, L: int, S: int, dtype: torch.dtype = torch.float32) -> int:
+        """The bytes :meth:`to_dense` allocates at most: the mask ``(B', H', L, S)`` (bool, or
+        ``dtype`` with a bias) and its predicate's index arithmetic (:attr:`scratch_bytes`).
+
+        >>> from attnkit.masks import causal, sliding_window
+        >>> causal().dense_bytes(1000, 1000), (causal() & sliding_window(8)).dense_bytes(10, 10)
+        (1000000, 1900)
+        """
+        B, H = self.batch or 1, self.heads or 1
+        item = dtype.itemsize if self.has_bias else 1
+        return B * H * L * S * (item + self.scratch_bytes)
+
+    def check_dense(self, L: int, S: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Refuse, before allocating, to materialise this spec for another key length than
+        its own, or above attnkit's memory limit (:mod:`attnkit.memory`)."""
+        if self.length is not None and self.length != S:
+            spec_error(
+                "to_dense",
+                "S",
+                f"{self!r} is built for {self.length} keys, not S = {S}.",
+                got=f"spec length {self.length}  L={L}  S={S}",
+                expected=f"S == {self.length}, the length of the spec's tensor",
+                fix="build the spec from a tensor of one entry per key",
+            )
+        limit = exceeds(nbytes := self.dense_bytes(L, S, dtype), device)
+        if limit is not None:
+            shape, kind = (
+                (self.batch or 1, self.heads or 1, L, S),
+                dtype if self.has_bias else "bool",
+            )
+            raise refuse(
+                f"{WHERE}.to_dense",
+                "mask",
+                f"materialising the mask spec {self!r} as a {shape} {kind} tensor",
+                nbytes,
+                limit,
+                got=f"spec {self!r}  L={L}  S={S}  on {device}",
+                fix="give the spec to attention(..., backend='blocked'), which evaluates it "
+                "block by block and never builds L x S; or fewer queries per call (a smaller L)",
+            )
 
     def block_map(self, L: int, S: int, block_q: int = 128, block_k: int = 128) -> BlockMap:
         """Empty / partial / full per (query block, key block), without building ``L x S``."""
@@ -300,6 +346,7 @@ class _Combined(MaskSpec):
         self.heads = _same("heads", "head counts", a, b)
         self.length = _same("length", "key lengths", a, b)
         self.from_tensor = a.from_tensor or b.from_tensor
+        self.scratch_bytes = a.scratch_bytes + b.scratch_bytes + 2  # the parts' bool masks
 
     def key(self) -> Hashable | None:
         return _combined_key(self.op, self.a, self.b)
@@ -331,10 +378,19 @@ class _And(_Combined):
         any_b, all_b = self.b.block_bounds(q_lo, q_hi, k_lo, k_hi, off)
         return any_a & any_b, all_a & all_b
 
+    def dense_bytes(self, L: int, S: int, dtype: torch.dtype = torch.float32) -> int:
+        if not self.from_tensor:
+            return super().dense_bytes(L, S, dtype)
+        item = dtype.itemsize if self.has_bias else 1
+        whole = (self.batch or 1) * (self.heads or 1) * L * S * item
+        return self.a.dense_bytes(L, S, dtype) + self.b.dense_bytes(L, S, dtype) + whole
+
     def to_dense(self, L, S, *, device=None, dtype=torch.float32):  # type: ignore[no-untyped-def]
         if not self.from_tensor:  # one pass of the predicate
             return super().to_dense(L, S, device=device, dtype=dtype)
         # a user's tensor inside: combine the parts' dense forms (no gather over L x S)
+        dev = torch.device(device) if device is not None else self.device
+        self.check_dense(L, S, dev or torch.device("cpu"), dtype)
         a = self.a.to_dense(L, S, device=device, dtype=dtype)
         b = self.b.to_dense(L, S, device=device, dtype=dtype)
         if not a.is_floating_point() and not b.is_floating_point():
@@ -390,6 +446,7 @@ class _Not(MaskSpec):
         self.a = a
         self.batch, self.heads, self.length = a.batch, a.heads, a.length
         self.from_tensor = a.from_tensor
+        self.scratch_bytes = a.scratch_bytes + 1
 
     def key(self) -> Hashable | None:
         return _combined_key("~", self.a)
@@ -417,6 +474,7 @@ class _HeadSlice(MaskSpec):
         self.heads = stop - start
         self.has_bias = a.has_bias
         self.from_tensor = a.from_tensor
+        self.scratch_bytes = a.scratch_bytes
 
     def key(self) -> Hashable | None:
         inner = self.a.key()

@@ -140,13 +140,15 @@ class _Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The three inputs checked (rank, width, dtype), then ``(B, L|S, E)`` whatever the
         layout."""
-        dtype = self.q_proj.weight.dtype
+        w = self.q_proj.weight
         for name, x, width, width_name in (
             ("query", query, self.embed_dim, "embed_dim"),
             ("key", key, self.kdim, "kdim"),
             ("value", value, self.vdim, "vdim"),
         ):
-            check_input(self._where, name, x, width, width_name, self.batch_first, dtype)
+            check_input(
+                self._where, name, x, width, width_name, self.batch_first, w.dtype, w.device
+            )
         if not self.batch_first:  # (L, B, E) -> (B, L, E)
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         return query, key, value

@@ -20,8 +20,10 @@ def check_input(
     width_name: str,
     batch_first: bool,
     dtype: torch.dtype,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
-    """``x`` if it is a 3-D input of width ``width`` and the parameters' ``dtype``.
+    """``x`` if it is a 3-D input of width ``width`` and the parameters' ``dtype`` (and
+    ``device``, when given).
 
     Under autocast a floating input of another dtype is fine (autocast casts it).
     """
@@ -64,6 +66,15 @@ def check_input(
             fix=f"{name}.to({dtype}), or module.to({x.dtype})"
             if x.is_floating_point()
             else f"token ids go through an nn.Embedding first; numbers: {name}.to({dtype})",
+        )
+    if device is not None and x.device != device:
+        raise AttentionInputError(
+            where,
+            name,
+            f"`{name}` is on {x.device} but the module's parameters are on {device}.",
+            got=f"{shape_str(name, x, dims)} on {x.device}  parameters: on {device}",
+            expected=f"{name} on {device}",
+            fix=f"{name}.to({str(device)!r}), or module.to({str(x.device)!r})",
         )
     return x
 

@@ -132,6 +132,7 @@ def module_mask(
             fix="attn_mask=nn.Transformer.generate_square_subsequent_mask(L) (torch's "
             "top-left causal), or build the module with causal=True (attnkit's end-aligned rule)",
         )
+    _check_mask_and_devices(where, args)
     keys = key_part(
         where, args.key_padding_mask, args.attention_mask, B, S, dtype, seq_first=seq_first
     )
@@ -195,7 +196,7 @@ def key_part(
                 fix="attention_mask.bool() if 1.0 means a real key; an additive float mask "
                 "goes in mask= (attnkit) or attn_mask= (torch)",
             )
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and t.device.type != "meta":
             bad = t[(t != 0) & (t != 1)]
             if bad.numel():
                 values = sorted({int(v) for v in bad.tolist()})[:5]
@@ -270,6 +271,36 @@ def _from_torch(
     return translated
 
 
+def _check_mask_and_devices(where: str, args: MaskArgs) -> None:
+    """``mask`` is a tensor or a spec, and every mask given is on one device (they are merged
+    before :func:`attnkit.attention` checks them against the query)."""
+    if args.mask is not None and not isinstance(args.mask, torch.Tensor | MaskSpec):
+        raise AttentionInputError(
+            where,
+            "mask",
+            f"`mask` is a {type(args.mask).__name__}, not a tensor or a mask spec.",
+            got=f"mask: {type(args.mask).__name__}",
+            expected="a bool tensor (True = may attend), a float tensor added to the scores, "
+            "or a spec from attnkit.masks",
+            fix="torch.as_tensor(mask, dtype=torch.bool)",
+        )
+    given = [
+        (name, t.device)
+        for name in ("mask", "key_padding_mask", "attention_mask", "attn_mask")
+        if isinstance(t := getattr(args, name), torch.Tensor | MaskSpec)
+    ]
+    devices = {d for _, d in given if d is not None}
+    if len(devices) > 1:
+        raise AttentionInputError(
+            where,
+            given[-1][0],
+            "the masks given are on different devices.",
+            got="  ".join(f"{name} on {d}" for name, d in given if d is not None),
+            expected="every mask on the query's device",
+            fix="move them with .to(query.device)",
+        )
+
+
 def _check_tensor(where: str, name: str, t: object, expected: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise AttentionInputError(
@@ -334,6 +365,9 @@ def _check_key_shape(
 
 
 def _check_float_dtype(where: str, name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    from attnkit.validate import check_mask_values  # +inf / NaN: not mask values
+
+    check_mask_values(t, where, name)
     if t.is_floating_point() and t.dtype != dtype:
         raise AttentionInputError(
             where,
@@ -347,7 +381,7 @@ def _check_float_dtype(where: str, name: str, t: torch.Tensor, dtype: torch.dtyp
 
 def _warn_empty_rows(empty: torch.Tensor, name: str) -> None:
     """Warn when some batch rows have no key at all (``empty`` is bool ``(B,)``)."""
-    if torch.compiler.is_compiling() or not bool(empty.any()):
+    if torch.compiler.is_compiling() or empty.device.type == "meta" or not bool(empty.any()):
         return
     rows = empty.nonzero().flatten().tolist()[:8]
     if name == "key_padding_mask":
