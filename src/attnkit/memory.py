@@ -35,6 +35,7 @@ attnkit.memory.AttentionMemoryError: attnkit.attention: the math backend's score
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -61,19 +62,8 @@ class AttentionMemoryError(AttentionInputError):
     ``ValueError``) with the same parts, plus ``nbytes`` (what was needed) and ``limit``.
     """
 
-    def __init__(
-        self,
-        where: str,
-        argument: str,
-        problem: str,
-        *,
-        got: str,
-        expected: str,
-        fix: str | None = None,
-        nbytes: int = 0,
-        limit: int = 0,
-    ) -> None:
-        super().__init__(where, argument, problem, got=got, expected=expected, fix=fix)
+    def __init__(self, *args: Any, nbytes: int = 0, limit: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # the parts of AttentionInputError
         self.nbytes = nbytes
         self.limit = limit
 

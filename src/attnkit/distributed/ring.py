@@ -107,12 +107,7 @@ def _forward_pass(
                 _rows(q, qc),
                 _rows(cur[0], kc),
                 _rows(cur[1], kc),
-                mask=plan.spec,
-                scale=plan.scale,
-                q_start=qc.start,
-                k_start=kc.start,
-                L_total=plan.q_layout.total,
-                S_total=plan.k_layout.total,
+                **plan.at(qc, kc),
             )
             merge(_rows(out, qc), lse.narrow(-1, qc.local, qc.length), o, lse_o)
         wait_s = plan.wait(
@@ -198,12 +193,7 @@ def _backward_pass(
                 _rows(out, qc),
                 _rows(dout, qc),
                 lse.narrow(-1, qc.local, qc.length),
-                mask=plan.spec,
-                scale=plan.scale,
-                q_start=qc.start,
-                k_start=kc.start,
-                L_total=plan.q_layout.total,
-                S_total=plan.k_layout.total,
+                **plan.at(qc, kc),
             )
             _rows(dq, qc).add_(dq_c)
             if incoming:  # the accumulator must have arrived before adding to it

@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -76,6 +77,18 @@ class RingPlan:
                         continue
                 todo.append((qc, kc))
         return todo, skipped
+
+    def at(self, qc: Chunk, kc: Chunk) -> dict[str, Any]:
+        """The block functions' keywords for the pair (query chunk, key chunk): the spec, the
+        scale and the chunks' global positions."""
+        return {
+            "mask": self.spec,
+            "scale": self.scale,
+            "q_start": qc.start,
+            "k_start": kc.start,
+            "L_total": self.q_layout.total,
+            "S_total": self.k_layout.total,
+        }
 
     def post(
         self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], tag: int
