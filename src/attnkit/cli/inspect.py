@@ -1,8 +1,9 @@
 """``attnkit show`` and ``attnkit trace``: look inside, from the shell (``doctor``: cli/doctor.py).
 
-The commands are thin: :func:`attnkit.inspect.show.show_text` does the work of ``show``; the
-modules and :func:`attnkit.trace` that of ``trace``. Only typer and attnkit's own modules are
-imported at the top; the tokenizer, the weights, matplotlib and rich load when a command runs.
+The commands are thin: :func:`attnkit.inspect.show.show_text` does the work of ``show``
+(:func:`attnkit.inspect.show_hf.show_model` that of ``show --model DIR``); the modules and
+:func:`attnkit.trace` that of ``trace``. Only typer and attnkit's own modules are imported at the
+top; the tokenizer, the weights, transformers, matplotlib and rich load when a command runs.
 """
 
 from __future__ import annotations
@@ -143,7 +144,10 @@ def show(
     ] = DEFAULT_TEXT,
     out: OutOption = DEFAULT_OUT,
     truncate: Annotated[
-        bool, typer.Option("--truncate", help="Keep the first 512 tokens of a longer text.")
+        bool,
+        typer.Option(
+            "--truncate", help="Keep the first 512 tokens (the model's positions) of a longer text."
+        ),
     ] = False,
     layer: Annotated[int, typer.Option(help="The layer whose shape trace is printed.")] = 0,
     head: Annotated[int, typer.Option(help="The head of that layer to sum up.")] = 0,
