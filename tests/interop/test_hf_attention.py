@@ -421,6 +421,15 @@ EXTRAS = {  # models whose attention needs what attnkit added for them
         transformers.Gemma2Config,
         {"head_dim": 8, "attn_logit_softcapping": 5.0, "sliding_window": WINDOW},
     ),
+    "gemma3": (  # mixed sliding and full layers (Gemma3TextConfig's layer_types), soft-cap 5.0
+        transformers.Gemma3TextConfig,
+        {
+            "head_dim": 8,
+            "attn_logit_softcapping": 5.0,
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
     "gpt_oss": (  # attention sinks (s_aux), a mixture of experts, sliding and full layers
         transformers.GptOssConfig,
         {
@@ -485,6 +494,37 @@ def test_soft_capped_and_sink_models_match_eager_and_train(name: str) -> None:
         sinks = [n for n, _ in ref.named_parameters() if n.endswith("sinks")]
         assert len(sinks) == 2
         assert all(grads[n].grad is not None and grads[n].grad.abs().sum() > 0 for n in sinks)
+
+
+@pytest.mark.parametrize("name", list(EXTRAS))
+def test_soft_capped_and_sink_models_generate_like_eager(name: str) -> None:
+    ref, ours = _extras_pair(name)
+    ids, mask = _batch()
+    steps = 5  # every step is past the window of 4
+    kwargs = {"max_new_tokens": steps, "do_sample": False, "return_dict_in_generate": True}
+    expected = ref.eval().generate(ids, attention_mask=mask, **kwargs)
+    with attnkit.trace() as t:
+        got = ours.eval().generate(ids, attention_mask=mask, **kwargs)
+    assert len(t.backends) == 2 * steps  # attnkit ran every layer of every step
+    assert got.past_key_values is not None
+    assert got.sequences.shape == (B, T + steps)
+    assert torch.equal(got.sequences, expected.sequences)
+
+
+def test_gemma3_has_sliding_and_full_layers_and_soft_caps() -> None:
+    _, ours = _extras_pair("gemma3")
+    assert ours.config.layer_types == ["sliding_attention", "full_attention"]
+    assert ours.config.attn_logit_softcapping == 5.0
+    assert [layer.self_attn.sliding_window for layer in ours.model.layers] == [WINDOW, None]
+    ids, mask = _batch()
+    real = mask.bool()
+    with torch.no_grad():
+        got = ours.eval()(ids, attention_mask=mask, output_attentions=True).attentions
+    sliding, full = got[0][1], got[1][1]  # the unpadded row, (H, T, T)
+    far = torch.ones(T, T, dtype=torch.bool).tril(-WINDOW)  # keys WINDOW or more before
+    assert not sliding[:, far].any()  # the sliding layer never looks past its window
+    assert full[:, far].gt(0).all()  # the full layer does
+    assert real[1].all()
 
 
 def test_docs_hf_blocks_run_and_print_what_the_page_shows() -> None:

