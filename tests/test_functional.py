@@ -274,3 +274,19 @@ def test_one_causal_query_builds_no_mask(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(attnkit.masks.MaskSpec, "to_dense", refuse)
     got = attnkit.attention(q, k, k, causal=True)
     assert torch.equal(got, want)
+
+
+def test_meta_tensors_with_a_spec_never_reach_blocked() -> None:
+    """blocked plans from values; on the meta device auto passes it over and says why."""
+    from attnkit.masks import causal, sliding_window
+
+    q = torch.empty(1, 2, 512, 16, device="meta")
+    spec = causal() & sliding_window(64)
+    e = explain(q, q, q, mask=spec)
+    assert e.verdicts["blocked"] == "it plans from the mask's values, and meta tensors have none"
+    assert e.chosen != "blocked"
+    out = attention(q, q, q, mask=spec)
+    assert out.device.type == "meta"
+    assert out.shape == (1, 2, 512, 16)
+    with pytest.raises(AttentionInputError, match="meta tensors have none"):
+        attention(q, q, q, mask=spec, backend="blocked")

@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -279,25 +279,43 @@ def show_text(
     first = next(s for s in t.steps if s.where.startswith(prefix))
 
     report(STEPS[3])
-    paths = write_all(out, attentions, tokens, hidden, title=f"{MODEL_NAME}: {text[:60]}")
+    maps = write_maps(out, MODEL_NAME, text, tokens, attentions, hidden, layer, head)
+    return ShowResult(
+        **maps,
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        layer_name=first.where,
+        trace=t.render(call=first.call),
+        truncation=cut,
+    )
 
+
+def write_maps(
+    out: Path,
+    name: str,
+    text: str,
+    tokens: list[str],
+    attentions: torch.Tensor,
+    hidden: torch.Tensor,
+    layer: int,
+    head: int,
+) -> dict[str, Any]:
+    """Write the maps of ``attentions (N, H, T, T)`` and ``hidden (T, E)``; the fields of a
+    :class:`ShowResult` that every model shares, with each query row's top key of ``(layer,
+    head)``."""
+    paths = write_all(out, attentions, tokens, hidden, title=f"{name}: {text[:60]}")
     weights, keys = attentions[layer, head].max(dim=-1)  # (T,), (T,): each query row's top key
     top = [
         TopAttention(i, tokens[i], int(j), tokens[int(j)], float(w))
         for i, (w, j) in enumerate(zip(weights, keys, strict=True))
     ]
-    return ShowResult(
-        text=text,
-        tokens=tokens,
-        attentions=attentions,
-        hidden=hidden,
-        paths=paths,
-        layer=layer,
-        head=head,
-        num_layers=config.num_hidden_layers,
-        num_heads=config.num_attention_heads,
-        layer_name=first.where,
-        trace=t.render(call=first.call),
-        top=top,
-        truncation=cut,
-    )
+    return {
+        "text": text,
+        "tokens": tokens,
+        "attentions": attentions,
+        "hidden": hidden,
+        "paths": paths,
+        "layer": layer,
+        "head": head,
+        "top": top,
+    }

@@ -27,8 +27,7 @@ from typing import Any
 import torch
 
 from attnkit.errors import AttentionInputError
-from attnkit.inspect.maps import write_all
-from attnkit.inspect.show import ShowResult, TopAttention, Truncation, check_out_dir
+from attnkit.inspect.show import ShowResult, Truncation, check_out_dir, write_maps
 from attnkit.inspect.tracing import trace
 
 __all__ = ["STEPS", "check_model_dir", "show_model"]
@@ -291,26 +290,13 @@ def show_model(
     layer_name = modules[layer] if len(modules) == num_layers else f"layer {layer}"
 
     report(STEPS[3])
-    paths = write_all(out, attentions, tokens, hidden, title=f"{name}: {text[:60]}")
-
-    weights, keys = attentions[layer, head].max(dim=-1)  # (T,), (T,): each query row's top key
-    top = [
-        TopAttention(i, tokens[i], int(j), tokens[int(j)], float(w))
-        for i, (w, j) in enumerate(zip(weights, keys, strict=True))
-    ]
+    maps = write_maps(out, name, text, tokens, attentions, hidden, layer, head)
     return ShowResult(
-        text=text,
-        tokens=tokens,
-        attentions=attentions,
-        hidden=hidden,
-        paths=paths,
-        layer=layer,
-        head=head,
+        **maps,
         num_layers=num_layers,
         num_heads=num_heads,
         layer_name=layer_name,
         trace=t.render(call=layer + 1),  # one attnkit call per layer, in order
-        top=top,
         truncation=cut,
         model=name,
         backends=tuple(t.backends),

@@ -139,6 +139,8 @@ class BlockedBackend(Backend):
             return "it has no dropout (dropout_p > 0)"
         if call.mask_needs_grad:
             return "it does not differentiate a float mask"
+        if call.q.device.type == "meta":
+            return "it plans from the mask's values, and meta tensors have none"
         if torch.compiler.is_compiling():
             if call.softcap is not None or call.sinks is not None:
                 return (
