@@ -178,14 +178,7 @@ def _forward(
 
 @_forward.register_fake
 def _forward_fake(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    tensors: list[torch.Tensor],
-    ints: list[int],
-    floats: list[float],
-    structure: str,
-    scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *spec_args: object
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, L, _ = q.shape
     out = q.new_empty((B, H, L, v.shape[-1]))  # (B, H, L, Dv)
@@ -226,23 +219,10 @@ def _backward(
 
 @_backward.register_fake
 def _backward_fake(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    dout: torch.Tensor,
-    lse: torch.Tensor,
-    tensors: list[torch.Tensor],
-    ints: list[int],
-    floats: list[float],
-    structure: str,
-    scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *saved_and_spec: object
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (
-        q.new_empty(q.shape),
-        k.new_empty(k.shape),
-        v.new_empty(v.shape),
-    )
+    """Gradients have the shapes of q, k, v (``saved_and_spec``: out, dout, lse, the spec)."""
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
