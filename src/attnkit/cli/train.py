@@ -1,7 +1,7 @@
 """``attnkit train``: train a small attnkit transformer end to end, then write its attention maps.
 
 The command is thin: :func:`attnkit.train.train` does the work, after
-:func:`attnkit.train.check_run` has checked every option: a bad one, an unusable ``--out`` or
+:meth:`attnkit.train.RunOptions.check` has checked every option: a bad one, an unusable ``--out`` or
 an ``--out`` that holds a run (without ``--resume`` or ``--overwrite``) ends the command with
 one line and exit code 2 before any work. Only typer is imported at the top; torch, the
 training package, rich and matplotlib load when the command runs.
@@ -196,16 +196,16 @@ def train(
 ) -> None:
     """Train a small transformer on a task that needs attention; write its attention maps."""
     import time
-    from dataclasses import replace
+    from dataclasses import asdict, replace
 
     started = time.perf_counter()
 
     from attnkit.train import (
         CHECKPOINT_NAME,
         DistributedTrainingError,
+        RunOptions,
         TrainConfig,
         TrainingDivergedError,
-        check_run,
         resume_config,
     )
     from attnkit.train import train as run
@@ -218,14 +218,8 @@ def train(
         config = replace(resume_config(path), **given)
     else:
         config = TrainConfig(**asked).resolved()
-    run_options: dict[str, Any] = {
-        "resume": resume,
-        "overwrite": overwrite,
-        "world_size": ddp,
-        "device": device,
-        "threads": threads,
-    }
-    config = check_run(config, path, **run_options)  # all of it checked before the header
+    options = RunOptions(resume, overwrite, world_size=ddp, device=device, threads=threads)
+    config = options.check(config, path)  # all of it checked before the header
     if overwrite and (path / CHECKPOINT_NAME).exists():
         typer.echo(
             f"attnkit: note: --overwrite: this new run's first checkpoint replaces the one in "
@@ -235,7 +229,7 @@ def train(
     typer.echo(_header(config, ddp, threads, device))
     try:
         with _progress_bar(config.task) as progress:
-            result = run(config, path, progress=progress, **run_options)
+            result = run(config, path, progress=progress, **asdict(options))
     except (DistributedTrainingError, TrainingDivergedError) as e:
         typer.echo(f"attnkit: error: {e}", err=True)
         raise typer.Exit(EXIT_FAILED) from None

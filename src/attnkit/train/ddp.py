@@ -23,7 +23,14 @@ from typing import Any
 
 import torch
 
-from attnkit.train.loop import FitSummary, Progress, TrainConfig, TrainingDivergedError, fit
+from attnkit.train.loop import (
+    FitSummary,
+    Progress,
+    RunOptions,
+    TrainConfig,
+    TrainingDivergedError,
+    fit,
+)
 
 __all__ = ["INIT_TIMEOUT_S", "DistributedTrainingError", "spawn"]
 
@@ -89,13 +96,10 @@ def _worker(
 def spawn(
     config: TrainConfig,
     out: Path,
-    resume: bool,
-    world_size: int,
-    threads: int,
-    stop_at: int | None,
+    options: RunOptions,
     emit: Callable[[Progress], None],
 ) -> FitSummary:
-    """Run :func:`~attnkit.train.loop.fit` on ``world_size`` spawned processes.
+    """Run :func:`~attnkit.train.loop.fit` on ``options.world_size`` spawned processes.
 
     Rank 0's progress reports are passed to ``emit`` here, in the calling process.
     """
@@ -105,7 +109,9 @@ def spawn(
     from torch.multiprocessing.spawn import ProcessException, start_processes
 
     queue = mp.get_context("spawn").Queue()
-    args = (world_size, _free_port(), config, out, resume, threads, stop_at, queue)
+    world_size = options.world_size
+    run = (options.resume, options.threads, options.stop_at)
+    args = (world_size, _free_port(), config, out, *run, queue)
     context = start_processes(  # type: ignore[no-untyped-call]
         _worker, args=args, nprocs=world_size, join=False, start_method="spawn"
     )

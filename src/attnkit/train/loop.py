@@ -55,11 +55,11 @@ from attnkit.train.tasks import IGNORE, Accuracy, Task, accuracy_from_prediction
 __all__ = [
     "FitSummary",
     "Progress",
+    "RunOptions",
     "TrainConfig",
     "TrainResult",
     "TrainingDivergedError",
     "build",
-    "check_run",
     "evaluate",
     "fit",
     "held_out_set",
@@ -389,35 +389,37 @@ def fit(
     return FitSummary(start, step, finished, reached, stopped, held_out, seconds)
 
 
-def check_run(
-    config: TrainConfig,
-    out: str | os.PathLike[str],
-    *,
-    resume: bool = False,
-    overwrite: bool = False,
-    world_size: int = 1,
-    device: str = "cpu",
-    threads: int = 1,
-    stop_at: int | None = None,
-) -> TrainConfig:
-    """Check the arguments of :func:`train` without training; return the resolved config.
+@dataclass(frozen=True)
+class RunOptions:
+    """How :func:`train` runs a config (every keyword of :func:`train` but ``progress``)."""
 
-    Raises :class:`~attnkit.AttentionInputError` for what :func:`train` would refuse: bad
-    settings, an unusable ``out``, an existing checkpoint in ``out`` without ``resume`` or
-    ``overwrite``, and on resume a checkpoint of another run, edited, or holding a NaN.
-    """
-    config = config.resolved()
-    guards.check_device(device, world_size)
-    guards.check_world(config.batch_size, world_size)
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise guards.config_error("threads", threads, "a positive int")
-    if stop_at is not None and (not isinstance(stop_at, int) or stop_at < 1):
-        raise guards.config_error("stop_at", stop_at, "a positive int, or None")
-    out = guards.check_out(out, resume=resume, overwrite=overwrite)
-    if resume:
-        guards.check_same_run(config, resume_config(out), out)
-        verify_checkpoint(out / CHECKPOINT_NAME)  # every tensor finite
-    return config
+    resume: bool = False
+    overwrite: bool = False
+    world_size: int = 1
+    device: str = "cpu"
+    threads: int = 1
+    stop_at: int | None = None
+
+    def check(self, config: TrainConfig, out: str | os.PathLike[str]) -> TrainConfig:
+        """Check a run without training; return the resolved config.
+
+        Raises :class:`~attnkit.AttentionInputError` for what :func:`train` would refuse: bad
+        settings, an unusable ``out``, an existing checkpoint in ``out`` without ``resume`` or
+        ``overwrite``, and on resume a checkpoint of another run, edited, or holding a NaN.
+        """
+        config = config.resolved()
+        guards.check_device(self.device, self.world_size)
+        guards.check_world(config.batch_size, self.world_size)
+        threads, stop_at = self.threads, self.stop_at
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise guards.config_error("threads", threads, "a positive int")
+        if stop_at is not None and (not isinstance(stop_at, int) or stop_at < 1):
+            raise guards.config_error("stop_at", stop_at, "a positive int, or None")
+        path = guards.check_out(out, resume=self.resume, overwrite=self.overwrite)
+        if self.resume:
+            guards.check_same_run(config, resume_config(path), path)
+            verify_checkpoint(path / CHECKPOINT_NAME)  # every tensor finite
+        return config
 
 
 def train(
@@ -453,16 +455,8 @@ def train(
     before that step is taken; the checkpoint in ``out`` is then the run's last good one.
     """
     t0 = time.perf_counter()
-    config = check_run(
-        config,
-        out,
-        resume=resume,
-        overwrite=overwrite,
-        world_size=world_size,
-        device=device,
-        threads=threads,
-        stop_at=stop_at,
-    )
+    options = RunOptions(resume, overwrite, world_size, device, threads, stop_at)
+    config = options.check(config, out)
     out = Path(out)
     dev = torch.device(device)
     out.mkdir(parents=True, exist_ok=True)
@@ -484,7 +478,7 @@ def train(
         else:
             from attnkit.train.ddp import spawn
 
-            summary = spawn(config, out, resume, world_size, threads, stop_at, emit)
+            summary = spawn(config, out, options, emit)
         test = maps = None
         if not summary.stopped:
             task, model, _ = build(config, dev)
