@@ -67,6 +67,36 @@ class AttentionInputError(ValueError):
         self.args = ("\n".join(lines),)
 
 
+def rank_error(
+    where: str,
+    name: str,
+    x: object,
+    dims: Sequence[str],
+    *,
+    fix: str,
+    got: str | None = None,
+    expected: str | None = None,
+) -> AttentionInputError:
+    """The error for an argument ``name`` that is not a ``len(dims)``-D tensor ``(dims)``.
+
+    >>> print(rank_error("f", "x", torch.zeros(2, 3), ("B", "L", "E"), fix="x.unsqueeze(0)"))
+    f: `x` is 2-D; it must be 3-D (B, L, E).
+      got:      x (2-D: 2, 3)
+      expected: x (B, L, E)
+      fix:      x.unsqueeze(0)
+    """
+    wanted = f"{len(dims)}-D ({', '.join(dims)})"
+    if isinstance(x, torch.Tensor):
+        problem = f"`{name}` is {x.dim()}-D; it must be {wanted}."
+        got = got or shape_str(name, x, dims)
+    else:
+        problem = f"`{name}` is a {type(x).__name__}; it must be a {wanted} tensor."
+        got = got or f"{name}: {type(x).__name__}"
+    return AttentionInputError(
+        where, name, problem, got=got, expected=expected or f"{name} ({', '.join(dims)})", fix=fix
+    )
+
+
 def check_int(where: str, name: str, value: object, *, minimum: int = 1) -> int:
     """``value`` if it is an int (not a bool) ``>= minimum``, else an error naming ``name``.
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from attnkit.errors import AttentionInputError, check_int, shape_str
+from attnkit.errors import AttentionInputError, check_int, rank_error, shape_str
 
 __all__ = ["merge_heads", "split_heads"]
 
@@ -30,17 +30,12 @@ def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     where = "attnkit.split_heads"
     check_int(where, "num_heads", num_heads)
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        got = (
-            shape_str("x", x, ("B", "H", "L", "D"))
-            if isinstance(x, torch.Tensor)
-            else f"x: {type(x).__name__}"
-        )
-        raise AttentionInputError(
+        raise rank_error(
             where,
             "x",
-            "`x` must be 3-D (batch, length, width).",
-            got=got,
-            expected="x (B, L, E)",
+            x,
+            ("B", "L", "E"),
+            got=shape_str("x", x, ("B", "H", "L", "D")) if isinstance(x, torch.Tensor) else None,
             fix="a 4-D tensor is probably split already; a 2-D one needs x.unsqueeze(0)",
         )
     B, L, E = x.shape
@@ -70,17 +65,12 @@ def merge_heads(x: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
     if num_heads is not None:
         check_int(where, "num_heads", num_heads)
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
-        got = (
-            shape_str("x", x, ("B", "L", "E"))
-            if isinstance(x, torch.Tensor)
-            else f"x: {type(x).__name__}"
-        )
-        raise AttentionInputError(
+        raise rank_error(
             where,
             "x",
-            "`x` must be 4-D (batch, heads, length, head dim).",
-            got=got,
-            expected="x (B, H, L, D)",
+            x,
+            ("B", "H", "L", "D"),
+            got=shape_str("x", x, ("B", "L", "E")) if isinstance(x, torch.Tensor) else None,
             fix="a 3-D (B, L, E) tensor is merged already",
         )
     B, H, L, D = x.shape

@@ -17,7 +17,7 @@ import math
 import torch
 
 from attnkit.call import AttentionCall, Dims
-from attnkit.errors import AttentionInputError, shape_str, warn_user
+from attnkit.errors import AttentionInputError, rank_error, shape_str, warn_user
 from attnkit.masks import MaskSpec, as_spec
 from attnkit.memory import AttentionMemoryError, refuse
 
@@ -99,14 +99,7 @@ def make_call(
                 if t.dim() == 3
                 else "reshape it to 4-D with a heads dimension"
             )
-            raise AttentionInputError(
-                where,
-                name,
-                f"`{name}` is {t.dim()}-D; attention takes 4-D (batch, heads, length, dim).",
-                got=_qkv_str(q, k, v),
-                expected=f"{name} as ({', '.join(names)})",
-                fix=fix,
-            )
+            raise rank_error(where, name, t, names, got=_qkv_str(q, k, v), fix=fix)
     if not (q.dtype == k.dtype == v.dtype):
         raise AttentionInputError(
             where,

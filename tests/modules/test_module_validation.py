@@ -185,7 +185,7 @@ MODULE_CASES = [
         Case(
             lambda: mha()(r(L, E)),
             "query",
-            ("`query` must be 3-D (B, L, E)",),
+            ("`query` is 2-D; it must be 3-D (B, L, E)",),
             (f"query (2-D: {L}, {E})",),
             f"query (B, L, E) with E={E}",
             "add a batch dim with x.unsqueeze(0)",
@@ -197,7 +197,7 @@ MODULE_CASES = [
         Case(
             lambda: mha()(r(B, 4, L, 4)),
             "query",
-            ("`query` must be 3-D",),
+            ("it must be 3-D",),
             (f"query (4-D: {B}, 4, {L}, 4)",),
             "query (B, L, E)",
             "attnkit.attention(q, k, v)",
@@ -209,7 +209,7 @@ MODULE_CASES = [
         Case(
             lambda: mha()("hello"),
             "query",
-            ("`query` must be 3-D",),
+            ("`query` is a str; it must be a 3-D (B, L, E) tensor",),
             ("str",),
             "query (B, L, E)",
             "attnkit.attention",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from attnkit.errors import AttentionInputError, shape_str
+from attnkit.errors import AttentionInputError, rank_error, shape_str
 
 __all__ = ["check_batch", "check_input"]
 
@@ -31,12 +31,11 @@ def check_input(
     if not batch_first:
         dims = (dims[1], dims[0], dims[2])
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        got = shape_str(name, x, dims) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise AttentionInputError(
+        raise rank_error(
             where,
             name,
-            f"`{name}` must be 3-D ({', '.join(dims)}).",
-            got=got,
+            x,
+            dims,
             expected=f"{name} ({', '.join(dims)}) with E={width}",
             fix="add a batch dim with x.unsqueeze(0)"
             if isinstance(x, torch.Tensor) and x.dim() == 2
