@@ -15,6 +15,7 @@ import struct
 import time
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -24,6 +25,7 @@ from attnkit.errors import AttentionInputError
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "Peers",
     "Pending",
     "RingError",
     "agree",
@@ -229,17 +231,26 @@ def _show(key: str, value: int) -> str:
     return f"{key}={value}"
 
 
+@dataclass(frozen=True)
+class Peers:
+    """The ranks of one collective call: the ``group`` (``None``: the default one), this
+    process's ``rank`` in it, its ``world`` size, how long to wait for the others
+    (``timeout``) and the public function that waits (``where``, for messages)."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world: int
+    timeout: timedelta
+    where: str
+
+
 def agree(
+    peers: Peers,
     shapes: Sequence[tuple[str, tuple[int, ...]]],
     *,
     extra: dict[str, int],
     dtype: torch.dtype,
-    group: dist.ProcessGroup | None,
-    rank: int,
-    world: int,
     device: torch.device,
-    timeout: timedelta,
-    where: str,
 ) -> None:
     """Check that every rank makes this call with the same shapes, dtype and ``extra`` values.
 
@@ -248,6 +259,7 @@ def agree(
     shapes; a rank that does not arrive within ``timeout`` makes the next one raise
     :class:`RingError` naming it.
     """
+    rank, world, where = peers.rank, peers.world, peers.where
     if len(shapes) > _MAX_SHAPES or len(extra) > _MAX_EXTRA:
         raise ValueError("agree() describes at most 3 shapes and 6 extra values")
     mine = _encode(where, dtype, shapes, extra)
@@ -255,10 +267,10 @@ def agree(
     cur = torch.tensor(mine, dtype=torch.int64, device=device)
     for hop in range(world - 1):
         nxt = torch.empty_like(cur)
-        pending = exchange([cur], [nxt], group=group, rank=rank, world=world, tag=TAG_SHAPES)
+        pending = exchange([cur], [nxt], group=peers.group, rank=rank, world=world, tag=TAG_SHAPES)
         wait_all(
             pending,
-            timeout=timeout,
+            timeout=peers.timeout,
             where=where,
             rank=rank,
             world=world,

@@ -44,6 +44,7 @@ from attnkit.backends.blocked.tiles import acc_dtype
 from attnkit.distributed.faults import (
     TAG_DKV,
     TAG_KV,
+    Peers,
     Pending,
     agree,
     as_timedelta,
@@ -356,21 +357,15 @@ def ring_attention(
         )
     scale_f = float(scale) if scale is not None else dims.Dk**-0.5
     per_pass = _kv_heads_per_pass(kv_heads_per_pass, k, v)
+    settings = {
+        "causal": int(causal),
+        "scale": float_bits(scale_f),
+        "mask": zlib.crc32(repr(mask).encode()),
+        "kv_heads_per_pass": per_pass,
+    }
+    shapes = [("q", tuple(q.shape)), ("k", tuple(k.shape)), ("v", tuple(v.shape))]
     agree(
-        [("q", tuple(q.shape)), ("k", tuple(k.shape)), ("v", tuple(v.shape))],
-        extra={
-            "causal": int(causal),
-            "scale": float_bits(scale_f),
-            "mask": zlib.crc32(repr(mask).encode()),
-            "kv_heads_per_pass": per_pass,
-        },
-        dtype=q.dtype,
-        group=group,
-        rank=rank,
-        world=world,
-        device=q.device,
-        timeout=td,
-        where=WHERE,
+        Peers(group, rank, world, td, WHERE), shapes, extra=settings, dtype=q.dtype, device=q.device
     )
     spec = as_spec(mask, causal)  # the one place the causal flag and a mask combine
     plan = RingPlan(

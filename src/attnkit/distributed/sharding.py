@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from attnkit.distributed.faults import agree, as_timedelta, wait_all
+from attnkit.distributed.faults import Peers, agree, as_timedelta, wait_all
 from attnkit.errors import AttentionInputError
 
 __all__ = ["Chunk", "Layout", "shard", "shard_positions", "unshard"]
@@ -201,16 +201,13 @@ def unshard(
     rank, world = group_rank_and_size(group, where)
     n = _seq_len(x, "x", where)
     td = as_timedelta(timeout, where)
+    peers = Peers(group, rank, world, td, where)
     agree(
+        peers,
         [("x", tuple(x.shape))],
         extra={"causal": int(causal)},
         dtype=x.dtype,
-        group=group,
-        rank=rank,
-        world=world,
         device=x.device,
-        timeout=td,
-        where=where,
     )
     if causal and n % 2 != 0:
         raise AttentionInputError(
