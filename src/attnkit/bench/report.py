@@ -263,7 +263,8 @@ def print_table(result: BenchResult) -> None:
             title=f"{row.label}  ({row.flops / 1e9:.2f} useful GFLOP)", title_justify="left"
         )
         for h in HEADER:
-            table.add_column(h, justify="left" if h in ("peer", "note") else "right")
+            justify = "left" if h in ("peer", "note") else "right"
+            table.add_column(h, justify=justify, no_wrap=h == "peer")  # type: ignore[arg-type]
         for e in row.entries:
             table.add_row(*_cells(e))
         console.print(table)
