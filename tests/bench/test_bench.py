@@ -21,10 +21,11 @@ from typer.testing import CliRunner
 
 from attnkit import AttentionInputError, bench
 from attnkit.bench import runner
+from attnkit.bench.machine import bf16_class, cpu_features, describe_features
 from attnkit.bench.peers import PEERS
-from attnkit.bench.report import acceptance
+from attnkit.bench.report import acceptance, criteria
 from attnkit.bench.runner import BenchResult, Entry, Row
-from attnkit.bench.workloads import BACKWARD_FACTOR, WORKLOADS, allowed_pairs
+from attnkit.bench.workloads import BACKWARD_FACTOR, WORKLOADS, Inputs, allowed_pairs
 from attnkit.cli import app
 
 
@@ -154,6 +155,102 @@ def test_workloads_are_what_they_say() -> None:
     assert torch.equal(again.q, WORKLOADS["window"].inputs(64, torch.float32).q)
 
 
+def test_issue14_workloads_are_what_they_say() -> None:
+    equal, _ = WORKLOADS["document-equal"].spec(4096, 4096)
+    assert equal is not None
+    ids = equal.tensors()[0].flatten()
+    assert torch.bincount(ids).tolist() == [512] * 8  # 8 documents of equal length
+    uneven, _ = WORKLOADS["document"].spec(4096, 4096)
+    assert uneven is not None
+    assert len(set(torch.bincount(uneven.tensors()[0].flatten()).tolist())) > 1
+    inputs = WORKLOADS["gqa-window"].inputs(600, torch.float32)
+    assert (inputs.q.shape[1], inputs.k.shape[1]) == (32, 8)
+    assert not inputs.causal  # a window, not torch's is_causal
+    window, _ = WORKLOADS["window"].spec(600, 600)
+    assert inputs.spec is not None
+    assert window is not None
+    assert torch.equal(inputs.spec.to_dense(600, 600), window.to_dense(600, 600))
+    assert allowed_pairs(inputs.spec, 600, 600, 1) == 256 * 600 - 255 * 256 // 2
+
+
+def test_each_row_has_its_default_peers() -> None:
+    assert bench.row_peers("window", 16384, "float32") == [
+        "sdpa",
+        "flex",
+        "attnkit",
+        "attnkit-blocked",
+    ]  # naive only up to 8 heads x 4k x 4k
+    assert bench.row_peers("causal", 4096, "float32")[0] == "naive"
+    # a dense mask at 32 heads x 16k would take SDPA minutes a call: flex is the outside peer
+    assert bench.row_peers("gqa-window", 16384, "float32") == ["flex", "attnkit"]
+    assert bench.row_peers("document-equal", 16384, "float32") == ["sdpa", "flex", "attnkit"]
+    assert bench.row_peers("causal", 4096, "bfloat16") == [
+        "sdpa",
+        "flex",
+        "attnkit",
+        "attnkit-blocked",
+        "attnkit-fp32",
+    ]  # bfloat16 rows: attnkit's own float32 on the same call, which issue 14 compares with
+    assert bench.row_peers("module", 512, "float32") == ["torch-mha", "attnkit-mha"]
+    why = PEERS["attnkit-fp32"].skip(WORKLOADS["window"], 64, torch.float32, False, 8 << 30)
+    assert why == "the row is float32: attnkit-fp32 would be the attnkit peer again"
+
+
+def test_issue14_rows_in_a_tiny_run(tmp_path: Path) -> None:
+    """The new workloads and the fp32 peer on small rows: every peer runs, attnkit-fp32
+    computes the same attention as attnkit (in float32), and the record names the CPU flags."""
+    rows = [
+        ("document-equal", 256, "float32", "fwd"),
+        ("gqa-window", 384, "float32", "fwd+bwd"),
+        ("window", 384, "bfloat16", "fwd+bwd"),
+        ("causal", 256, "bfloat16", "fwd"),
+    ]
+    result = bench.run(rows, peers=["sdpa", "attnkit", "attnkit-fp32"], reps=5, gemm=50.0)
+    for row in result.rows:
+        by_peer = {e.peer: e for e in row.entries}
+        for name in ("sdpa", "attnkit"):
+            assert by_peer[name].error is None, by_peer[name].error
+            assert by_peer[name].ms is not None
+            assert by_peer[name].peak_mib is not None
+        fp32 = by_peer["attnkit-fp32"]
+        if row.dtype == "float32":
+            assert fp32.ms is None
+            assert fp32.skipped is not None
+            assert "the row is float32" in fp32.skipped
+        else:
+            assert fp32.error is None, fp32.error
+            assert fp32.ms is not None
+            assert fp32.x_best_peer is not None
+    assert result.machine["cpu_features"] == cpu_features()
+    assert result.machine["bf16_class"] == bf16_class(cpu_features())
+    bench.write_json(result, tmp_path / "r.json")
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["machine"]["cpu_features"] == cpu_features()
+    md = bench.to_markdown(result)
+    assert describe_features(cpu_features()) in md.splitlines()[0]
+    # the peer computes what attnkit computes, on float32 copies of the inputs
+    wl = WORKLOADS["window"]
+    inputs = wl.inputs(384, torch.bfloat16)
+    out = PEERS["attnkit-fp32"].setup(wl, inputs)()
+    assert out.dtype == torch.float32
+    q, k, v = (t.float() for t in (inputs.q, inputs.k, inputs.v))
+    want = PEERS["attnkit"].setup(wl, Inputs(q, k, v, inputs.spec, inputs.causal))()
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_cpu_features_and_the_bf16_class() -> None:
+    info = "processor\t: 0\nflags\t\t: fpu avx2 fma avx512f avx512_bf16 amx_tile amx_bf16\n"
+    assert cpu_features(info) == ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"]
+    assert bf16_class(cpu_features(info)) == "bf16"
+    assert bf16_class(["avx2", "fma", "avx512f"]) == "no-bf16"  # AVX-512 without BF16
+    assert bf16_class(["avx2", "fma"]) == "no-bf16"
+    assert bf16_class(None) == "unknown"
+    assert describe_features(["avx2", "fma"]) == (
+        "avx2 fma (no avx512f, avx512_bf16, amx_tile, amx_bf16)"
+    )
+    assert cpu_features("model name\t: some ARM\n") == []
+
+
 def _entry(peer: str, ms: float, **kw: float) -> Entry:
     return Entry(peer, ms=ms, **kw)  # type: ignore[arg-type]
 
@@ -207,9 +304,86 @@ def test_acceptance_checks_read_the_rows() -> None:
     )
 
 
+def _issue14_rows(window_bf16_ms: float, causal_bf16_ms: float) -> list[Row]:
+    gemm = {"gemm_fraction": 0.7}
+    return [
+        Row(
+            "causal", 4096, "float32", "fwd", 1.0, [_entry("sdpa", 120.0), _entry("attnkit", 100.0)]
+        ),
+        Row("document", 16384, "float32", "fwd", 1.0, [_entry("attnkit", 1.0, gemm_fraction=0.6)]),
+        Row("document-equal", 16384, "float32", "fwd", 1.0, [_entry("attnkit", 1.0, **gemm)]),
+        Row("gqa-window", 16384, "float32", "fwd+bwd", 1.0, [_entry("attnkit", 1.0, **gemm)]),
+        Row(
+            "window",
+            4096,
+            "bfloat16",
+            "fwd",
+            1.0,
+            [_entry("attnkit", window_bf16_ms), _entry("attnkit-fp32", 100.0)],
+        ),
+        Row(
+            "causal",
+            4096,
+            "bfloat16",
+            "fwd",
+            1.0,
+            [
+                _entry("sdpa", 150.0),
+                _entry("attnkit", causal_bf16_ms),
+                _entry("attnkit-fp32", 100.0),
+            ],
+        ),
+    ]
+
+
+def test_issue14_acceptance_reads_the_rows_and_the_cpu_class() -> None:
+    tag = "issue 14 (CPU without bf16 instructions)"
+    result = BenchResult(
+        {"bf16_class": "no-bf16", "cpu_features": ["avx2", "fma"]},
+        100.0,
+        _issue14_rows(window_bf16_ms=105.0, causal_bf16_ms=125.0),
+        5,
+    )
+    verdicts = {c.what: c.passed for c in acceptance(result)}
+    assert verdicts["issue 14: causal L=4096 fp32: SDPA is_causal / auto"] is True  # 1.2x
+    assert verdicts["issue 14: 8 documents (uneven), L=16384 fwd: auto of GEMM"] is False
+    assert verdicts["issue 14: 8 documents (equal), L=16384 fwd: auto of GEMM"] is True
+    assert verdicts["issue 14: prefix-LM, L=4096 fwd: auto of GEMM"] is None  # not run
+    fwd_bwd = "issue 14: grouped-query 32/8 window 256, L=16384 fwd+bwd: auto of GEMM"
+    assert verdicts[fwd_bwd] is True
+    assert verdicts[f"{tag}: window 256 bf16, L=4096 fwd: attnkit fp32 / bf16"] is True  # 0.95
+    assert verdicts[f"{tag}: window 256 bf16, L=4096 fwd+bwd: attnkit fp32 / bf16"] is None
+    assert verdicts[f"{tag}: causal bf16, L=4096 fwd: attnkit fp32 / bf16"] is False  # 0.8
+    assert verdicts[f"{tag}: causal bf16, L=4096: SDPA bf16 / auto"] is True  # 1.2
+    md = bench.to_markdown(result)
+    assert "bfloat16 bars: issue 14's for a CPU without bf16 instructions (this one: avx2 fma" in md
+    # the same times on a CPU with AVX512-BF16: bf16 has to beat fp32 by 1.5x there
+    result.machine = {"bf16_class": "bf16", "cpu_features": ["avx2", "avx512f", "avx512_bf16"]}
+    verdicts = {c.what: c.passed for c in acceptance(result)}
+    tag = "issue 14 (CPU with bf16 instructions)"
+    assert verdicts[f"{tag}: window 256 bf16, L=4096 fwd: attnkit fp32 / bf16"] is False
+    assert verdicts[f"{tag}: causal bf16, L=4096: SDPA bf16 / auto"] is False  # 1.2 < 1.5
+    assert not any("without bf16" in what for what in verdicts)
+    assert "for a CPU with AVX512-BF16 or AMX (this one: avx2 avx512f avx512_bf16" in (
+        bench.to_markdown(result)
+    )
+
+
 def test_row_selection() -> None:
-    assert bench.plan_rows() == bench.ACCEPTANCE_ROWS
-    assert ("window", 16384, "float32", "fwd+bwd") in bench.plan_rows()
+    default = bench.plan_rows()
+    assert default == bench.DEFAULT_ROWS
+    assert default[: len(bench.ACCEPTANCE_ROWS)] == bench.ACCEPTANCE_ROWS  # today's rows first
+    assert set(default) == set(bench.ACCEPTANCE_ROWS) | set(bench.ISSUE14_ROWS)
+    assert len(default) == len(set(default))  # the rows both groups name run once
+    assert ("window", 16384, "float32", "fwd+bwd") in default
+    assert bench.plan_rows(groups=["issue14"]) == bench.ISSUE14_ROWS
+    assert bench.plan_rows(groups=["acceptance"]) == bench.ACCEPTANCE_ROWS
+    assert bench.plan_rows(groups=["issue14", "acceptance"])[:10] == bench.ISSUE14_ROWS
+    assert bench.plan_rows(groups=["issue14"], dtypes=["bfloat16"], modes=["fwd+bwd"]) == [
+        ("window", 4096, "bfloat16", "fwd+bwd")
+    ]
+    for workload, L, dtype, mode in bench.ISSUE14_ROWS:  # every row issue 14's bars name
+        assert any(c[0] == (workload, L, dtype, mode) for c in criteria("no-bf16"))
     assert all(r[1] <= 2048 for r in bench.plan_rows(quick=True))
     picked = bench.plan_rows(workloads=["causal"], lengths=[1024], dtypes=["bfloat16"])
     assert picked == [("causal", 1024, "bfloat16", "fwd"), ("causal", 1024, "bfloat16", "fwd+bwd")]
@@ -295,6 +469,17 @@ BAD_OPTIONS: list[tuple[list[str], list[str]]] = [
     (["--quick", "-w", "window"], ["--quick picks its own rows", "cannot go with -w/--workload"]),
     (["--quick", "-L", "512"], ["cannot go with -L/--length", "(fix: leave out --quick, or"]),
     (["--quick", "--dtype", "bfloat16"], ["leave no rows to run: the quick rows are float32 fwd"]),
+    (["-g", "nope"], ["-g/--group 'nope' is not one of acceptance, issue14"]),
+    (
+        ["-g", "issue14", "-w", "causal"],
+        ["-g/--group picks the rows of its group", "-w/--workload"],
+    ),
+    (["--quick", "-g", "issue14"], ["--quick picks its own rows", "cannot go with -g/--group"]),
+    (["-g", "issue14", "--full"], ["-g/--group picks the rows of its group", "with --full"]),
+    (
+        ["-g", "acceptance", "--dtype", "bfloat16", "--mode", "fwd+bwd"],
+        ["leave no rows to run: the acceptance group rows are"],
+    ),
     (["--json", "{tmp}/no/such/dir/x.json"], ["--json {tmp}/no/such/dir/x.json: the directory"]),
     (["--markdown", "{tmp}/missing/r.md"], ["{tmp}/missing does not exist", "mkdir -p"]),
     (["--plot", "{tmp}/missing/p.png"], ["--plot {tmp}/missing/p.png: the directory"]),

@@ -1,13 +1,16 @@
 """``attnkit bench``: attnkit against torch's own ways to compute attention, side by side.
 
 Workloads (:mod:`attnkit.bench.workloads`): dense, causal, key padding, causal sliding window
-256, 8 packed documents, prefix-LM, grouped-query 32/8 heads, decode, and module rows; at the
-lengths asked, forward or forward + backward, float32 or bfloat16. Peers
-(:mod:`attnkit.bench.peers`): the seed tutorials' code with a dense mask, SDPA with a dense mask
-or ``is_causal``, ``nn.MultiheadAttention``, compiled ``flex_attention`` (its compile timed
-apart), and every attnkit backend. Each row reports, per peer, the median time of interleaved
-calls, useful GFLOP/s (allowed pairs only) and its fraction of the machine's fp32 GEMM, the peak
-memory above the inputs (a fresh process per case), and the time over the best peer's.
+256, 8 packed documents (random or equal lengths), prefix-LM, grouped-query 32/8 heads (causal,
+or with the causal window), decode, and module rows; at the lengths asked, forward or forward +
+backward, float32 or bfloat16. Rows (:mod:`attnkit.bench.plan`): the default run's, in named
+groups (``acceptance``, ``issue14``), or any selection. Peers (:mod:`attnkit.bench.peers`): the
+seed tutorials' code with a dense mask, SDPA with a dense mask or ``is_causal``,
+``nn.MultiheadAttention``, compiled ``flex_attention`` (its compile timed apart), every attnkit
+backend, and attnkit on float32 copies of a bfloat16 row. Each row reports, per peer, the median
+time of interleaved calls, useful GFLOP/s (allowed pairs only) and its fraction of the machine's
+fp32 GEMM, the peak memory above the inputs (a fresh process per case), and the time over the
+best peer's; the record names the CPU's features (:mod:`attnkit.bench.machine`).
 
 >>> from attnkit import bench
 >>> rows = bench.plan_rows(quick=True)
@@ -17,7 +20,18 @@ memory above the inputs (a fresh process per case), and the time over the best p
 >>> bench.print_table(result)  # doctest: +SKIP
 """
 
+from attnkit.bench.machine import cpu_features
 from attnkit.bench.peers import PEERS, peer_names
+from attnkit.bench.plan import (
+    ACCEPTANCE_ROWS,
+    DEFAULT_ROWS,
+    GROUPS,
+    ISSUE14_ROWS,
+    check_options,
+    check_rows,
+    plan_rows,
+    row_peers,
+)
 from attnkit.bench.report import (
     acceptance,
     print_table,
@@ -26,20 +40,14 @@ from attnkit.bench.report import (
     write_markdown,
     write_plot,
 )
-from attnkit.bench.runner import (
-    ACCEPTANCE_ROWS,
-    BenchResult,
-    Entry,
-    Row,
-    check_options,
-    check_rows,
-    plan_rows,
-    run,
-)
+from attnkit.bench.runner import BenchResult, Entry, Row, run
 from attnkit.bench.workloads import WORKLOADS, Workload, allowed_pairs
 
 __all__ = [
     "ACCEPTANCE_ROWS",
+    "DEFAULT_ROWS",
+    "GROUPS",
+    "ISSUE14_ROWS",
     "PEERS",
     "WORKLOADS",
     "BenchResult",
@@ -50,9 +58,11 @@ __all__ = [
     "allowed_pairs",
     "check_options",
     "check_rows",
+    "cpu_features",
     "peer_names",
     "plan_rows",
     "print_table",
+    "row_peers",
     "run",
     "to_markdown",
     "write_json",

@@ -13,8 +13,11 @@ Peers (what people write without attnkit):
   predicate; its compile is timed apart (the first call) and left out of the per-call time;
 * ``torch-mha``: ``nn.MultiheadAttention`` (module rows).
 
-attnkit: ``attnkit`` (``backend="auto"``), ``attnkit-<name>`` for each registered backend, and
-``attnkit-mha`` (:class:`attnkit.MultiHeadAttention`, module rows).
+attnkit: ``attnkit`` (``backend="auto"``), ``attnkit-<name>`` for each registered backend,
+``attnkit-fp32`` (``auto`` on float32 copies of a bfloat16 row's inputs: attnkit's float32 speed
+on the same call, which the bfloat16 bars of issue 14 compare against; the copies are made
+before the timed calls, and count in its peak memory) and ``attnkit-mha``
+(:class:`attnkit.MultiHeadAttention`, module rows).
 
 A peer that cannot run a case says why (:meth:`Peer.skip`): no backward, a dtype it lacks, or
 the memory its dense tensors would take over the run's cap.
@@ -246,6 +249,32 @@ class _Attnkit(Peer):
         return run
 
 
+class _AttnkitFp32(Peer):
+    """``attnkit.attention`` (``auto``) on float32 copies of a low-precision row's inputs."""
+
+    def skip_case(
+        self, wl: Workload, L: int, dtype: torch.dtype, backward: bool, cap: float
+    ) -> str | None:
+        if dtype == torch.float32:
+            return "the row is float32: attnkit-fp32 would be the attnkit peer again"
+        return None
+
+    def setup(self, wl: Workload, inputs: Inputs) -> Fn:
+        import attnkit
+
+        grad = inputs.q.requires_grad
+        q, k, v = (t.detach().float().requires_grad_(grad) for t in (inputs.q, inputs.k, inputs.v))
+        mask = None if inputs.causal else inputs.spec
+        causal = inputs.causal
+
+        def run() -> torch.Tensor:
+            for t in (q, k, v):  # its own leaves: the worker clears the row's inputs only
+                t.grad = None
+            return attnkit.attention(q, k, v, mask=mask, causal=causal)
+
+        return run
+
+
 class _AttnkitMha(_ModulePeer):
     def build(self, x: torch.Tensor, H: int) -> Callable[[torch.Tensor], torch.Tensor]:
         import attnkit
@@ -273,6 +302,9 @@ def _peers() -> dict[str, Peer]:
         _Attnkit(f"attnkit-{name}", f"attnkit.attention, backend={name!r}", name)
         for name in available_backends()
     ]
+    found.append(
+        _AttnkitFp32("attnkit-fp32", "attnkit.attention, backend='auto', on float32 copies")
+    )
     found.append(_AttnkitMha("attnkit-mha", "attnkit.MultiHeadAttention (module rows)"))
     return {p.name: p for p in found}
 

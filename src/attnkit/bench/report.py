@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 __all__ = [
     "Check",
     "acceptance",
+    "bf16_note",
+    "criteria",
     "machine_line",
     "print_table",
     "to_markdown",
@@ -80,46 +82,105 @@ def _passes(value: float, bar: str) -> bool:
     return bool(_COMPARE[op](value, float(limit)))
 
 
-#: The issue's acceptance criteria, per float32 row (workload, L, mode): what is judged, the
+Criterion = tuple[tuple[str, int, str, str], str, str, str]  # row, what, measure, bar
+
+
+def _table(text: str) -> list[Criterion]:
+    """One criterion a line: ``workload L dtype mode | what | measure | bar`` (a line ending
+    in a backslash goes on in the next)."""
+    out = []
+    for line in text.strip().splitlines():
+        row, what, measure, bar = (" ".join(part.split()) for part in line.split("|"))
+        workload, L, dtype, mode = row.split()
+        out.append(((workload, int(L), dtype, mode), what, measure, bar))
+    return out
+
+
+#: The suite's own acceptance criteria (its first issue's): the row, what is judged, the
 #: measure (see :func:`_measure`) and the bar (see :func:`_passes`).
-_CRITERIA: dict[tuple[str, int, str], list[tuple[str, str, str]]] = {
-    ("dense", 4096, "fwd"): [("dense L=4096: auto time / SDPA time", "attnkit/sdpa", "<= 1.05")],
-    ("causal", 4096, "fwd"): [("causal L=4096: auto time / SDPA time", "attnkit/sdpa", "<= 1.05")],
-    ("window", 16384, "fwd"): [
-        ("window 256, L=16384 fwd: SDPA (dense mask) / auto", "sdpa/attnkit", ">= 10"),
-        ("window 256, L=16384 fwd: flex (warm) / auto", "flex/attnkit", ">= 1.5"),
-        ("window 256, L=16384 fwd: auto useful GFLOP/s / GEMM", "gemm", ">= 0.5"),
-    ],
-    ("window", 16384, "fwd+bwd"): [
-        ("window 256, L=16384 fwd+bwd: SDPA (dense mask) / auto", "sdpa/attnkit", ">= 10"),
-        ("window 256, L=16384 fwd+bwd: auto peak memory above inputs (GiB)", "peak GiB", "<= 1.5"),
-    ],
-    ("document", 16384, "fwd"): [
-        ("8 documents, L=16384 fwd: SDPA (dense mask) / auto", "sdpa/attnkit", ">= 4"),
-    ],
-    ("padding", 8192, "fwd"): [
-        ("25% key padding, L=8192 fwd: SDPA (dense mask) / auto", "sdpa/attnkit", ">= 1.2"),
-    ],
-    ("window", 65536, "fwd+bwd"): [
-        (
-            "window 256, L=65536 fwd+bwd runs: auto peak memory above inputs (GiB)",
-            "peak GiB",
-            "fits in RAM",
-        ),
-    ],
-}
+_CRITERIA = _table("""
+dense 4096 float32 fwd | dense L=4096: auto time / SDPA time | attnkit/sdpa | <= 1.05
+causal 4096 float32 fwd | causal L=4096: auto time / SDPA time | attnkit/sdpa | <= 1.05
+window 16384 float32 fwd | window 256, L=16384 fwd: SDPA (dense mask) / auto | sdpa/attnkit | >= 10
+window 16384 float32 fwd | window 256, L=16384 fwd: flex (warm) / auto | flex/attnkit | >= 1.5
+window 16384 float32 fwd | window 256, L=16384 fwd: auto useful GFLOP/s / GEMM | gemm | >= 0.5
+window 16384 float32 fwd+bwd | window 256, L=16384 fwd+bwd: SDPA (dense mask) / auto \
+    | sdpa/attnkit | >= 10
+window 16384 float32 fwd+bwd | window 256, L=16384 fwd+bwd: auto peak memory above inputs (GiB) \
+    | peak GiB | <= 1.5
+document 16384 float32 fwd | 8 documents, L=16384 fwd: SDPA (dense mask) / auto | sdpa/attnkit \
+    | >= 4
+padding 8192 float32 fwd | 25% key padding, L=8192 fwd: SDPA (dense mask) / auto | sdpa/attnkit \
+    | >= 1.2
+window 65536 float32 fwd+bwd | window 256, L=65536 fwd+bwd runs: auto peak memory above inputs \
+    (GiB) | peak GiB | fits in RAM
+""")
+
+#: Issue 14's criteria (one kernel for every mask) that do not depend on the CPU.
+_ISSUE14 = _table("""
+causal 4096 float32 fwd | issue 14: causal L=4096 fp32: SDPA is_causal / auto | sdpa/attnkit \
+    | >= 1.15
+document 16384 float32 fwd | issue 14: 8 documents (uneven), L=16384 fwd: auto of GEMM | gemm \
+    | >= 0.65
+document-equal 16384 float32 fwd | issue 14: 8 documents (equal), L=16384 fwd: auto of GEMM \
+    | gemm | >= 0.65
+prefix 4096 float32 fwd | issue 14: prefix-LM, L=4096 fwd: auto of GEMM | gemm | >= 0.65
+padding 8192 float32 fwd | issue 14: 25% key padding, L=8192 fwd: auto of GEMM | gemm | >= 0.65
+gqa-window 16384 float32 fwd | issue 14: grouped-query 32/8 window 256, L=16384 fwd: auto of \
+    GEMM | gemm | >= 0.65
+gqa-window 16384 float32 fwd+bwd | issue 14: grouped-query 32/8 window 256, L=16384 fwd+bwd: \
+    auto of GEMM | gemm | >= 0.65
+""")
+
+_BF16_WINDOW = [("window", 4096, "bfloat16", "fwd"), ("window", 4096, "bfloat16", "fwd+bwd")]
+_BF16_CAUSAL = ("causal", 4096, "bfloat16", "fwd")
+_NAMES = {"window": "window 256", "causal": "causal"}
+
+
+def _bf16_criteria(cpu: str) -> list[Criterion]:
+    """Issue 14's bfloat16 bars for the CPU class the run measured (see
+    :func:`attnkit.bench.machine.bf16_class`): with bf16 dot products (AVX512-BF16 or AMX)
+    bfloat16 must beat float32 by 1.5x; without them (AVX2, AVX-512 without BF16; also where
+    the flags are unknown) every bfloat16 row must reach 0.9x attnkit's own float32 speed on
+    the same call, and causal 1.15x SDPA in bfloat16."""
+    fp32 = "attnkit-fp32/attnkit"
+    if cpu == "bf16":
+        tag = "issue 14 (CPU with bf16 instructions)"
+        return [
+            (row, f"{tag}: window 256 bf16, L=4096 {row[3]}: attnkit fp32 / bf16", fp32, ">= 1.5")
+            for row in _BF16_WINDOW
+        ] + [
+            (
+                _BF16_CAUSAL,
+                f"{tag}: causal bf16, L=4096: SDPA bf16 / auto",
+                "sdpa/attnkit",
+                ">= 1.5",
+            )
+        ]
+    tag = "issue 14 (CPU without bf16 instructions)"
+    return [
+        (row, f"{tag}: {_NAMES[row[0]]} bf16, L=4096 {row[3]}: attnkit fp32 / bf16", fp32, ">= 0.9")
+        for row in (*_BF16_WINDOW, _BF16_CAUSAL)
+    ] + [(_BF16_CAUSAL, f"{tag}: causal bf16, L=4096: SDPA bf16 / auto", "sdpa/attnkit", ">= 1.15")]
+
+
+def criteria(cpu: str = "unknown") -> list[Criterion]:
+    """Every acceptance criterion a run is judged on, for a CPU of class ``cpu``."""
+    return _CRITERIA + _ISSUE14 + _bf16_criteria(cpu)
 
 
 def acceptance(result: BenchResult) -> list[Check]:
-    """The issue's acceptance rows, each with its measured value (where the run has it)."""
+    """The issues' acceptance rows, each with its measured value (where the run has it); the
+    bfloat16 bars are those of the CPU class in the run's machine record."""
     checks = []
-    for (workload, L, mode), criteria in _CRITERIA.items():
-        row = _find(result, workload, L, "float32", mode)
+    for (workload, L, dtype, mode), what, measure, bar in criteria(
+        result.machine.get("bf16_class", "unknown")
+    ):
+        row = _find(result, workload, L, dtype, mode)
         label = row.label if row is not None else "(row not run)"
-        for what, measure, bar in criteria:
-            value = _measure(row, measure)
-            passed = None if value is None else _passes(value, bar)
-            checks.append(Check(what, label, value, bar, passed))
+        value = _measure(row, measure)
+        passed = None if value is None else _passes(value, bar)
+        checks.append(Check(what, label, value, bar, passed))
     return checks
 
 
@@ -139,10 +200,32 @@ def winners(result: BenchResult) -> list[tuple[str, str, str]]:
     return out
 
 
-def machine_line(result: BenchResult) -> str:
+def bf16_note(result: BenchResult) -> str:
+    """Which of issue 14's two sets of bfloat16 bars the run was judged on, and why."""
+    from attnkit.bench.machine import describe_features
+
     m = result.machine
+    flags = describe_features(m.get("cpu_features"))
+    cls = m.get("bf16_class", "unknown")
+    if cls == "bf16":
+        return (
+            f"bfloat16 bars: issue 14's for a CPU with AVX512-BF16 or AMX (this one: {flags}): "
+            "bf16 causal window >= 1.5x attnkit fp32, bf16 causal >= 1.5x SDPA bf16."
+        )
+    which = "this one" if cls == "no-bf16" else "its flags were not read"
     return (
-        f"{m.get('cpu')}, {m.get('cores')} cores ({m.get('capability')}), "
+        f"bfloat16 bars: issue 14's for a CPU without bf16 instructions ({which}: {flags}): "
+        "every bf16 row >= 0.9x attnkit fp32 on the same call, bf16 causal >= 1.15x SDPA bf16."
+    )
+
+
+def machine_line(result: BenchResult) -> str:
+    from attnkit.bench.machine import describe_features
+
+    m = result.machine
+    flags = describe_features(m["cpu_features"]) if "cpu_features" in m else "CPU flags unknown"
+    return (
+        f"{m.get('cpu')}, {m.get('cores')} cores ({m.get('capability')}; {flags}), "
         f"{m.get('memory_gib')} GiB; torch {m.get('torch')} with {m.get('threads')} threads; "
         f"fp32 GEMM {result.gemm_gflops:.1f} GFLOP/s; load {m.get('load_at_start')} -> "
         f"{m.get('load_at_end')}; {m.get('date')}; median of {result.reps} interleaved calls"
@@ -180,7 +263,8 @@ def print_table(result: BenchResult) -> None:
             title=f"{row.label}  ({row.flops / 1e9:.2f} useful GFLOP)", title_justify="left"
         )
         for h in HEADER:
-            table.add_column(h, justify="left" if h in ("peer", "note") else "right")
+            justify = "left" if h in ("peer", "note") else "right"
+            table.add_column(h, justify=justify, no_wrap=h == "peer")  # type: ignore[arg-type]
         for e in row.entries:
             table.add_row(*_cells(e))
         console.print(table)
@@ -188,7 +272,7 @@ def print_table(result: BenchResult) -> None:
     if not ran:
         return
     checks = Table(
-        title="acceptance (the rows of this run that the issue names)", title_justify="left"
+        title="acceptance (the rows of this run that the issues name)", title_justify="left"
     )
     for h in ("criterion", "measured", "bar", "verdict"):
         checks.add_column(h)
@@ -197,6 +281,8 @@ def print_table(result: BenchResult) -> None:
         value = "-" if c.value is None else f"{c.value:.3g}"
         checks.add_row(c.what, value, c.bar, verdict)
     console.print(checks)
+    if any("bfloat16" in c.row for c in ran):
+        console.print(bf16_note(result))
 
 
 def to_markdown(result: BenchResult) -> str:
@@ -232,7 +318,10 @@ def to_markdown(result: BenchResult) -> str:
     ran = [c for c in acceptance(result) if c.passed is not None]
     if not ran:
         return "\n".join(lines) + "\n"
-    lines += ["", "### Acceptance", "", "| criterion | row | measured | bar | verdict |"]
+    lines += ["", "### Acceptance", ""]
+    if any("bfloat16" in c.row for c in ran):
+        lines += [bf16_note(result), ""]
+    lines += ["| criterion | row | measured | bar | verdict |"]
     lines.append("|---|---|---|---|---|")
     for c in ran:
         verdict = "not run" if c.passed is None else ("PASS" if c.passed else "**FAIL**")

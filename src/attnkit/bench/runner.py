@@ -7,11 +7,8 @@ throughput is measured first, so each row can say which fraction of it the usefu
 
 from __future__ import annotations
 
-import itertools
 import json
-import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -22,12 +19,27 @@ from typing import Any
 
 import torch
 
+from attnkit.bench.machine import machine
 from attnkit.bench.peers import OUTSIDE, PEERS
-from attnkit.bench.workloads import WORKLOADS, get_workload
-from attnkit.errors import AttentionInputError
+from attnkit.bench.plan import (
+    ACCEPTANCE_ROWS,
+    DEFAULT_ROWS,
+    GROUPS,
+    ISSUE14_ROWS,
+    QUICK_PEERS,
+    check_options,
+    check_rows,
+    plan_rows,
+    row_peers,
+)
+from attnkit.bench.workloads import get_workload
 
 __all__ = [
     "ACCEPTANCE_ROWS",
+    "DEFAULT_ROWS",
+    "GROUPS",
+    "ISSUE14_ROWS",
+    "QUICK_PEERS",
     "BenchResult",
     "Entry",
     "Row",
@@ -36,43 +48,11 @@ __all__ = [
     "machine",
     "measure_gemm",
     "plan_rows",
+    "row_peers",
     "run",
 ]
 
 GiB = 1 << 30
-
-#: the rows of the default run: the issue's acceptance rows and a few more
-ACCEPTANCE_ROWS: list[tuple[str, int, str, str]] = [
-    ("dense", 4096, "float32", "fwd"),
-    ("causal", 4096, "float32", "fwd"),
-    ("window", 16384, "float32", "fwd"),
-    ("window", 16384, "float32", "fwd+bwd"),
-    ("document", 16384, "float32", "fwd"),
-    ("padding", 8192, "float32", "fwd"),
-    ("prefix", 4096, "float32", "fwd"),
-    ("gqa", 4096, "float32", "fwd"),
-    ("decode", 65536, "float32", "fwd"),
-    ("window", 4096, "bfloat16", "fwd"),
-    ("window", 65536, "float32", "fwd+bwd"),
-]
-DEFAULT_PEERS = ["naive", "sdpa", "flex", "attnkit", "attnkit-blocked"]
-#: the seed-style code takes minutes a call on big rows: with the default peers it runs only
-#: where B x H x L x S is at most this (8 heads at L = 4096), in float32
-NAIVE_MAX = 8 * 4096 * 4096
-FULL_LENGTHS = [1024, 4096, 16384, 65536]
-QUICK_ROWS: list[tuple[str, int, str, str]] = [
-    ("dense", 512, "float32", "fwd"),
-    ("window", 2048, "float32", "fwd"),
-    ("window", 2048, "float32", "fwd+bwd"),
-]
-QUICK_PEERS = ["naive", "sdpa", "attnkit", "attnkit-blocked"]
-DTYPES = ["float32", "bfloat16"]
-MODES = ["fwd", "fwd+bwd"]
-#: the longest length a row may ask for: 4x the longest --full length (the inputs alone grow
-#: with L, and planning a row builds its block map)
-MAX_LENGTH = 4 * FULL_LENGTHS[-1]
-#: the largest n of the n x n GEMM timed beside the peers (its three matrices take 3 GiB)
-MAX_GEMM = 16384
 
 
 @dataclass
@@ -133,35 +113,6 @@ class BenchResult:
         }
 
 
-def machine() -> dict[str, Any]:
-    """The machine line: CPU, cores, memory, torch and its threads, load."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
-    mem = None
-    try:
-        with open("/proc/meminfo") as f:
-            mem = int(f.readline().split()[1]) * 1024 / GiB
-    except (OSError, ValueError, IndexError):
-        pass
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gib": round(mem, 1) if mem else None,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "capability": torch.backends.cpu.get_cpu_capability(),
-        "python": platform.python_version(),
-        "load_at_start": round(load, 2) if load is not None else None,
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-    }
-
-
 def measure_gemm(n: int = 4096, reps: int = 5) -> float:
     """The machine's fp32 GEMM throughput, GFLOP/s: median of ``reps`` ``n x n`` matmuls."""
     g = torch.Generator().manual_seed(0)
@@ -173,167 +124,6 @@ def measure_gemm(n: int = 4096, reps: int = 5) -> float:
         a @ b
         times.append(time.perf_counter() - t0)
     return 2.0 * n**3 / statistics.median(times) / 1e9
-
-
-def _option_error(
-    where: str, flag: str, problem: str, got: str, expected: str, fix: str
-) -> AttentionInputError:
-    return AttentionInputError(
-        where, flag, f"{flag} {problem}", got=got, expected=expected, fix=fix
-    )
-
-
-def _check_names(where: str, flag: str, given: Iterable[str], allowed: list[str]) -> None:
-    for name in given:
-        if name not in allowed:
-            listed = ", ".join(allowed)
-            raise _option_error(
-                where,
-                flag,
-                f"{name!r} is not one of {listed}.",
-                f"{flag} {name}",
-                f"one of {listed}",
-                f"pick from {listed} (repeat {flag.split('/')[0]} for several)",
-            )
-
-
-def _check_lengths(where: str, lengths: Iterable[int]) -> None:
-    for L in lengths:
-        if isinstance(L, bool) or not isinstance(L, int) or not 1 <= L <= MAX_LENGTH:
-            raise _option_error(
-                where,
-                "-L/--length",
-                f"{L!r} is not a length attnkit bench runs: it takes 1 to {MAX_LENGTH}.",
-                f"-L {L}",
-                f"an int from 1 to {MAX_LENGTH}",
-                f"pass lengths such as {', '.join(f'-L {n}' for n in FULL_LENGTHS)}",
-            )
-
-
-def check_rows(rows: Iterable[tuple[str, int, str, str]], where: str = "attnkit.bench") -> None:
-    """Refuse a row whose workload, length, dtype or mode :func:`run` does not know."""
-    for workload, L, dtype, mode in rows:
-        _check_names(where, "-w/--workload", [workload], list(WORKLOADS))
-        _check_lengths(where, [L])
-        _check_names(where, "--dtype", [dtype], DTYPES)
-        _check_names(where, "--mode", [mode], MODES)
-
-
-def check_options(
-    *,
-    peers: list[str] | None = None,
-    reps: int = 5,
-    cap_gib: float = 12.0,
-    gemm_n: int = 4096,
-    where: str = "attnkit.bench.run",
-) -> None:
-    """Refuse the options of :func:`run` that it cannot use (before it measures anything).
-
-    >>> check_options(gemm_n=-1)
-    Traceback (most recent call last):
-    attnkit.errors.AttentionInputError: attnkit.bench.run: --gemm-size -1 is not a GEMM size:...
-    """
-    _check_names(where, "-p/--peer", peers or [], list(PEERS))
-    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
-        raise _option_error(
-            where,
-            "--reps",
-            f"must be a positive int, got {reps!r}.",
-            f"--reps {reps}",
-            "an int >= 1 (5 or more for published numbers)",
-            "pass --reps 5",
-        )
-    if not (isinstance(cap_gib, (int, float)) and math.isfinite(cap_gib) and cap_gib > 0):
-        raise _option_error(
-            where,
-            "--cap-gib",
-            f"must be a positive number of GiB, got {cap_gib!r}.",
-            f"--cap-gib {cap_gib}",
-            "a finite number > 0",
-            "pass --cap-gib 12 (the default)",
-        )
-    if isinstance(gemm_n, bool) or not isinstance(gemm_n, int) or not 0 <= gemm_n <= MAX_GEMM:
-        raise _option_error(
-            where,
-            "--gemm-size",
-            f"{gemm_n!r} is not a GEMM size: 0 (none) or an n from 1 to {MAX_GEMM}.",
-            f"--gemm-size {gemm_n}",
-            f"an int from 0 to {MAX_GEMM}",
-            "pass --gemm-size 4096 (the default), or 0 for none",
-        )
-
-
-def plan_rows(
-    rows: Iterable[tuple[str, int, str, str]] | None = None,
-    *,
-    workloads: list[str] | None = None,
-    lengths: list[int] | None = None,
-    dtypes: list[str] | None = None,
-    modes: list[str] | None = None,
-    full: bool = False,
-    quick: bool = False,
-) -> list[tuple[str, int, str, str]]:
-    """The rows to run: given ones, the acceptance rows (default), the quick smoke rows, or the
-    product of the selections (``full``: every workload, length, dtype and mode).
-
-    ``dtypes`` and ``modes`` filter any of these; ``quick`` is its own choice of rows, so it
-    is refused together with ``workloads``, ``lengths`` or ``full``. Unknown names, lengths
-    outside ``1..MAX_LENGTH`` and a selection that leaves no rows are refused too
-    (:class:`~attnkit.AttentionInputError`).
-
-    >>> plan_rows(quick=True, modes=["fwd+bwd"])
-    [('window', 2048, 'float32', 'fwd+bwd')]
-    """
-    where = "attnkit.bench.plan_rows"
-    if rows is not None:
-        chosen = list(rows)
-        check_rows(chosen, where)
-        return chosen
-    _check_names(where, "-w/--workload", workloads or [], list(WORKLOADS))
-    _check_lengths(where, lengths or [])
-    _check_names(where, "--dtype", dtypes or [], DTYPES)
-    _check_names(where, "--mode", modes or [], MODES)
-    if quick and (full or workloads or lengths):
-        other = "--full" if full else "-w/--workload" if workloads else "-L/--length"
-        raise _option_error(
-            where,
-            "--quick",
-            f"picks its own rows (dense L=512, window L=2048), so it cannot go with {other}.",
-            f"--quick with {other}",
-            "--quick alone (--dtype, --mode and -p still apply), or rows chosen without it",
-            f"leave out --quick, or leave out {other}",
-        )
-    if full or workloads or lengths:
-        base = list(
-            itertools.product(
-                workloads or list(WORKLOADS),
-                lengths or FULL_LENGTHS,
-                dtypes or DTYPES,
-                modes or MODES,
-            )
-        )
-    else:
-        base = QUICK_ROWS if quick else ACCEPTANCE_ROWS
-    chosen = [
-        r
-        for r in base
-        if (not workloads or r[0] in workloads)
-        and (not lengths or r[1] in lengths)
-        and (not dtypes or r[2] in dtypes)
-        and (not modes or r[3] in modes)
-    ]
-    if not chosen:
-        kinds = sorted({f"{r[2]} {r[3]}" for r in base})
-        raise _option_error(
-            where,
-            "--dtype/--mode",
-            f"leave no rows to run: the {'quick' if quick else 'default'} rows are "
-            f"{', '.join(kinds)}.",
-            f"--dtype {dtypes or DTYPES} --mode {modes or MODES}",
-            "a selection that keeps at least one row",
-            "pick rows with -w and -L to run other dtypes and modes",
-        )
-    return chosen
 
 
 def _worker(job: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -365,11 +155,10 @@ def run(
     """Run the benchmark and return what it measured.
 
     Args:
-        rows: ``(workload, L, dtype, mode)`` tuples (see :func:`plan_rows`); default: the
-            acceptance rows.
-        peers: names from :data:`attnkit.bench.peers.PEERS`; default: sdpa, flex, attnkit
-            (auto), attnkit-blocked, and naive on float32 rows up to 8 heads at L = 4096
-            (module rows always take torch-mha and attnkit-mha).
+        rows: ``(workload, L, dtype, mode)`` tuples (see :func:`plan_rows`); default:
+            :data:`DEFAULT_ROWS`.
+        peers: names from :data:`attnkit.bench.peers.PEERS`, for every row; default: each
+            row's own (:func:`row_peers`).
         reps: timed calls per peer (median reported; at least 5 for published numbers).
         memory: measure each case's peak memory in a fresh process.
         cap_gib: a peer whose dense tensors would take more is skipped, with the reason.
@@ -389,10 +178,9 @@ def run(
     [('sdpa', True), ('attnkit', True)]
     """
     start = time.perf_counter()
-    chosen = list(rows) if rows is not None else ACCEPTANCE_ROWS
+    chosen = list(rows) if rows is not None else DEFAULT_ROWS
     check_rows(chosen, "attnkit.bench.run")
     check_options(peers=peers, reps=reps, cap_gib=cap_gib, gemm_n=gemm_n)
-    names = peers or DEFAULT_PEERS
     cap = cap_gib * GiB
     info = machine()
     plans: list[tuple[Row, list[str]]] = []
@@ -401,11 +189,7 @@ def run(
         backward = mode == "fwd+bwd"
         row = Row(workload, L, dtype, mode, wl.flops(L, backward))
         todo = []
-        row_peers = ["torch-mha", "attnkit-mha"] if wl.module else names
-        Lq, S = wl.sizes(L)
-        if peers is None and (wl.B * wl.H * Lq * S > NAIVE_MAX or dtype != "float32"):
-            row_peers = [p for p in row_peers if p != "naive"]
-        for name in row_peers:
+        for name in peers or row_peers(workload, L, dtype):
             why = PEERS[name].skip(wl, L, getattr(torch, dtype), backward, cap)
             if why is None:
                 todo.append(name)

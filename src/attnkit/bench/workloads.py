@@ -51,6 +51,9 @@ class Workload:
     Hkv: int = 8
     D: int = 64
     module: bool = False  #: a module row: nn.MultiheadAttention against attnkit's module
+    #: the peers a run without ``-p`` times on this workload (``None``: the suite's default
+    #: peers); set where a default peer would take minutes a call (a dense mask at 32 heads)
+    peers: tuple[str, ...] | None = None
 
     def sizes(self, L: int) -> tuple[int, int]:
         """``(L, S)``: query and key lengths for the length ``L`` of the run."""
@@ -63,7 +66,7 @@ class Workload:
             return None, False
         if self.name in ("causal", "gqa", "module"):
             return masks.causal(), True
-        if self.name == "window":
+        if self.name in ("window", "gqa-window"):
             return masks.causal() & masks.sliding_window(256), False
         if self.name == "padding":  # the second sequence is half padding: 25% of all keys
             return masks.padding(torch.tensor([S, S // 2])), False
@@ -72,6 +75,9 @@ class Workload:
             ids = torch.zeros(S, dtype=torch.long)
             for c in cuts.tolist():
                 ids[c:] += 1
+            return masks.document(ids) & masks.causal(), False
+        if self.name == "document-equal":  # 8 packed documents of equal length, causal in each
+            ids = torch.arange(S) * 8 // S
             return masks.document(ids) & masks.causal(), False
         if self.name == "prefix":
             return masks.prefix_lm(S // 4), False
@@ -137,8 +143,20 @@ WORKLOADS: dict[str, Workload] = {
         ),
         Workload("window", "causal sliding window of 256"),
         Workload("document", "8 packed documents of random lengths, causal within each"),
+        Workload(
+            "document-equal",
+            "8 packed documents of equal length, causal within each",
+            peers=("sdpa", "flex", "attnkit"),
+        ),
         Workload("prefix", "prefix-LM: a bidirectional prefix of L/4, then causal"),
         Workload("gqa", "grouped-query 32/8 heads, causal", H=32, Hkv=8),
+        Workload(
+            "gqa-window",
+            "grouped-query 32/8 heads, causal sliding window of 256",
+            H=32,
+            Hkv=8,
+            peers=("flex", "attnkit"),
+        ),
         Workload("decode", "decode: 1 query against a cache of L keys"),
         Workload("module", "module row: causal self-attention, E=512, 8 heads", module=True),
     )

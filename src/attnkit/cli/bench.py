@@ -65,8 +65,8 @@ def bench(
             "--workload",
             "-w",
             metavar="<workload>",
-            help="dense, causal, padding, window, document, "
-            "prefix, gqa, decode, module (repeat for several)",
+            help="dense, causal, padding, window, document, document-equal, "
+            "prefix, gqa, gqa-window, decode, module (repeat for several)",
         ),
     ] = None,
     length: Annotated[
@@ -91,6 +91,16 @@ def bench(
             metavar="<peer>",
             help="naive, sdpa, flex, torch-mha, attnkit, "
             "attnkit-<backend>, attnkit-mha (repeat; default: the main ones)",
+        ),
+    ] = None,
+    group: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--group",
+            "-g",
+            metavar="<group>",
+            help="only the rows of a group: acceptance (the suite's own), issue14 (one kernel "
+            "for every mask) (repeat; not with -w, -L, --full or --quick)",
         ),
     ] = None,
     reps: Annotated[int, typer.Option(help="timed calls per peer (median; >= 5)")] = MIN_REPS,
@@ -124,17 +134,24 @@ def bench(
 ) -> None:
     """Time attnkit against SDPA, flex_attention, the seed code and nn.MultiheadAttention.
 
-    With no options: the acceptance rows (dense/causal 4k, sliding window 16k forward and
-    backward, 8 documents 16k, key padding 8k, and a few more), 15 to 30 minutes on a 2-core
-    machine (docs/benchmarks.md).
+    With no options: the rows of both groups (acceptance: dense/causal 4k, sliding window 16k
+    forward and backward, 8 documents 16k, key padding 8k, and a few more; issue14: equal
+    documents 16k, grouped-query 32/8 window 16k forward and backward, bfloat16 against
+    attnkit's float32 and SDPA), 20 to 35 minutes on a 2-core machine (docs/benchmarks.md).
     """
     from attnkit import bench as api
     from attnkit.bench.peers import PEERS
-    from attnkit.bench.runner import QUICK_PEERS
+    from attnkit.bench.plan import QUICK_PEERS
 
     # every check first: nothing is measured until all options and paths are good
     rows = api.plan_rows(
-        workloads=workload, lengths=length, dtypes=dtype, modes=mode, full=full, quick=quick
+        workloads=workload,
+        lengths=length,
+        dtypes=dtype,
+        modes=mode,
+        full=full,
+        quick=quick,
+        groups=group,
     )
     _check_reps(reps)
     peers = peer or (list(PEERS) if full else QUICK_PEERS if quick else None)

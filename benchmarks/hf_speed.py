@@ -1,0 +1,469 @@
+"""A Mistral-like model in Hugging Face transformers: ``attn_implementation="attnkit"`` against
+``"sdpa"``, same weights, one run (issue 11's speed acceptance).
+
+    python benchmarks/hf_speed.py [--reps 5] [--length 8192] [--train-length 4096] [--quick]
+                                  [--no-memory] [--json out.json] [--markdown docs/hf.md]
+
+The model is built from a tiny random config, nothing downloaded: ``MistralConfig`` with hidden
+512, 8 query and 2 key/value heads of 64, 2 layers, sliding window 256, intermediate 1792 (Mistral
+7B's 3.5x of hidden), vocabulary 1024, float32. One model is built per implementation, the
+second loading the first's weights.
+
+What it measures, in one process, *interleaved* (one call of each implementation in turn, the
+order flipped every round, median of ``--reps`` rounds, after one untimed call of each):
+
+* **forward**: ``model(input_ids)`` under ``torch.no_grad()`` at ``--length`` (8192), B=1;
+* **training step**: forward with ``labels=input_ids`` (transformers' cross-entropy on the
+  logits), then ``loss.backward()``, at ``--train-length`` (4096); no optimizer step (it is
+  the same for both and tiny);
+* **peak memory** (unless ``--no-memory``): each (implementation, case) in a fresh process of
+  its own: the model and inputs are built, one warm-up call at L=256 loads kernels and makes
+  the first-call allocations, then the peak resident set (``VmHWM`` of ``/proc/self/status``,
+  reset through ``/proc/self/clear_refs`` after the warm-up) during one call, minus the resident
+  set just before it. This sees everything the process holds, torch's allocations included
+  (``tracemalloc`` would not see them); it is Linux-only.
+
+It checks the two models agree (the untimed calls: logits, loss, gradients), and records which
+attnkit backend and path served each attention layer: ``attnkit.trace()`` on the untimed call,
+and ``attnkit.explain`` on the exact arguments a layer passes (one more untimed forward through
+a probe implementation that explains, then runs attnkit's).
+
+The table shows the times, ``sdpa / attnkit`` and the bars of issue 11: forward >= 4x, training
+step >= 4x, peak memory lower. ``--quick`` runs short sequences (1024 and 512, 3 rounds) as a
+smoke test; its verdicts do not judge the issue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import attnkit
+import attnkit.interop
+from attnkit.bench.machine import describe_features, machine
+
+IMPLS = ("sdpa", "attnkit")
+MODEL = {
+    "vocab_size": 1024,
+    "hidden_size": 512,
+    "intermediate_size": 1792,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "sliding_window": 256,
+}
+ISSUE_LENGTHS = (8192, 4096)  # forward, training step
+QUICK_LENGTHS = (1024, 512)
+WARMUP_LENGTH = 256  # the memory processes' warm-up call
+MAX_LENGTH = 131072
+BARS = {"fwd": 4.0, "train": 4.0}
+START, END = "<!-- hf_speed: start -->", "<!-- hf_speed: end -->"
+MiB = 1 << 20
+
+
+# ---------------------------------------------------------------------------------------------
+# the model and the two steps
+
+
+def build(impl: str, max_len: int) -> torch.nn.Module:
+    """The Mistral-like model on ``impl``, float32, weights from seed 0."""
+    import transformers
+
+    attnkit.interop.register_hf()
+    config = transformers.MistralConfig(
+        **MODEL, max_position_embeddings=max(max_len, 4096), use_cache=False
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation=impl, dtype=torch.float32
+    )
+    model.requires_grad_(True)
+    return model  # type: ignore[no-any-return]
+
+
+def input_ids(L: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(L)
+    return torch.randint(0, MODEL["vocab_size"], (1, L), generator=g)
+
+
+def forward(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        logits: torch.Tensor = model(input_ids=ids).logits
+    return logits
+
+
+def train_step(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss: torch.Tensor = model(input_ids=ids, labels=ids).loss
+    loss.backward()  # type: ignore[no-untyped-call]
+    return loss.detach()
+
+
+STEPS: dict[str, Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]] = {
+    "fwd": forward,
+    "train": train_step,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# which path attnkit took
+
+
+def explain_layers(model: torch.nn.Module, ids: torch.Tensor) -> list[str]:
+    """One untimed forward through a probe implementation: each layer's call explained with
+    the arguments it passes (as attnkit's attention function hands them on), then run on
+    attnkit. Returns ``"<backend>: <its note>"`` per layer."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    # the mapping from what a layer passes to attention()'s arguments: attnkit's own, so the
+    # explained call is the one that runs
+    from attnkit.interop.hf_attention import _mask_and_causal, hf_attention, hf_mask
+
+    seen: list[str] = []
+
+    def probe(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kw: Any) -> Any:
+        mask, causal = _mask_and_causal(
+            module, attention_mask, kw.get("is_causal"), kw.get("sliding_window")
+        )
+        e = attnkit.explain(
+            query,
+            key,
+            value,
+            mask=mask,
+            causal=causal,
+            scale=kw.get("scaling"),
+            dropout_p=kw.get("dropout", 0.0),
+            softcap=kw.get("softcap"),
+            sinks=kw.get("s_aux"),
+        )
+        seen.append(f"{e.chosen}: {e.notes.get(e.chosen, e.rule)}")
+        return hf_attention(module, query, key, value, attention_mask, **kw)
+
+    AttentionInterface.register("attnkit_probe", probe)
+    AttentionMaskInterface.register("attnkit_probe", hf_mask)
+    model.set_attn_implementation("attnkit_probe")  # type: ignore[operator]
+    try:
+        forward(model, ids)
+    finally:
+        model.set_attn_implementation("attnkit")  # type: ignore[operator]
+    return seen
+
+
+# ---------------------------------------------------------------------------------------------
+# memory: one case in a fresh process
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+def memory_case(impl: str, step: str, L: int) -> dict[str, float]:
+    """Peak resident memory of one call above what the process held before it (MiB)."""
+    model = build(impl, L)
+    ids = input_ids(L)
+    STEPS[step](model, input_ids(min(WARMUP_LENGTH, L)))
+    model.zero_grad(set_to_none=True)
+    before = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak resident set starts again from the current one
+    STEPS[step](model, ids)
+    return {"peak_mib": (_status("VmHWM") - before) / MiB, "before_mib": before / MiB}
+
+
+def measure_memory(impl: str, step: str, L: int) -> dict[str, Any]:
+    job = json.dumps({"impl": impl, "step": step, "L": L})
+    done = subprocess.run(
+        [sys.executable, __file__, "--memory-case", job],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return {"error": f"exit {done.returncode}: {tail[:200]}"}
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+def interleaved(calls: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
+    """Seconds of each call, ``reps`` rounds, one call of each per round, order flipped."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    names = list(calls)
+    for r in range(reps):
+        for name in names if r % 2 == 0 else names[::-1]:
+            t0 = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def run(L_fwd: int, L_train: int, reps: int, memory: bool) -> dict[str, Any]:
+    info = machine()
+    import transformers
+
+    info["transformers"] = transformers.__version__
+    models = {impl: build(impl, max(L_fwd, L_train)) for impl in IMPLS}
+    models["attnkit"].load_state_dict(models["sdpa"].state_dict())
+    lengths = {"fwd": L_fwd, "train": L_train}
+    result: dict[str, Any] = {
+        "machine": info,
+        "model": dict(MODEL, family="mistral", dtype="float32", batch=1),
+        "lengths": lengths,
+        "reps": reps,
+        "times_ms": {},
+        "median_ms": {},
+        "checks": {},
+        "attnkit_path": {},
+        "peak_mib": {},
+    }
+    for step, L in lengths.items():
+        ids = input_ids(L)
+        # the untimed first call of each: the models must agree, and attnkit must have run
+        with attnkit.trace() as t:
+            ours = STEPS[step](models["attnkit"], ids)
+        theirs = STEPS[step](models["sdpa"], ids)
+        checks: dict[str, Any] = {"attnkit_backends": t.backends}
+        if step == "fwd":
+            checks["logits_max_abs_diff"] = float((ours - theirs).abs().max())
+        else:
+            checks["loss_abs_diff"] = float((ours - theirs).abs())
+            grads = {n: p.grad for n, p in models["sdpa"].named_parameters()}
+            checks["grad_max_abs_diff"] = max(
+                float((p.grad - grads[n]).abs().max())  # type: ignore[operator]
+                for n, p in models["attnkit"].named_parameters()
+            )
+        result["checks"][step] = checks
+        result["attnkit_path"][step] = explain_layers(models["attnkit"], ids)
+        times = interleaved(
+            {i: functools.partial(STEPS[step], models[i], ids) for i in IMPLS}, reps
+        )
+        result["times_ms"][step] = {k: [s * 1e3 for s in v] for k, v in times.items()}
+        result["median_ms"][step] = {
+            k: statistics.median(v) for k, v in result["times_ms"][step].items()
+        }
+    del models
+    if memory:
+        for step, L in lengths.items():
+            result["peak_mib"][step] = {impl: measure_memory(impl, step, L) for impl in IMPLS}
+    info["load_at_end"] = round(os.getloadavg()[0], 2)
+    result["verdicts"] = verdicts(result)
+    return result
+
+
+def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 11's bars: each step's sdpa / attnkit time, and each step's peak memory."""
+    out = []
+    for step, bar in BARS.items():
+        med = result["median_ms"][step]
+        ratio = med["sdpa"] / med["attnkit"]
+        case = {"case": f"{step} time", "value": ratio, "bar": f">= {bar:g}x"}
+        out.append(case | {"passed": ratio >= bar})
+    for step, peaks in result["peak_mib"].items():
+        a, b = peaks["attnkit"].get("peak_mib"), peaks["sdpa"].get("peak_mib")
+        passed = None if a is None or b is None else a < b
+        value = None if passed is None else b / a
+        out.append(
+            {
+                "case": f"{step} peak memory",
+                "value": value,
+                "bar": "attnkit lower",
+                "passed": passed,
+            }
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the report
+
+
+def _verdict(passed: bool | None) -> str:
+    return "-" if passed is None else "PASS" if passed else "FAIL"
+
+
+def report(result: dict[str, Any]) -> str:
+    """The markdown report: machine and model lines, the table, the checks and the path."""
+    m, md, L = result["machine"], result["model"], result["lengths"]
+    load = f"load {m.get('load_at_start')} -> {m.get('load_at_end')}"
+    lines = [
+        f"**Machine:** {m['cpu']}, {m['cores']} cores ({m['capability']}; "
+        f"{describe_features(m.get('cpu_features'))}), {m['memory_gib']} GiB; torch "
+        f"{m['torch']} with {m['threads']} threads, transformers {m['transformers']}; {load}; "
+        f"{m['date']}; median of {result['reps']} interleaved rounds",
+        "",
+        f"**Model:** Mistral-like, hidden {md['hidden_size']}, {md['num_attention_heads']} query /"
+        f" {md['num_key_value_heads']} key-value heads of {md['head_dim']}, "
+        f"{md['num_hidden_layers']} layers, sliding window {md['sliding_window']}, intermediate "
+        f"{md['intermediate_size']}, vocabulary {md['vocab_size']}, float32, B=1, random weights "
+        "(the same in both)",
+        "",
+        "| case | sdpa | attnkit | sdpa / attnkit | bar | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
+    v = {x["case"]: x for x in result["verdicts"]}
+    names = {
+        "fwd": f"forward, L={L['fwd']} (no_grad): median ms",
+        "train": f"training step, L={L['train']} (forward + backward, loss on logits): median ms",
+    }
+    for step, name in names.items():
+        med, x = result["median_ms"][step], v[f"{step} time"]
+        lines.append(
+            f"| {name} | {med['sdpa']:,.1f} | {med['attnkit']:,.1f} | {x['value']:.2f}x | "
+            f"{x['bar']} | {_verdict(x['passed'])} |"
+        )
+    for step, peaks in result["peak_mib"].items():
+        x = v[f"{step} peak memory"]
+        cells = [
+            f"{peaks[i]['peak_mib']:,.0f}" if "peak_mib" in peaks[i] else peaks[i]["error"]
+            for i in IMPLS
+        ]
+        ratio = "-" if x["value"] is None else f"{x['value']:.2f}x"
+        lines.append(
+            f"| {names[step].split(':')[0]}: peak MiB above model and inputs | {cells[0]} | "
+            f"{cells[1]} | {ratio} | {x['bar']} | {_verdict(x['passed'])} |"
+        )
+    if (L["fwd"], L["train"]) != ISSUE_LENGTHS:
+        lines += [
+            "",
+            f"Lengths {L['fwd']} / {L['train']} are not the issue's {ISSUE_LENGTHS[0]} / "
+            f"{ISSUE_LENGTHS[1]}: these verdicts do not judge it.",
+        ]
+    c = result["checks"]
+    lines += [
+        "",
+        f"Same model on both: logits max |attnkit - sdpa| {c['fwd']['logits_max_abs_diff']:.2e}"
+        f" (forward); loss {c['train']['loss_abs_diff']:.2e}, gradients max "
+        f"{c['train']['grad_max_abs_diff']:.2e} (training step).",
+        "",
+        "attnkit's path (`attnkit.trace()` backends per layer; `attnkit.explain` on each "
+        "layer's call):",
+        "",
+    ]
+    for step in ("fwd", "train"):
+        backends = ", ".join(c[step]["attnkit_backends"])
+        paths = result["attnkit_path"][step]
+        lines.append(f"- {names[step].split(':')[0]}: traced {backends}")
+        for p in dict.fromkeys(paths):
+            layers = [str(j) for j, q in enumerate(paths) if q == p]
+            lines.append(f"  - layer{'s' if len(layers) > 1 else ''} {', '.join(layers)}: {p}")
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(text: str, path: Path) -> None:
+    """Into ``path`` between the markers (the prose around stays), or as the whole file."""
+    old = path.read_text() if path.exists() else ""
+    if START in old and END in old:
+        head, rest = old.split(START, 1)
+        text = head + START + "\n" + text + END + rest.split(END, 1)[1]
+    path.write_text(text)
+
+
+# ---------------------------------------------------------------------------------------------
+# the command
+
+
+def _length(text: str) -> int:
+    try:
+        L = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if not 2 <= L <= MAX_LENGTH:
+        raise argparse.ArgumentTypeError(f"{L} is not a length from 2 to {MAX_LENGTH}")
+    return L
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not >= 1")
+    return n
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="benchmarks/hf_speed.py",
+        description="Mistral-like model on transformers: attnkit against sdpa (issue 11).",
+    )
+    ap.add_argument("--reps", type=_positive, help="interleaved rounds (default 5; quick 3)")
+    ap.add_argument("--length", type=_length, help="forward length (default 8192; quick 1024)")
+    ap.add_argument(
+        "--train-length", type=_length, help="training-step length (default 4096; quick 512)"
+    )
+    ap.add_argument("--quick", action="store_true", help="short sequences, 3 rounds (a smoke run)")
+    ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
+    ap.add_argument("--json", type=Path, help="write the measurements here")
+    ap.add_argument(
+        "--markdown",
+        type=Path,
+        help=f"write the report here (between {START} / {END} if the file has them)",
+    )
+    ap.add_argument("--memory-case", help=argparse.SUPPRESS)  # one memory process's job
+    args = ap.parse_args(argv)
+    for flag, path in (("--json", args.json), ("--markdown", args.markdown)):
+        if path is not None and not path.parent.is_dir():
+            ap.error(f"{flag} {path}: the directory {path.parent} does not exist")
+    if args.markdown is not None and args.markdown.exists():
+        text = args.markdown.read_text()
+        if (START in text) != (END in text) or (text and START not in text):
+            ap.error(
+                f"--markdown {args.markdown}: the file exists without the markers {START} and "
+                f"{END} (add them where the table goes)"
+            )
+    if args.memory_case is None and not sys.platform.startswith("linux") and not args.no_memory:
+        ap.error("peak memory reads /proc/self/status (Linux); pass --no-memory elsewhere")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    if args.memory_case is not None:
+        job = json.loads(args.memory_case)
+        print(json.dumps(memory_case(job["impl"], job["step"], int(job["L"]))))
+        return
+    L_fwd, L_train = QUICK_LENGTHS if args.quick else ISSUE_LENGTHS
+    result = run(
+        args.length or L_fwd,
+        args.train_length or L_train,
+        args.reps or (3 if args.quick else 5),
+        memory=not args.no_memory,
+    )
+    text = report(result)
+    print(text, end="")
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.markdown is not None:
+        write_markdown(text, args.markdown)
+        print(f"wrote {args.markdown}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The machine a benchmark ran on: CPU, its instruction-set features, cores, memory, torch, load.
+
+Issue 14's bfloat16 bars depend on the CPU: with bf16 dot-product instructions (``avx512_bf16``
+or ``amx_bf16``) bfloat16 must beat float32; without them (AVX2, or AVX-512 without BF16) it
+must come close to it. :func:`cpu_features` reads the flags that decide this from
+``/proc/cpuinfo``, and every record of a run carries them (:func:`machine`).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["BF16_FLAGS", "CPU_FLAGS", "bf16_class", "cpu_features", "describe_features", "machine"]
+
+GiB = 1 << 30
+
+#: the flags a record names, in this order: what attnkit's kernels and torch's may use
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+#: the flags that give bfloat16 dot products in hardware
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_features(cpuinfo: str | None = None) -> list[str] | None:
+    """Which of :data:`CPU_FLAGS` the CPU has (``None`` where ``/proc/cpuinfo`` is missing).
+
+    >>> cpu_features("flags\\t\\t: fpu sse avx2 fma avx512f\\n")
+    ['avx2', 'fma', 'avx512f']
+    """
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return None
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags") and ":" in line:
+            flags.update(line.split(":", 1)[1].split())
+    return [f for f in CPU_FLAGS if f in flags]
+
+
+def bf16_class(features: list[str] | None) -> str:
+    """``"bf16"`` where the CPU has bf16 dot products (AVX512-BF16 or AMX), ``"no-bf16"`` where
+    it has not (AVX2, AVX-512 without BF16), ``"unknown"`` where the flags were not read."""
+    if features is None:
+        return "unknown"
+    return "bf16" if any(f in features for f in BF16_FLAGS) else "no-bf16"
+
+
+def describe_features(features: list[str] | None) -> str:
+    """``"avx2 fma (no avx512f, avx512_bf16, amx_tile, amx_bf16)"`` for a record's line."""
+    if features is None:
+        return "CPU flags unknown (no /proc/cpuinfo)"
+    missing = [f for f in CPU_FLAGS if f not in features]
+    have = " ".join(features) or "none of " + " ".join(CPU_FLAGS)
+    return have + (f" (no {', '.join(missing)})" if missing and features else "")
+
+
+def machine() -> dict[str, Any]:
+    """The machine line: CPU and its flags, cores, memory, torch and its threads, load."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(f.readline().split()[1]) * 1024 / GiB
+    except (OSError, ValueError, IndexError):
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    features = cpu_features()
+    return {
+        "cpu": cpu,
+        "cpu_features": features,
+        "bf16_class": bf16_class(features),
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem, 1) if mem else None,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "python": platform.python_version(),
+        "load_at_start": round(load, 2) if load is not None else None,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }

@@ -1,0 +1,107 @@
+"""benchmarks/hf_speed.py (issue 11's speed program) on tiny lengths: it runs both
+implementations on the same model, prints the table with every row and verdict, writes its JSON
+and its markdown between the markers, and refuses a markdown file it would clobber.
+
+No timing is asserted: the numbers are only checked to exist and be consistent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnkit.backends import available_backends
+from attnkit.bench.machine import cpu_features, describe_features
+
+pytest.importorskip("transformers", reason="hf_speed.py needs the hf extra (transformers)")
+
+ROOT = Path(__file__).resolve().parents[2]
+PROGRAM = ROOT / "benchmarks" / "hf_speed.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    return subprocess.run(
+        [sys.executable, str(PROGRAM), *args], capture_output=True, text=True, env=env, check=False
+    )
+
+
+def test_a_tiny_run_prints_the_table_and_both_models_agree(tmp_path: Path) -> None:
+    doc = tmp_path / "hf.md"
+    doc.write_text("# prose\n<!-- hf_speed: start -->\nold\n<!-- hf_speed: end -->\ntail\n")
+    out = _run(
+        "--quick", "--length", "300", "--train-length", "280", "--reps", "2",
+        "--json", str(tmp_path / "r.json"), "--markdown", str(doc),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("**Machine:** ")
+    assert describe_features(cpu_features()) in lines[0]  # the CPU's flags are recorded
+    assert "transformers " in lines[0]
+    rows = [ln for ln in lines if ln.startswith("| ") and not ln.startswith("| case")]
+    assert [r.split(" | ")[0] for r in rows] == [
+        "| forward, L=300 (no_grad): median ms",
+        "| training step, L=280 (forward + backward, loss on logits): median ms",
+        "| forward, L=300 (no_grad): peak MiB above model and inputs",
+        "| training step, L=280 (forward + backward, loss on logits): peak MiB above model and "
+        "inputs",
+    ]
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 6
+        assert cells[4] in (">= 4x", "attnkit lower")
+        assert cells[5] in ("PASS", "FAIL")  # both measured, so a verdict either way
+    assert "are not the issue's 8192 / 4096: these verdicts do not judge it" in out.stdout
+
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["lengths"] == {"fwd": 300, "train": 280}
+    assert result["model"]["num_attention_heads"] == 8
+    assert result["model"]["num_key_value_heads"] == 2
+    for step in ("fwd", "train"):
+        times = result["times_ms"][step]
+        assert sorted(times) == ["attnkit", "sdpa"]
+        assert all(len(t) == 2 for t in times.values())
+        assert result["median_ms"][step]["sdpa"] == statistics.median(times["sdpa"])
+        backends = result["checks"][step]["attnkit_backends"]
+        assert len(backends) == 2  # attnkit served both layers
+        assert set(backends) <= set(available_backends())
+        paths = result["attnkit_path"][step]
+        assert [p.split(":")[0] for p in paths] == backends  # explain agrees with the trace
+        for impl in ("sdpa", "attnkit"):
+            assert result["peak_mib"][step][impl]["peak_mib"] > 0
+    # the same weights: attnkit and sdpa compute the same model
+    assert result["checks"]["fwd"]["logits_max_abs_diff"] <= 1e-4
+    assert result["checks"]["train"]["loss_abs_diff"] <= 1e-5
+    assert result["checks"]["train"]["grad_max_abs_diff"] <= 1e-4
+    assert result["machine"]["cpu_features"] is not None
+
+    text = doc.read_text()
+    assert text.startswith("# prose\n<!-- hf_speed: start -->\n**Machine:** ")
+    assert text.endswith("<!-- hf_speed: end -->\ntail\n")
+    assert "old" not in text
+    assert "| forward, L=300 (no_grad): median ms |" in text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--length", "1"], "argument --length: 1 is not a length from 2 to 131072"),
+        (["--reps", "0"], "argument --reps: 0 is not >= 1"),
+        (["--json", "/no/such/dir/r.json"], "--json /no/such/dir/r.json: the directory"),
+        (["--markdown", "{plain}"], "the file exists without the markers <!-- hf_speed: start"),
+    ],
+)
+def test_bad_options_stop_before_any_work(tmp_path: Path, args: list[str], message: str) -> None:
+    plain = tmp_path / "plain.md"
+    plain.write_text("# a page without the markers\n")
+    out = _run(*(a.format(plain=plain) for a in args))
+    assert out.returncode == 2
+    assert out.stdout == ""
+    assert message in out.stderr.splitlines()[-1]
+    assert plain.read_text() == "# a page without the markers\n"
