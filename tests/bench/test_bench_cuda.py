@@ -47,6 +47,8 @@ BAD = [
     (["--device", "tpu"], "--device tpu is not one the CUDA bench runs"),
     (["--device", "cuda", "--quick"], "--quick belongs to the CPU bench"),
     (["--device", "cuda", "--plot", "p.png"], "--plot belongs to the CPU bench"),
+    (["--device", "cuda", "--full"], "--full belongs to the CPU bench"),
+    (["--device", "cuda", "--no-memory"], "--no-memory belongs to the CPU bench"),
     (["--device", "cuda", "-w", "decode"], "--workload decode is not one the CUDA bench runs"),
     (
         ["--device", "cuda", "--dtype", "float64"],
