@@ -17,7 +17,10 @@ the caller's graph, with a block mask built in that graph by ``create_block_mask
 spec's predicate (attnkit's block map and caches read values and ids, which a graph cannot).
 
 On CPU, this torch's compiled ``flex_attention`` runs inference only (no backward), in float32,
-bfloat16 and float16; :func:`check` says so instead of failing inside the compiler.
+bfloat16 and float16; :func:`check` says so instead of failing inside the compiler, and ``auto``
+uses flex only when named. On CUDA it trains too, and ``auto`` tries it first
+(:meth:`FlexBackend.rule`): for a mask spec, and for what torch's fused SDPA kernels cannot
+serve (grouped-query heads in float32). docs/cuda.md has what has run on a GPU (nothing yet).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 It serves only calls for which torch runs a *fused* kernel (flash / memory-efficient / cuDNN),
 never torch's own slow math path: :meth:`SdpaBackend.check` holds torch's rules for choosing a
 fused kernel on this device, and a test pins them against torch itself (``sdpa_kernel`` with the
-math kernel excluded). Grouped-query heads use torch's ``enable_gqa`` (no repeated K/V in the
-fused kernel).
+math kernel excluded). On CUDA, torch's own rules decide (:func:`cuda_fused_kernel`).
+Grouped-query heads use torch's ``enable_gqa`` (no repeated K/V in the fused kernel).
 
 Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
 Dk query/key head dim, Dv value head dim.
