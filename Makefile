@@ -51,9 +51,12 @@ bench: setup
 CUDA_CHECK := $(PY) -c 'import sys, torch; sys.exit(None if torch.cuda.is_available() else \
 	f"no CUDA GPU visible to torch {torch.__version__} (CUDA build: {torch.version.cuda}); see docs/cuda.md")'
 
+# CUDA_ARGS passes more pytest arguments, e.g. CUDA_ARGS='-k torch.bfloat16' to run it in parts
+# (flex compiles a kernel per mask kind and dtype: minutes in all)
+CUDA_ARGS ?=
 test-cuda:
 	$(CUDA_CHECK)
-	$(PY) -m pytest -q -rs -m cuda tests/cuda
+	$(PY) -m pytest -q -rs --durations=15 -m cuda tests/cuda $(CUDA_ARGS)
 
 bench-cuda:
 	$(CUDA_CHECK)

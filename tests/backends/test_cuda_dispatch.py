@@ -18,8 +18,9 @@ import torch
 
 import attnkit
 from attnkit import masks
-from attnkit.backends import AUTO_ORDER, auto_order, sdpa
+from attnkit.backends import AUTO_ORDER, auto_order, choose, sdpa
 from attnkit.call import AttentionCall
+from attnkit.validate import make_call
 
 CUDA_ORDER = "flex > sdpa > blocked > math"
 
@@ -192,3 +193,13 @@ def test_flex_refuses_head_dims_its_cuda_kernels_do_not_take(on_cuda: None) -> N
         "flex_attention's CUDA kernels need head dims of at least 16 (Dk=8, Dv=8)"
     )
     assert e.chosen == "sdpa"
+
+
+def test_choosing_flex_for_a_large_spec_builds_no_mask(on_cuda: None) -> None:
+    """auto decides on a spec without asking sdpa, which would materialise it (L x S)."""
+    q, k, v = _qkv(L=4096, dtype=torch.float32)
+    spec = masks.causal() & masks.sliding_window(64)
+    call = make_call(q, k, v, spec, False, None, 0.0, where="test")  # a real call, not explain's
+    assert choose(call, "auto", "test").name == "flex"
+    assert call.dense_mask_bytes() > 0  # still to build: nothing was materialised
+    assert "dense" not in call._dense

@@ -237,29 +237,30 @@ class FlexBackend(Backend):
         (torch matmuls on tiles there) and ``math``."""
         if call.device_type != "cuda":
             return None
-        sdpa_why = _SDPA.check(call)
+        spec, L, S = call.mask, call.dims.L, call.dims.S
+        flag = spec is None or spec.from_tensor or (call.causal and L == S)
+        small = L <= BLOCK and S <= BLOCK
+        if not flag and not small:  # decided without asking sdpa (that would build the mask)
+            return True, (
+                "a mask spec on CUDA: flex's compiled kernel visits only the non-empty "
+                f"{BLOCK} x {BLOCK} blocks of the spec's block map (the block mask is built "
+                "from it once per spec and shape, and cached)"
+            )
+        sdpa_why = _SDPA.check(call)  # no mask, a tensor, the causal flag, or one block
         if sdpa_why is not None:
             return True, (
                 f"torch's fused SDPA kernels cannot serve this call ({sdpa_why}); flex's "
                 "compiled kernel is the next fused path on CUDA"
             )
-        spec = call.mask
-        if spec is None or spec.from_tensor or (call.causal and call.dims.L == call.dims.S):
-            what = "no mask" if spec is None else "the causal flag"
-            what = "a mask tensor" if spec is not None and spec.from_tensor else what
-            return False, (
-                f"{what}: torch's fused SDPA kernel takes the call as it is, with no blocks to skip"
-            )
-        L, S = call.dims.L, call.dims.S
-        if L <= BLOCK and S <= BLOCK:
+        if not flag:
             return False, (
                 f"L = {L} and S = {S} fit in one {BLOCK} x {BLOCK} block: nothing to skip; "
                 "sdpa on the materialised mask needs no compile"
             )
-        return True, (
-            "a mask spec on CUDA: flex's compiled kernel visits only the non-empty "
-            f"{BLOCK} x {BLOCK} blocks of the spec's block map (the block mask is built from "
-            "it once per spec and shape, and cached)"
+        what = "no mask" if spec is None else "the causal flag"
+        what = "a mask tensor" if spec is not None and spec.from_tensor else what
+        return False, (
+            f"{what}: torch's fused SDPA kernel takes the call as it is, with no blocks to skip"
         )
 
     def note(self, call: AttentionCall) -> str:
