@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.attnkit-installed
 
-.PHONY: setup browser demo test lint typecheck pytest bench clean
+.PHONY: setup browser demo test lint typecheck pytest bench test-cuda bench-cuda clean
 
 setup: $(STAMP)
 
@@ -44,6 +44,23 @@ pytest: setup browser
 
 bench: setup
 	$(PY) benchmarks/overhead.py
+
+# The CUDA tier and bench, on a machine with a GPU and a CUDA build of torch in $(VENV) (the
+# setup above installs the CPU wheel: there, install torch's CUDA build of the same version
+# first). Both stop with the reason where torch sees no GPU. See docs/cuda.md.
+CUDA_CHECK := $(PY) -c 'import sys, torch; sys.exit(None if torch.cuda.is_available() else \
+	f"no CUDA GPU visible to torch {torch.__version__} (CUDA build: {torch.version.cuda}); see docs/cuda.md")'
+
+# CUDA_ARGS passes more pytest arguments, e.g. CUDA_ARGS='-k torch.bfloat16' to run it in parts
+# (flex compiles a kernel per mask kind and dtype: minutes in all)
+CUDA_ARGS ?=
+test-cuda:
+	$(CUDA_CHECK)
+	$(PY) -m pytest -q -rs --durations=15 -m cuda tests/cuda $(CUDA_ARGS)
+
+bench-cuda:
+	$(CUDA_CHECK)
+	$(VENV)/bin/attnkit bench --device cuda
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -5,9 +5,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+
+# a missing optional package skips the test modules that import this one, never fails collection
+_st = pytest.importorskip(
+    "safetensors",
+    reason="safetensors is not installed (the inspect extra: pip install '.[inspect]')",
+)
+_st_torch = pytest.importorskip(
+    "safetensors.torch",
+    reason="safetensors is not installed (the inspect extra: pip install '.[inspect]')",
+)
+safe_open, load_file, save_file = _st.safe_open, _st_torch.load_file, _st_torch.save_file
 
 
 def edit_checkpoint(

@@ -1,4 +1,5 @@
-"""Shared test set-up: the hypothesis profiles, and `tests/` on sys.path for `oracle`."""
+"""Shared test set-up: the hypothesis profiles, `tests/` on sys.path for `oracle`, and the
+skip of the ``cuda`` tier (tests marked ``cuda``) on a machine without a usable GPU."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -24,3 +27,24 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 ARTIFACTS = Path(
     os.environ.get("ATTNKIT_TEST_ARTIFACTS", Path(__file__).parent.parent / "test-artifacts")
 )
+
+
+def cuda_missing() -> str | None:
+    """Why the ``cuda`` tier cannot run here, or ``None`` when it can."""
+    if torch.cuda.is_available():
+        return None
+    build = torch.version.cuda
+    what = f"built for CUDA {build}, but no GPU is visible" if build else "a CPU-only build"
+    return (
+        f"needs a CUDA GPU: torch.cuda.is_available() is False (torch {torch.__version__}, {what})"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` are skipped, with the reason, where no GPU is available."""
+    reason = cuda_missing()
+    if reason is None:
+        return
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))

@@ -74,6 +74,13 @@ class AttentionCall:
         return is_causal(self.mask)
 
     @property
+    def device_type(self) -> str:
+        """The device type the call runs on (``q.device.type``: ``"cpu"``, ``"cuda"``, ...).
+        ``auto``'s order and the backends' device rules read it, and only it, so a test can
+        show what ``auto`` does on another device by patching this one property."""
+        return self.q.device.type
+
+    @property
     def grouped(self) -> bool:
         """Grouped-query heads: ``H != Hkv``."""
         return self.q.shape[1] != self.k.shape[1]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attnkit.backends import (
-    AUTO_ORDER,
+    auto_order,
     available_backends,
     choose,
     get_backend,
@@ -33,7 +33,8 @@ class Explanation:
     ``verdicts`` maps each registered backend to ``None`` (it can serve the call) or the reason
     it cannot. ``rules`` maps each backend with an auto rule to ``(fires, why)``; ``rule`` is
     the line that decided auto's choice; ``notes`` holds what backends add (a plan, a compile
-    state). ``str()`` renders the report.
+    state); ``device`` is the device type auto planned for (its order and the backends'
+    descriptions depend on it). ``str()`` renders the report.
     """
 
     chosen: str
@@ -44,16 +45,19 @@ class Explanation:
     rules: dict[str, tuple[bool, str]] = field(default_factory=dict)
     rule: str = ""
     notes: dict[str, str] = field(default_factory=dict)
+    device: str = "cpu"
 
     def __str__(self) -> str:
         lines = [f"attnkit.explain: {self.summary}"]
         if self.requested == "auto":
-            lines.append(f"  auto takes: {self.chosen} ({get_backend(self.chosen).description})")
+            described = get_backend(self.chosen).describe(self.device)
+            lines.append(f"  auto takes: {self.chosen} ({described})")
             lines.append(f"  auto's rule: {self.rule}")
             if self.chosen in self.notes:
                 lines.append(f"  {self.chosen}: {self.notes[self.chosen]}")
             lines.append("  passed over:")
-            rank = {n: i for i, n in enumerate(AUTO_ORDER)}
+            order = auto_order(self.device)
+            rank = {n: i for i, n in enumerate(order)}
             for name, reason in self.verdicts.items():
                 if name == self.chosen:
                     continue
@@ -67,7 +71,7 @@ class Explanation:
                 else:
                     lines.append(
                         f"    {name}: can serve, but auto prefers {self.chosen} "
-                        f"(order: {' > '.join(AUTO_ORDER)})"
+                        f"(order: {' > '.join(order)})"
                     )
                 if name in self.notes and reason is None:
                     lines.append(f"      {self.notes[name]}")
@@ -154,4 +158,6 @@ def explain(
             "the backends whose rule fires would allocate L x S tensors above attnkit's memory "
             f"limit; {chosen.name} is the first in auto's order that serves the call within it"
         )
-    return Explanation(chosen.name, backend, d, summary, verdicts, rules, why, notes)
+    return Explanation(
+        chosen.name, backend, d, summary, verdicts, rules, why, notes, call.device_type
+    )

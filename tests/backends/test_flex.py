@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import attnkit
 from attnkit import AttentionInputError, masks
@@ -20,14 +21,14 @@ from attnkit.masks import MaskSpec
 from oracle import reference_attention
 
 
-def _problem() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, MaskSpec]:
+def _problem(cut: int = 60) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, MaskSpec]:
     g = torch.Generator().manual_seed(0)
     B, H, Hkv, L, S = 2, 4, 2, 150, 170
     q = torch.randn(B, H, L, 16, generator=g)
     k = torch.randn(B, Hkv, S, 16, generator=g)
     v = torch.randn(B, Hkv, S, 8, generator=g)
     ids = torch.zeros(B, S, dtype=torch.long)
-    ids[:, 60:] = 1
+    ids[:, cut:] = 1
     ids[1, 120:] = 2
     keep = torch.rand(B, S, generator=g) > 0.2
     spec = (
@@ -61,6 +62,15 @@ def test_flex_matches_the_oracle_and_compiles_once_per_shape_and_spec() -> None:
     assert "2 calls since" in report
     blocked = attnkit.attention(q, k, v, mask=spec, backend="blocked")
     assert (blocked - out).abs().max().item() <= 1e-5
+    # the same spec structure with other values (document boundaries): a new block mask from
+    # the new spec's block map, the compiled kernel reused (no new graph)
+    graphs = counters["stats"]["unique_graphs"]
+    _, _, _, other = _problem(cut=100)
+    out2 = attnkit.attention(q, k, v, mask=other, backend="flex")
+    assert counters["stats"]["unique_graphs"] == graphs
+    ref2 = reference_attention(q, k, v, mask=other.to_dense(L, S))[0]
+    assert (out2.double() - ref2).abs().max().item() <= 2 * err + 2e-6
+    assert not torch.equal(out2, out)
 
 
 def _why(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> str | None:

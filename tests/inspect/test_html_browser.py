@@ -16,8 +16,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+pytest.importorskip(
+    "playwright.sync_api",
+    reason="playwright is not installed (the test extra: pip install '.[test]')",
+)
 from playwright.sync_api import Browser as Chromium
-from playwright.sync_api import ConsoleMessage, Error, FloatRect, Locator, Page, sync_playwright
+from playwright.sync_api import (
+    ConsoleMessage,
+    Error,
+    FloatRect,
+    Locator,
+    Page,
+    sync_playwright,
+)
 
 from attnkit.inspect import write_html
 

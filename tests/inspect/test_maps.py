@@ -14,7 +14,6 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-import matplotlib.image
 import numpy as np
 import pytest
 import torch
@@ -22,6 +21,11 @@ import torch
 from attnkit import AttentionInputError
 from attnkit.inspect import maps as maps_module
 from attnkit.inspect import write_all, write_html, write_npz, write_png
+
+mpimg = pytest.importorskip(
+    "matplotlib.image",
+    reason="matplotlib is not installed (the inspect extra: pip install '.[inspect]')",
+)
 
 TOKENS = ["[CLS]", "the", "<b>&", "cat", '"sat"', "on", "</script>", "mat", "[SEP]", "$x$"]
 
@@ -120,7 +124,7 @@ def test_png_is_a_matplotlib_grid(minilm_sized: tuple[dict[str, Path], np.ndarra
     raw = paths["png"].read_bytes()
     assert raw.startswith(b"\x89PNG\r\n\x1a\n")
     assert b"Matplotlib" in raw  # the Software tEXt chunk that matplotlib writes
-    image = matplotlib.image.imread(paths["png"])
+    image = mpimg.imread(paths["png"])
     height, width, channels = image.shape
     assert channels in (3, 4)
     assert 900 < width < 2000, image.shape  # 12 heads across
@@ -135,7 +139,7 @@ def test_png_is_a_matplotlib_grid(minilm_sized: tuple[dict[str, Path], np.ndarra
 def test_png_accepts_torch_and_a_single_map(tmp_path: Path) -> None:
     att = torch.tensor(softmax_maps(1, 1, 3))
     path = write_png(tmp_path / "one.png", att, ["a", "$b$", "c"], title="$not tex$")
-    assert matplotlib.image.imread(path).shape[2] in (3, 4)
+    assert mpimg.imread(path).shape[2] in (3, 4)
 
 
 def test_import_does_not_load_matplotlib() -> None:

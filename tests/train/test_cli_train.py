@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from safetensors.torch import load_file
 from typer.testing import CliRunner, Result
 
 import attnkit.cli.train as cli_train
@@ -20,6 +19,11 @@ import attnkit.train.loop as loop
 from attnkit.cli import app
 from attnkit.train import CHECKPOINT_NAME, TrainConfig
 from checkpoints import edit_checkpoint
+
+load_file = pytest.importorskip(
+    "safetensors.torch",
+    reason="safetensors is not installed (the inspect extra: pip install '.[inspect]')",
+).load_file
 
 runner = CliRunner()
 

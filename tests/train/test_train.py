@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
 import attnkit.train.loop as loop
 from attnkit import AttentionInputError
@@ -44,6 +43,12 @@ from attnkit.train.checkpoint import read_info
 from attnkit.train.loop import held_out_set, train_batch
 from attnkit.train.tasks import HOLDOUT_EVERY, IGNORE
 from checkpoints import edit_checkpoint
+
+_st_torch = pytest.importorskip(
+    "safetensors.torch",
+    reason="safetensors is not installed (the inspect extra: pip install '.[inspect]')",
+)
+load_file, save_file = _st_torch.load_file, _st_torch.save_file
 
 TINY = TrainConfig(
     task="reverse",

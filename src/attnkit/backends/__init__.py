@@ -10,15 +10,20 @@ masks.sliding_window(256))``:
    :class:`~attnkit.AttentionCall`; :func:`attnkit.masks.as_spec` folds the ``causal`` flag and
    the mask into one spec there, the only place they combine.
 2. :func:`choose` picks the backend: a named one if its ``check`` passes (else an error, never
-   a fallback), or for ``"auto"`` the first backend, by descending ``priority``, whose ``rule``
-   fires and whose ``check`` passes. A spec on a large problem goes to ``blocked``. A backend
+   a fallback), or for ``"auto"`` the first backend, by descending priority on the call's
+   device (:func:`auto_order`), whose ``rule`` fires and whose ``check`` passes. On CPU the
+   order is ``blocked > sdpa > math`` and a spec on a large problem goes to ``blocked``; on
+   CUDA it is ``flex > sdpa > blocked > math``: a spec goes to ``flex`` (compiled
+   ``flex_attention``), so does what torch's fused SDPA kernels cannot take (grouped-query in
+   float32), and ``math`` (the L x S weights) only serves what nothing else can. A backend
    whose ``dense_allocation`` (its L x S memory) is above attnkit's memory limit
    (:mod:`attnkit.memory`) is refused when named and passed over by ``auto``, which then takes
    the first backend that serves the call within the limit, its rule fired or not; if none
    does, :class:`~attnkit.AttentionMemoryError` says how much and the way out.
 3. ``backend.run(call)``: ``blocked`` plans the call once (:mod:`attnkit.backends.blocked.plan`:
-   the band kernel for a causal window, else tiles of torch's fused kernel over the non-empty
-   blocks) and runs it forward (and backward, from the same plan) with autograd.
+   the band kernel for a causal window, else tiles of torch's fused CPU kernel over the
+   non-empty blocks; on CUDA, torch matmuls on those tiles) and runs it forward (and
+   backward, from the same plan) with autograd.
 
 Inside ``torch.compile`` (``fullgraph=True`` included) the dispatcher makes the same choice, and
 the choice traces: ``blocked`` runs as one custom op, ``attnkit::blocked_attention``
@@ -66,6 +71,7 @@ from attnkit.validate import too_big_error
 __all__ = [
     "AUTO_ORDER",
     "Backend",
+    "auto_order",
     "available_backends",
     "choose",
     "get_backend",
@@ -76,14 +82,22 @@ __all__ = [
 
 _REGISTRY: dict[str, Backend] = {}
 
-#: the backends ``auto`` tries, by descending priority (kept in step with the registry)
+#: the backends ``auto`` tries on CPU, by descending priority (kept in step with the registry);
+#: :func:`auto_order` gives the order on another device type
 AUTO_ORDER: list[str] = []
 
 
+def auto_order(device_type: str = "cpu") -> list[str]:
+    """The backends ``auto`` tries on ``device_type``, by descending priority there
+    (:meth:`Backend.priority_on`); on CPU (and any device no backend names) this is
+    :data:`AUTO_ORDER`."""
+    ranked = [b for b in _REGISTRY.values() if b.priority_on(device_type) is not None]
+    ranked.sort(key=lambda b: -(b.priority_on(device_type) or 0))  # stable: by registration
+    return [b.name for b in ranked]
+
+
 def _reorder() -> None:
-    ranked = [b for b in _REGISTRY.values() if b.priority is not None]
-    ranked.sort(key=lambda b: -(b.priority or 0))  # stable: equal priorities by registration
-    AUTO_ORDER[:] = [b.name for b in ranked]
+    AUTO_ORDER[:] = auto_order("cpu")
 
 
 def register_backend(backend: Backend) -> Backend:
@@ -117,15 +131,18 @@ def rule_of(backend: Backend, call: AttentionCall) -> tuple[bool, str]:
     """``(fires, why)`` of ``backend``'s auto rule; a backend without one always fires."""
     rule = backend.rule(call)
     if rule is None:
-        return True, f"the first in auto's order ({' > '.join(AUTO_ORDER)}) that can serve"
+        order = auto_order(call.device_type)
+        where = "" if order == AUTO_ORDER else f" on {call.device_type}"
+        return True, f"the first in auto's order{where} ({' > '.join(order)}) that can serve"
     return rule
 
 
 def choose(call: AttentionCall, backend: str, where: str) -> Backend:
     """The backend that runs ``call``: named (must serve it) or ``"auto"``."""
     if backend == "auto":
+        order = auto_order(call.device_type)
         too_big: tuple[Backend, tuple[int, str], int] | None = None
-        for name in AUTO_ORDER:
+        for name in order:
             chosen = _REGISTRY[name]
             if rule_of(chosen, call)[0] and chosen.check(call) is None:
                 over = over_limit(chosen, call)
@@ -133,7 +150,7 @@ def choose(call: AttentionCall, backend: str, where: str) -> Backend:
                     return chosen
                 too_big = too_big or (chosen, *over)
         if too_big is not None:  # then any backend that serves the call within the limit
-            for name in AUTO_ORDER:
+            for name in order:
                 chosen = _REGISTRY[name]
                 if chosen.check(call) is None and over_limit(chosen, call) is None:
                     return chosen
@@ -142,7 +159,7 @@ def choose(call: AttentionCall, backend: str, where: str) -> Backend:
             where,
             "backend",
             "no registered backend can serve this call.",
-            got=f"backends tried: {', '.join(AUTO_ORDER)}",
+            got=f"backends tried: {', '.join(order)}",
             expected="at least one backend that serves the call",
             fix="attnkit.explain(...) with the same arguments lists each backend's reason",
         )

@@ -20,6 +20,8 @@ class Backend:
         description: one line for :func:`attnkit.explain` and ``attnkit doctor``.
         priority: ``auto`` tries backends from the highest priority down; ``None`` keeps the
             backend out of ``auto`` (used only when named).
+        priorities: per device type (``call.device_type``), a priority that replaces
+            ``priority`` there, e.g. ``{"cuda": 40}``; devices not listed use ``priority``.
         fused: it never materialises the ``(B, H, L, S)`` scores (for traces and docs).
 
     Every method takes the validated :class:`~attnkit.AttentionCall` and nothing else.
@@ -28,7 +30,17 @@ class Backend:
     name: str = ""
     description: str = ""
     priority: int | None = None
+    priorities: dict[str, int | None] = {}  # noqa: RUF012 (read-only class data)
     fused: bool = False
+
+    def priority_on(self, device_type: str) -> int | None:
+        """This backend's place in ``auto``'s order on ``device_type`` (``None``: not in it)."""
+        return self.priorities.get(device_type, self.priority)
+
+    def describe(self, device_type: str) -> str:
+        """:attr:`description`, as true on ``device_type`` (a backend whose kernels differ by
+        device overrides this)."""
+        return self.description
 
     def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(out (B, H, L, Dv), weights (B, H, L, S) or None)``. Called only after

@@ -17,7 +17,10 @@ the caller's graph, with a block mask built in that graph by ``create_block_mask
 spec's predicate (attnkit's block map and caches read values and ids, which a graph cannot).
 
 On CPU, this torch's compiled ``flex_attention`` runs inference only (no backward), in float32,
-bfloat16 and float16; :func:`check` says so instead of failing inside the compiler.
+bfloat16 and float16; :func:`check` says so instead of failing inside the compiler, and ``auto``
+uses flex only when named. On CUDA it trains too, and ``auto`` tries it first
+(:meth:`FlexBackend.rule`): for a mask spec, and for what torch's fused SDPA kernels cannot
+serve (grouped-query heads in float32). docs/cuda.md has what has run on a GPU (nothing yet).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 
 from attnkit.backends.base import Backend
+from attnkit.backends.sdpa import SdpaBackend
 from attnkit.call import AttentionCall
 from attnkit.masks import FULL, PARTIAL, MaskSpec, block_states
 
@@ -39,6 +43,7 @@ __all__ = ["BLOCK", "FlexBackend", "unavailable"]
 
 BLOCK = 128  #: flex_attention's block size
 CACHE_SIZE = 16
+MIN_HEAD_DIM = 16  #: flex_attention's CUDA kernels refuse smaller head dims
 _CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -50,6 +55,7 @@ class _Entry:
 
 
 _CACHE: OrderedDict[Hashable, _Entry] = OrderedDict()
+_SDPA = SdpaBackend()  # its check: what torch's fused kernels serve, read by flex's CUDA rule
 _COMPILED: list[Callable[..., torch.Tensor]] = []
 
 
@@ -151,6 +157,7 @@ def _run_traced(call: AttentionCall) -> torch.Tensor:
 class FlexBackend(Backend):
     name = "flex"
     description = "torch's flex_attention, compiled once per mask and shape (inference only on CPU)"
+    priorities = {"cuda": 40}  # noqa: RUF012 (on CPU: only when named)
     fused = True
 
     def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -195,7 +202,18 @@ class FlexBackend(Backend):
         if mask is not None and mask.has_bias:
             return "score biases (has_bias) are not wired into flex's score_mod; blocked adds them"
         q = call.q
-        if q.device.type == "cpu":
+        device = call.device_type
+        if device == "cuda":
+            if q.dtype not in _CPU_DTYPES:
+                return f"flex on CUDA compiles float32, bfloat16 and float16, not {q.dtype}"
+            small = min(call.dims.Dk, call.dims.Dv)
+            if small < MIN_HEAD_DIM:
+                return (
+                    f"flex_attention's CUDA kernels need head dims of at least {MIN_HEAD_DIM} "
+                    f"(Dk={call.dims.Dk}, Dv={call.dims.Dv})"
+                )
+            return None
+        if device == "cpu":
             if q.dtype not in _CPU_DTYPES:
                 return f"flex on CPU compiles float32, bfloat16 and float16, not {q.dtype}"
             if call.needs_grad:
@@ -212,14 +230,48 @@ class FlexBackend(Backend):
             )
         return None
 
+    def rule(self, call: AttentionCall) -> tuple[bool, str] | None:
+        """On CUDA (its only device in ``auto``'s order), ``auto`` takes flex for a mask spec
+        (it visits only the spec's non-empty blocks) and for what torch's fused SDPA kernels
+        cannot serve (grouped-query heads in float32, ``Dv != Dk``, ...), before ``blocked``
+        (torch matmuls on tiles there) and ``math``."""
+        if call.device_type != "cuda":
+            return None
+        spec, L, S = call.mask, call.dims.L, call.dims.S
+        flag = spec is None or spec.from_tensor or (call.causal and L == S)
+        small = L <= BLOCK and S <= BLOCK
+        if not flag and not small:  # decided without asking sdpa (that would build the mask)
+            return True, (
+                "a mask spec on CUDA: flex's compiled kernel visits only the non-empty "
+                f"{BLOCK} x {BLOCK} blocks of the spec's block map (the block mask is built "
+                "from it once per spec and shape, and cached)"
+            )
+        sdpa_why = _SDPA.check(call)  # no mask, a tensor, the causal flag, or one block
+        if sdpa_why is not None:
+            return True, (
+                f"torch's fused SDPA kernels cannot serve this call ({sdpa_why}); flex's "
+                "compiled kernel is the next fused path on CUDA"
+            )
+        if not flag:
+            return False, (
+                f"L = {L} and S = {S} fit in one {BLOCK} x {BLOCK} block: nothing to skip; "
+                "sdpa on the materialised mask needs no compile"
+            )
+        what = "no mask" if spec is None else "the causal flag"
+        what = "a mask tensor" if spec is not None and spec.from_tensor else what
+        return False, (
+            f"{what}: torch's fused SDPA kernel takes the call as it is, with no blocks to skip"
+        )
+
     def note(self, call: AttentionCall) -> str:
         """Whether the kernel for this call is compiled, what its compile took, and what a call
         inside ``torch.compile`` runs instead."""
         entry = _CACHE.get(_key(call.mask, call.q, call.k, call.v))
         if entry is None or entry.seconds is None:
+            took = "tens of seconds on a 2-core CPU" if call.device_type == "cpu" else "seconds"
             state = (
                 "not compiled for this shape and mask yet: the first call compiles "
-                "(tens of seconds on a 2-core CPU), later calls run the cached kernel"
+                f"({took}), later calls run the cached kernel"
             )
         else:
             state = (

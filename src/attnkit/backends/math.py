@@ -24,6 +24,15 @@ class MathBackend(Backend):
     description = "reference: matmul, softmax, matmul in plain PyTorch (returns weights)"
     priority = 10
 
+    def rule(self, call: AttentionCall) -> tuple[bool, str] | None:
+        """On CUDA, say why the dense fallback was taken: every backend before it refused."""
+        if call.device_type != "cuda":
+            return None
+        return True, (
+            "the dense fallback, taken only because no fused backend can serve this call (their "
+            "reasons are below): it builds the (B, H, L, S) weights"
+        )
+
     def dense_allocation(self, call: AttentionCall) -> tuple[int, str]:
         """The scores and weights ``(B, H, L, S)``: about three such tensors are alive at once
         (scores, masked scores, weights), plus the mask when a spec is materialised."""

@@ -3,8 +3,8 @@
 It serves only calls for which torch runs a *fused* kernel (flash / memory-efficient / cuDNN),
 never torch's own slow math path: :meth:`SdpaBackend.check` holds torch's rules for choosing a
 fused kernel on this device, and a test pins them against torch itself (``sdpa_kernel`` with the
-math kernel excluded). Grouped-query heads use torch's ``enable_gqa`` (no repeated K/V in the
-fused kernel).
+math kernel excluded). On CUDA, torch's own rules decide (:func:`cuda_fused_kernel`).
+Grouped-query heads use torch's ``enable_gqa`` (no repeated K/V in the fused kernel).
 
 Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
 Dk query/key head dim, Dv value head dim.
@@ -19,7 +19,7 @@ from attnkit.backends.base import Backend
 from attnkit.call import AttentionCall
 from attnkit.memory import exceeds
 
-__all__ = ["SdpaBackend"]
+__all__ = ["SdpaBackend", "cuda_fused_kernel"]
 
 _FUSED_DTYPES = {
     "cpu": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
@@ -68,7 +68,7 @@ class SdpaBackend(Backend):
             return "fused kernels do not return the attention weights (return_weights=True)"
         if call.softcap is not None or call.sinks is not None:
             return "torch's fused kernels have no logit soft-cap or attention sinks"
-        device = q.device.type
+        device = call.device_type
         if device not in _FUSED_DTYPES:
             return f"no fused kernel is known for device type {device!r}"
         if q.dtype not in _FUSED_DTYPES[device]:
@@ -91,14 +91,30 @@ class SdpaBackend(Backend):
                 # torch's rules read the mask: it is not materialised above the memory limit
                 return f"{need[1]} would exceed attnkit's memory limit"
             is_causal, mask = _flag_and_mask(call)
-            params = torch.backends.cuda.SDPAParams(
-                q, k, v, mask, call.dropout_p, is_causal, call.grouped
-            )
-            cuda = torch.backends.cuda
-            if not (
-                cuda.can_use_flash_attention(params)
-                or cuda.can_use_efficient_attention(params)
-                or cuda.can_use_cudnn_attention(params)
-            ):
-                return "torch reports no fused CUDA kernel for these arguments"
+            if cuda_fused_kernel(q, k, v, mask, call.dropout_p, is_causal, call.grouped) is None:
+                what = " (grouped-query heads)" if call.grouped else ""
+                return f"torch reports no fused CUDA kernel for these arguments{what}"
         return None
+
+
+def cuda_fused_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    enable_gqa: bool,
+) -> str | None:
+    """The fused CUDA kernel torch's own rules pick for these arguments (``"flash"``,
+    ``"efficient"``, ``"cudnn"``), or ``None`` when only its math path would serve them."""
+    params = torch.backends.cuda.SDPAParams(q, k, v, mask, dropout_p, is_causal, enable_gqa)
+    cuda = torch.backends.cuda
+    for name, can in (
+        ("flash", cuda.can_use_flash_attention),
+        ("efficient", cuda.can_use_efficient_attention),
+        ("cudnn", cuda.can_use_cudnn_attention),
+    ):
+        if can(params):
+            return name
+    return None

@@ -131,6 +131,14 @@ def bench(
     json_out: Annotated[Path | None, typer.Option("--json", help="write JSON here")] = None,
     markdown: Annotated[Path | None, typer.Option(help="write a markdown report here")] = None,
     plot: Annotated[Path | None, typer.Option(help="write a PNG plot here (.png)")] = None,
+    device: Annotated[
+        str,
+        typer.Option(
+            metavar="<device>",
+            help="cpu, or cuda: SDPA, flex and attnkit on the GPU in TFLOP/s and its bf16 GEMM "
+            "peak (docs/cuda.md)",
+        ),
+    ] = "cpu",
 ) -> None:
     """Time attnkit against SDPA, flex_attention, the seed code and nn.MultiheadAttention.
 
@@ -139,6 +147,20 @@ def bench(
     documents 16k, grouped-query 32/8 window 16k forward and backward, bfloat16 against
     attnkit's float32 and SDPA), 20 to 35 minutes on a 2-core machine (docs/benchmarks.md).
     """
+    if device != "cpu":  # the CUDA bench: attnkit.bench.cuda
+        from attnkit.bench import cuda_options as cuda
+
+        _check_reps(reps)
+        _check_outputs({"--json": json_out, "--markdown": markdown, "--plot": plot})
+        unsupported = {"--plot": plot is not None, "--quick": quick, "--full": full}
+        unsupported["--no-memory"] = not memory
+        cuda.main(
+            device=device, workloads=workload, lengths=length, dtypes=dtype, modes=mode,
+            peers=peer, reps=reps, cap_gib=cap_gib, json_out=json_out, markdown=markdown,
+            unsupported=unsupported, echo=typer.echo,
+        )  # fmt: skip
+        return
+
     from attnkit import bench as api
     from attnkit.bench.peers import PEERS
     from attnkit.bench.plan import QUICK_PEERS

@@ -111,7 +111,9 @@ def doctor() -> None:
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     typer.echo(
         "\nbackends (a tiny call: q, k, v (B=1, H=2, L=S=8, D=16); "
-        f"auto order: {' > '.join(attnkit.backends.AUTO_ORDER)})"
+        f"auto order: {' > '.join(attnkit.backends.AUTO_ORDER)}"
+        + "".join(f"; on {d}: {' > '.join(attnkit.backends.auto_order(d))}" for d in devices[1:])
+        + ")"
     )
     names = attnkit.available_backends()
     width = max(len(n) for n in names)

@@ -17,6 +17,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "Peers",
     "Pending",
+    "Refused",
     "RingError",
     "agree",
     "as_timedelta",
@@ -55,8 +57,27 @@ class RingError(RuntimeError):
         self.rank, self.peers, self.timeout, self.elapsed = rank, peers, timeout, elapsed
 
 
+class Waitable(Protocol):
+    """What :func:`wait_all` waits on: a ``torch.distributed`` request, or :class:`Refused`."""
+
+    def wait(self, timeout: timedelta = ...) -> bool: ...
+
+
 #: a request in flight and the group ranks it depends on (empty: the whole group)
-Pending = tuple[dist.Work, tuple[int, ...]]
+Pending = tuple[Waitable, tuple[int, ...]]
+
+
+class Refused:
+    """A request ``torch.distributed`` refused to post: gloo may raise at once (a dead peer's
+    closed connection, under some torch versions) instead of from ``wait``. Waiting on it
+    raises that error, so :func:`wait_all` turns it into a :class:`RingError` like every
+    other failure, whatever the backend's message says."""
+
+    def __init__(self, exc: RuntimeError) -> None:
+        self.exc = exc
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        raise self.exc
 
 
 def as_timedelta(timeout: float | timedelta | None, where: str) -> timedelta:
@@ -105,8 +126,11 @@ def exchange(
     ops += [dist.P2POp(dist.irecv, t, global_rank(group, prev), group, tag) for t in recvs]
     if not ops:
         return []
-    works = dist.batch_isend_irecv(ops)
     peers = [nxt] * len(sends) + [prev] * len(recvs)
+    try:
+        works = dist.batch_isend_irecv(ops)
+    except RuntimeError as e:  # refused at posting: raised (as RingError) by wait_all
+        return [(Refused(e), tuple(sorted(set(peers))))]
     if len(works) == len(ops):  # one request per op (gloo)
         return [(w, (p,)) for w, p in zip(works, peers, strict=True)]
     return [(w, tuple(sorted(set(peers)))) for w in works]  # coalesced (NCCL)
@@ -137,7 +161,7 @@ def wait_all(
         left = max(limit - (time.monotonic() - start), 1e-3)
         try:
             done = work.wait(timeout=timedelta(seconds=left))
-        except RuntimeError as e:
+        except RuntimeError as e:  # any backend error, whatever its text (DistError included)
             raise _fault(e, where, rank, world, peers, what, limit, start) from e
         if done is False:
             raise _fault(None, where, rank, world, peers, what, limit, start)

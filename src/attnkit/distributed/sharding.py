@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from attnkit.distributed.faults import Peers, agree, as_timedelta, wait_all
+from attnkit.distributed.faults import Peers, Pending, Refused, agree, as_timedelta, wait_all
 from attnkit.errors import AttentionInputError
 
 __all__ = ["Chunk", "Layout", "shard", "shard_positions", "unshard"]
@@ -156,9 +156,14 @@ class _Unshard(torch.autograd.Function):
         ctx.layout, ctx.rank = layout, rank  # type: ignore[attr-defined]
         xc = x.contiguous()
         parts = [torch.empty_like(xc) for _ in range(layout.world)]
-        work = dist.all_gather(parts, xc, group=group, async_op=True)
+        pending: list[Pending] = []
+        try:
+            work = dist.all_gather(parts, xc, group=group, async_op=True)
+            pending = [] if work is None else [(work, ())]
+        except RuntimeError as e:  # refused at posting: raised (as RingError) by wait_all
+            pending = [(Refused(e), ())]
         wait_all(
-            [] if work is None else [(work, ())],
+            pending,
             timeout=timeout,
             where="attnkit.distributed.unshard",
             rank=rank,

@@ -118,7 +118,17 @@ class BlockedBackend(Backend):
         "(memory grows with L)"
     )
     priority = 30
+    priorities = {"cuda": 15}  # noqa: RUF012 (on CUDA: after flex and sdpa, before math)
     fused = True
+
+    def describe(self, device_type: str) -> str:
+        if device_type == "cpu":
+            return self.description
+        return (
+            "block-sparse online softmax: visits only non-empty blocks of a mask spec, torch "
+            f"matmuls on tiles on {device_type} (no fused kernel), own backward (memory grows "
+            "with L)"
+        )
 
     def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         if torch.compiler.is_compiling():  # one opaque op in the graph; it plans when it runs
@@ -151,7 +161,13 @@ class BlockedBackend(Backend):
         return None
 
     def rule(self, call: AttentionCall) -> tuple[bool, str]:
-        """auto takes ``blocked`` for a mask spec on a problem of at least ``min_pairs``."""
+        """auto takes ``blocked`` for a mask spec on a problem of at least ``min_pairs``; on
+        CUDA, for whatever ``flex`` and ``sdpa`` (before it there) could not serve."""
+        if call.device_type == "cuda":
+            return True, (
+                "flex and torch's fused SDPA kernels cannot serve this call (see below): "
+                "blocked is the next path that never builds the L x S scores"
+            )
         spec = call.mask
         extras = call.softcap is not None or call.sinks is not None
         if not extras and (spec is None or spec.from_tensor or call.causal):

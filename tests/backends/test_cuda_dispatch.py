@@ -1,0 +1,205 @@
+"""What ``auto`` picks on CUDA, shown on a machine without a GPU.
+
+The dispatcher and the backends' device rules read one thing, ``AttentionCall.device_type``;
+these tests set it to ``"cuda"`` for CPU tensors and read the real choice and the real
+``explain`` report. Torch's own answer to "which fused SDPA kernel serves these arguments"
+cannot be computed without a GPU (this CPU build of torch answers "none" to everything), so
+:func:`attnkit.backends.sdpa.cuda_fused_kernel` is replaced by a stand-in that states torch's
+rules on an H100 as torch documents them: flash for fp16/bf16 without a mask tensor (grouped-
+query heads included), the memory-efficient kernel for fp16/bf16/fp32 with or without a mask
+tensor but without grouped-query heads. Nothing here runs a kernel; ``tests/cuda/`` runs them
+on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import masks
+from attnkit.backends import AUTO_ORDER, auto_order, choose, sdpa
+from attnkit.call import AttentionCall
+from attnkit.validate import make_call
+
+CUDA_ORDER = "flex > sdpa > blocked > math"
+
+
+def _h100_rules(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    enable_gqa: bool,
+) -> str | None:
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    if half and mask is None and q.shape[-1] <= 256:
+        return "flash"
+    if q.dtype in (torch.float16, torch.bfloat16, torch.float32) and not enable_gqa:
+        return "efficient"
+    return None
+
+
+@pytest.fixture
+def on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls report ``device_type == "cuda"``; torch's fused-kernel rules are an H100's."""
+    monkeypatch.setattr(AttentionCall, "device_type", property(lambda self: "cuda"))
+    monkeypatch.setattr(sdpa, "cuda_fused_kernel", _h100_rules)
+
+
+def _qkv(
+    L: int = 512,
+    S: int | None = None,
+    H: int = 4,
+    Hkv: int = 4,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    S = L if S is None else S
+    q = torch.randn(1, H, L, 64, dtype=dtype)
+    k = torch.randn(1, Hkv, S, 64, dtype=dtype)
+    return q, k, k.clone()
+
+
+def _spec_kinds(L: int) -> dict[str, masks.MaskSpec]:
+    ids = torch.zeros(1, L, dtype=torch.long)
+    ids[:, L // 3 :] = 1
+    ids[:, 2 * L // 3 :] = 2
+    return {
+        "window": masks.causal() & masks.sliding_window(64),
+        "documents": masks.causal() & masks.document(ids),
+        "padding": masks.padding(torch.tensor([L - 100])),
+        "key_mask": masks.key_mask(torch.rand(1, L) > 0.3),
+        "prefix_lm": masks.prefix_lm(100),
+        "bidirectional window": masks.sliding_window(100),
+    }
+
+
+def test_the_cuda_order_differs_and_cpu_keeps_its_own() -> None:
+    assert " > ".join(auto_order("cuda")) == CUDA_ORDER
+    assert AUTO_ORDER == ["blocked", "sdpa", "math"] == auto_order("cpu")
+
+
+@pytest.mark.parametrize("kind", list(_spec_kinds(512)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_every_spec_kind_goes_to_flex_on_cuda(on_cuda: None, kind: str, dtype: torch.dtype) -> None:
+    q, k, v = _qkv(dtype=dtype)
+    q.requires_grad_(True)  # flex trains on CUDA (its CPU refusal does not apply)
+    e = attnkit.explain(q, k, v, mask=_spec_kinds(512)[kind])
+    assert e.chosen == "flex", str(e)
+    text = str(e)
+    assert "auto's rule: a mask spec on CUDA: flex's compiled kernel visits only the non-empty" in (
+        text
+    )
+    assert f"blocked: can serve, but auto prefers flex (order: {CUDA_ORDER})" in text
+    assert "torch matmuls on tiles on cuda" not in text  # blocked's description: only if chosen
+
+
+def test_the_same_spec_on_cpu_still_goes_to_blocked() -> None:
+    q, k, v = _qkv(dtype=torch.float32)
+    e = attnkit.explain(q, k, v, mask=masks.causal() & masks.sliding_window(64))
+    assert e.chosen == "blocked"
+    assert "flex: can serve, but auto uses it only when named" in str(e)
+    assert "auto's rule: a mask spec and L x S >=" in str(e)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("L", [64, 512])
+def test_grouped_query_on_cuda_never_goes_to_math(
+    on_cuda: None, dtype: torch.dtype, causal: bool, L: int
+) -> None:
+    q, k, v = _qkv(L=L, H=32, Hkv=8, dtype=dtype)
+    e = attnkit.explain(q, k, v, causal=causal)
+    text = str(e)
+    if dtype == torch.float32:  # torch's fused kernels take grouped-query heads in fp16/bf16 only
+        assert e.chosen == "flex", text
+        assert (
+            "auto's rule: torch's fused SDPA kernels cannot serve this call (torch reports no "
+            "fused CUDA kernel for these arguments (grouped-query heads)); flex's compiled "
+            "kernel is the next fused path on CUDA"
+        ) in text
+    else:
+        assert e.chosen == "sdpa", text
+        what = "the causal flag" if causal else "no mask"
+        assert f"flex: can serve, but its auto rule does not fire: {what}: torch's fused" in text
+
+
+def test_grouped_query_with_a_mask_tensor_on_cuda_takes_blocked_not_math(on_cuda: None) -> None:
+    q, k, v = _qkv(H=32, Hkv=8, dtype=torch.float32)
+    e = attnkit.explain(q, k, v, mask=torch.rand(512, 512) > 0.5)
+    assert e.chosen == "blocked", str(e)
+    text = str(e)
+    assert "torch matmuls on tiles on cuda (no fused kernel)" in text  # its CUDA description
+    assert "flex: cannot serve: it takes mask specs" in text
+    assert "sdpa: cannot serve: torch reports no fused CUDA kernel" in text
+
+
+def test_no_mask_and_causal_stay_on_sdpa_on_cuda(on_cuda: None) -> None:
+    q, k, v = _qkv()
+    for kwargs in ({}, {"causal": True}):
+        e = attnkit.explain(q, k, v, **kwargs)  # type: ignore[arg-type]
+        assert e.chosen == "sdpa", str(e)
+
+
+def test_a_spec_in_one_block_takes_sdpa_not_a_compile(on_cuda: None) -> None:
+    q, k, v = _qkv(L=100)
+    e = attnkit.explain(q, k, v, mask=masks.sliding_window(16))
+    assert e.chosen == "sdpa", str(e)
+    assert "fit in one 128 x 128 block: nothing to skip; sdpa on the materialised mask" in str(e)
+
+
+def test_where_flex_cannot_serve_explain_says_so_and_the_next_fused_path_runs(
+    on_cuda: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    q, k, v = _qkv()
+    spec = masks.causal() & masks.sliding_window(64)
+    # a score modifier flex lacks: the soft-cap goes to blocked (no fused torch kernel has it)
+    e = attnkit.explain(q, k, v, mask=spec, softcap=30.0)
+    assert e.chosen == "blocked", str(e)
+    assert "flex: cannot serve: soft-cap and sinks are not wired into flex's score_mod" in str(e)
+    assert "sdpa: cannot serve: torch's fused kernels have no logit soft-cap" in str(e)
+    # a score bias (ALiBi) flex lacks: torch's fused kernel on the materialised float mask
+    e = attnkit.explain(q, k, v, mask=masks.causal() & masks.alibi(4))
+    assert e.chosen == "sdpa", str(e)
+    assert "flex: cannot serve: score biases (has_bias) are not wired" in str(e)
+    # a torch without flex_attention
+    monkeypatch.setattr("attnkit.backends.flex.unavailable", lambda: "torch 2.4 has no flex")
+    e = attnkit.explain(q, k, v, mask=spec)
+    assert e.chosen == "sdpa", str(e)
+    assert "flex: cannot serve: torch 2.4 has no flex" in str(e)
+
+
+def test_math_is_the_dense_fallback_on_cuda_and_explain_says_why(on_cuda: None) -> None:
+    q, k, v = _qkv(H=32, Hkv=8, dtype=torch.float32)
+    e = attnkit.explain(
+        q, k, v, mask=masks.causal() & masks.sliding_window(64), return_weights=True
+    )
+    assert e.chosen == "math"
+    text = str(e)
+    assert "auto's rule: the dense fallback, taken only because no fused backend can serve" in text
+    for name in ("flex", "sdpa", "blocked"):
+        assert f"{name}: cannot serve:" in text
+    e = attnkit.explain(q.double(), k.double(), v.double(), causal=True)  # fp64: no fused kernel
+    assert e.chosen == "blocked", str(e)
+    assert "flex on CUDA compiles float32, bfloat16 and float16, not torch.float64" in str(e)
+
+
+def test_flex_refuses_head_dims_its_cuda_kernels_do_not_take(on_cuda: None) -> None:
+    q = torch.randn(1, 4, 512, 8)
+    e = attnkit.explain(q, q, q, mask=masks.causal() & masks.sliding_window(64))
+    assert e.verdicts["flex"] == (
+        "flex_attention's CUDA kernels need head dims of at least 16 (Dk=8, Dv=8)"
+    )
+    assert e.chosen == "sdpa"
+
+
+def test_choosing_flex_for_a_large_spec_builds_no_mask(on_cuda: None) -> None:
+    """auto decides on a spec without asking sdpa, which would materialise it (L x S)."""
+    q, k, v = _qkv(L=4096, dtype=torch.float32)
+    spec = masks.causal() & masks.sliding_window(64)
+    call = make_call(q, k, v, spec, False, None, 0.0, where="test")  # a real call, not explain's
+    assert choose(call, "auto", "test").name == "flex"
+    assert call.dense_mask_bytes() > 0  # still to build: nothing was materialised
+    assert "dense" not in call._dense
