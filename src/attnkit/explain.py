@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from attnkit import cpu
 from attnkit.backends import (
     AUTO_ORDER,
     available_backends,
@@ -33,7 +34,8 @@ class Explanation:
     ``verdicts`` maps each registered backend to ``None`` (it can serve the call) or the reason
     it cannot. ``rules`` maps each backend with an auto rule to ``(fires, why)``; ``rule`` is
     the line that decided auto's choice; ``notes`` holds what backends add (a plan, a compile
-    state). ``str()`` renders the report.
+    state). ``cpu_path`` is the path of a bfloat16/float16 CPU call (:mod:`attnkit.cpu`:
+    ``native``, ``fp32-upcast``, ``torch``), else ``None``. ``str()`` renders the report.
     """
 
     chosen: str
@@ -44,6 +46,7 @@ class Explanation:
     rules: dict[str, tuple[bool, str]] = field(default_factory=dict)
     rule: str = ""
     notes: dict[str, str] = field(default_factory=dict)
+    cpu_path: str | None = None
 
     def __str__(self) -> str:
         lines = [f"attnkit.explain: {self.summary}"]
@@ -148,10 +151,15 @@ def explain(
     if call.softcap is not None or call.sinks is not None:
         sinks_str = "none" if call.sinks is None else f"({d.H},) per head"
         summary += f"\n  softcap: {call.softcap}; sinks: {sinks_str}"
+    if call.cpu_path is not None:
+        summary += f"\n  CPU path: {cpu.describe(call.cpu_path, q.dtype)}"
+        summary += f"\n  CPU: {cpu.features()}"
     fires, why = rule_of(chosen, call)
     if not fires:  # auto's second pass: the backends whose rule fires are above the memory limit
         why = (
             "the backends whose rule fires would allocate L x S tensors above attnkit's memory "
             f"limit; {chosen.name} is the first in auto's order that serves the call within it"
         )
-    return Explanation(chosen.name, backend, d, summary, verdicts, rules, why, notes)
+    return Explanation(
+        chosen.name, backend, d, summary, verdicts, rules, why, notes, call.cpu_path
+    )
