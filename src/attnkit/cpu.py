@@ -120,7 +120,8 @@ def unavailable(path: str, dtype: torch.dtype, feats: CpuFeatures | None = None)
     if path == "native":
         need = _NATIVE[dtype]
         if not f.flags & set(need):
-            return f"this CPU has no {' or '.join(need)} ({dtype} would run in software)"
+            name = str(dtype).removeprefix("torch.")
+            return f"this CPU has no {' or '.join(need)} (torch's {name} matmuls are slow on it)"
     elif path == "fp32-upcast":
         if not f.x86:
             return f"it is for x86 CPUs, and this one is {f.machine or 'unknown'}"
@@ -161,7 +162,7 @@ def path_for(q: torch.Tensor, where: str) -> str | None:
     if q.device.type != "cpu" or q.dtype not in LOW:
         return None
     value = os.environ.get(ENV, "")
-    found = _lookup(value, q.dtype)
+    found: str = _lookup(value, q.dtype)
     path, why = (found, "") if found in PATHS else (None, found)
     if path is None:
         raise AttentionInputError(

@@ -160,6 +160,4 @@ def explain(
             "the backends whose rule fires would allocate L x S tensors above attnkit's memory "
             f"limit; {chosen.name} is the first in auto's order that serves the call within it"
         )
-    return Explanation(
-        chosen.name, backend, d, summary, verdicts, rules, why, notes, call.cpu_path
-    )
+    return Explanation(chosen.name, backend, d, summary, verdicts, rules, why, notes, call.cpu_path)

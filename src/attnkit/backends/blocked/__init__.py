@@ -163,7 +163,9 @@ class BlockedBackend(Backend):
         plan = _plan(call)
         grads = call.needs_grad or (sinks is not None and sinks.requires_grad)
         if grads and torch.is_grad_enabled():
-            out: torch.Tensor = _BlockedAttention.apply(q, k, v, sinks, plan, call.scale, call.upcast)  # type: ignore[no-untyped-call]
+            out: torch.Tensor = _BlockedAttention.apply(
+                q, k, v, sinks, plan, call.scale, call.upcast
+            )  # type: ignore[no-untyped-call]
             return out, None
         qc, kc, vc = _float32(q, k, v, call.upcast)
         out, lse = forward_with_lse(qc, kc, vc, mask=call.mask, scale=call.scale, plan=plan)
