@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,9 @@ __all__ = [
     "describe",
     "features",
     "path_for",
+    "release_buffers",
     "resolve",
+    "to_float32",
     "unavailable",
     "upcasts",
 ]
@@ -177,6 +180,37 @@ def path_for(q: torch.Tensor, where: str) -> str | None:
             fix=f"unset {ENV} (auto picks the fastest path this CPU runs)",
         )
     return path
+
+
+_local = threading.local()
+
+
+def to_float32(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Contiguous float32 copies of ``ts`` (one device), in this thread's conversion buffer.
+
+    The buffer is kept between calls (grown to the largest call, freed by
+    :func:`release_buffers`): a fresh float32 tensor of tens of MB costs more in page faults
+    than the conversion itself (measured on an AVX2 CPU for 8.4M bfloat16 values: 48 ms into a
+    new tensor, 12 ms into a reused one). The copies are valid until this thread's next call:
+    only code that is done with them before it returns may use this (the ``blocked`` backend's
+    kernels; autograd never saves them).
+    """
+    total = sum(t.numel() for t in ts)
+    buf: torch.Tensor | None = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < total or buf.device != ts[0].device:
+        buf = _local.buf = None  # free the old one first
+        buf = _local.buf = torch.empty(total, dtype=torch.float32, device=ts[0].device)
+    out, at = [], 0
+    for t in ts:
+        n = t.numel()
+        out.append(buf[at : at + n].view(t.shape).copy_(t))
+        at += n
+    return tuple(out)
+
+
+def release_buffers() -> None:
+    """Free this thread's conversion buffer (:func:`to_float32`)."""
+    _local.buf = None
 
 
 def upcasts(path: str | None) -> bool:

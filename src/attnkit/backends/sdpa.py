@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from attnkit.backends.base import Backend
 from attnkit.call import AttentionCall
+from attnkit.cpu import to_float32
 from attnkit.memory import exceeds
 
 __all__ = ["SdpaBackend"]
@@ -47,7 +48,9 @@ class SdpaBackend(Backend):
     def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         is_causal, mask = _flag_and_mask(call)
         q, k, v = call.q, call.k, call.v
-        if call.upcast:  # fp32-upcast: float32 copies in, the input dtype out
+        if call.upcast and not call.needs_grad:  # fp32-upcast: float32 copies in (in the
+            q, k, v = to_float32(q, k, v)  # reused buffer: torch is done with them on return)
+        elif call.upcast:  # autograd keeps the copies, so they are its own
             q, k, v = q.float(), k.float(), v.float()
             if mask is not None and mask.is_floating_point():
                 mask = mask.float()

@@ -52,6 +52,7 @@ from attnkit.backends.blocked.blocks import (
 from attnkit.backends.blocked.config import BlockedConfig, configure, current
 from attnkit.backends.blocked.tiles import fused, merge
 from attnkit.call import AttentionCall
+from attnkit.cpu import to_float32
 
 __all__ = [
     "BlockPlan",
@@ -84,7 +85,8 @@ def _float32(
     """q, k, v as the kernels take them: float32 copies on ``fp32-upcast``, else themselves."""
     if not upcast:
         return q, k, v
-    return q.float(), k.float(), v.float()
+    qc, kc, vc = to_float32(q, k, v)  # a reused buffer: the kernels are done with it on return
+    return qc, kc, vc
 
 
 def _stand_in(t: torch.Tensor) -> torch.Tensor:
@@ -133,11 +135,11 @@ class _BlockedAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse, sinks = ctx.saved_tensors
         plan: BlockPlan = ctx.plan
-        qc, kc, vc = _float32(q, k, v, ctx.upcast)
-        oc, doc = (out.float(), dout.float()) if ctx.upcast else (out, dout)
+        qc, kc, vc, oc, doc = to_float32(q, k, v, out, dout) if ctx.upcast else (q, k, v, out, dout)
         dq, dk, dv = backward_from_lse(
             qc, kc, vc, oc, doc, lse, mask=plan.mask, scale=ctx.scale, plan=plan
         )
+        del qc, kc, vc, oc, doc
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             D = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (B, H, L)

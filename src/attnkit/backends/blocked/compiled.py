@@ -35,7 +35,7 @@ import torch
 
 from attnkit.backends.blocked.blocks import backward_from_lse, forward_with_lse, plan_blocks
 from attnkit.call import AttentionCall
-from attnkit.cpu import path_for, upcasts
+from attnkit.cpu import path_for, to_float32, upcasts
 from attnkit.masks import MaskSpec
 
 __all__ = ["OP", "flatten", "rebuild", "run", "unsupported"]
@@ -157,7 +157,7 @@ def _lse_dtype(q: torch.Tensor) -> torch.dtype:
 def _kernel_inputs(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The op's tensors as the kernels take them: float32 copies on the CPU's ``fp32-upcast``
     path (:mod:`attnkit.cpu`; the op runs eagerly, so the path is read here), else as given."""
-    return tuple(t.float() for t in ts) if upcasts(path_for(ts[0], OP)) else ts
+    return to_float32(*ts) if upcasts(path_for(ts[0], OP)) else ts
 
 
 @torch.library.custom_op(
