@@ -346,3 +346,28 @@ def test_compiled_blocked_follows_the_path(monkeypatch: pytest.MonkeyPatch) -> N
         lambda q, k, v: attnkit.attention(q, k, v, mask=spec, backend="blocked"), fullgraph=True
     )
     assert torch.equal(compiled(q, k, v), eager)
+
+
+def test_the_reused_conversion_buffer_never_leaks_between_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fp32-upcast converts into one buffer per thread: a second call between a forward and its
+    backward overwrites it, and neither the first output nor its gradients change."""
+    use_path(monkeypatch, "fp32-upcast", torch.bfloat16)
+    spec = masks.causal() & masks.sliding_window(24)
+    g = torch.Generator().manual_seed(3)
+    a = [torch.randn(1, 2, 128, 16, generator=g).bfloat16().requires_grad_(True) for _ in range(3)]
+    b = [torch.randn(1, 2, 160, 16, generator=g).bfloat16() for _ in range(3)]
+    dout = torch.randn(1, 2, 128, 16, generator=g).bfloat16()
+    alone = attnkit.attention(*a, mask=spec)
+    want = torch.autograd.grad(alone, a, dout)
+    out = attnkit.attention(*a, mask=spec)
+    kept = out.detach().clone()
+    attnkit.attention(*b, mask=spec)  # overwrites (and grows) the buffer
+    attnkit.attention(*b, mask=masks.document(torch.tensor([0] * 80 + [1] * 80)))
+    assert torch.equal(out, kept)
+    got = torch.autograd.grad(out, a, dout)
+    for x, y in zip(got, want, strict=True):
+        assert torch.equal(x, y)
+    cpu.release_buffers()
+    assert getattr(cpu._local, "buf", None) is None
