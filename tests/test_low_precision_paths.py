@@ -371,3 +371,31 @@ def test_the_reused_conversion_buffer_never_leaks_between_calls(
         assert torch.equal(x, y)
     cpu.release_buffers()
     assert getattr(cpu._local, "buf", None) is None
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("path", PATHS)
+def test_a_float_mask_tensor_on_every_path(
+    path: str, grad: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user's bfloat16 float mask (``-inf`` blocks, a bias elsewhere) on every backend that
+    takes one: sdpa gets it in the dtype of the q it runs on."""
+    use_path(monkeypatch, path, torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 2, 40, 16, generator=g).bfloat16() for _ in range(3))
+    bias = torch.randn(2, 1, 40, 40, generator=g)
+    bias = bias.masked_fill(torch.rand(2, 1, 40, 40, generator=g) < 0.3, float("-inf"))
+    bias[1, :, 7] = float("-inf")  # a row that sees nothing
+    bias = bias.bfloat16()
+    dout = torch.randn(2, 2, 40, 16, generator=g).bfloat16()
+    want, want_grads = _oracle(q, k, v, bias, dout)
+    for backend in ("sdpa", "math", "blocked"):
+        qg, kg, vg = (t.clone().requires_grad_(grad) for t in (q, k, v))
+        out = attnkit.attention(qg, kg, vg, mask=bias, backend=backend)
+        assert out.dtype == torch.bfloat16
+        assert _rel_err(out, want) <= RTOL[torch.bfloat16], backend
+        assert torch.equal(out[1, :, 7], torch.zeros_like(out[1, :, 7])), backend
+        if grad:
+            grads = torch.autograd.grad(out, (qg, kg, vg), dout)
+            for got, ref in zip(grads, want_grads, strict=True):
+                assert _rel_err(got, ref) <= RTOL[torch.bfloat16], backend

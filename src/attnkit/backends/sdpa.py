@@ -52,8 +52,8 @@ class SdpaBackend(Backend):
             q, k, v = to_float32(q, k, v)  # reused buffer: torch is done with them on return)
         elif call.upcast:  # autograd keeps the copies, so they are its own
             q, k, v = q.float(), k.float(), v.float()
-            if mask is not None and mask.is_floating_point():
-                mask = mask.float()
+        if call.upcast and mask is not None and mask.is_floating_point():
+            mask = mask.float()  # torch wants a float mask in q's dtype
         out = F.scaled_dot_product_attention(
             q,
             k,
