@@ -399,3 +399,20 @@ def test_a_float_mask_tensor_on_every_path(
             grads = torch.autograd.grad(out, (qg, kg, vg), dout)
             for got, ref in zip(grads, want_grads, strict=True):
                 assert _rel_err(got, ref) <= RTOL[torch.bfloat16], backend
+
+
+def test_the_conversion_buffer_survives_inference_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A buffer made under torch.inference_mode is an inference tensor, which cannot be written
+    outside it: the next call outside makes a new one (and training works)."""
+    use_path(monkeypatch, "fp32-upcast", torch.bfloat16)
+    cpu.release_buffers()
+    spec = masks.causal() & masks.sliding_window(8)
+    q = torch.randn(1, 2, 64, 16).bfloat16()
+    with torch.inference_mode():
+        inside = attnkit.attention(q, q, q, mask=spec, backend="blocked")
+    assert cpu._local.buf.is_inference()
+    qg = q.clone().requires_grad_(True)
+    out = attnkit.attention(qg, qg, qg, mask=spec, backend="blocked")
+    out.sum().backward()
+    assert torch.equal(out.detach(), inside)
+    assert not cpu._local.buf.is_inference()

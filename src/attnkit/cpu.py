@@ -193,11 +193,13 @@ def to_float32(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
     than the conversion itself (measured on an AVX2 CPU for 8.4M bfloat16 values: 48 ms into a
     new tensor, 12 ms into a reused one). The copies are valid until this thread's next call:
     only code that is done with them before it returns may use this (the ``blocked`` backend's
-    kernels; autograd never saves them).
+    kernels; autograd never saves them). A buffer made under ``torch.inference_mode`` (an
+    inference tensor, which cannot be written outside it) is replaced outside it.
     """
     total = sum(t.numel() for t in ts)
     buf: torch.Tensor | None = getattr(_local, "buf", None)
-    if buf is None or buf.numel() < total or buf.device != ts[0].device:
+    stale = buf is not None and buf.is_inference() and not torch.is_inference_mode_enabled()
+    if buf is None or stale or buf.numel() < total or buf.device != ts[0].device:
         buf = _local.buf = None  # free the old one first
         buf = _local.buf = torch.empty(total, dtype=torch.float32, device=ts[0].device)
     out, at = [], 0
