@@ -26,7 +26,7 @@ The environment variable ``ATTNKIT_CPU_PATH`` (``native``, ``fp32-upcast``, ``to
 ``auto``/unset) forces a path. Forcing one this CPU cannot run (``native`` without the
 instructions, ``fp32-upcast`` without AVX2) and any other value make every bfloat16/float16 CPU
 call (and :func:`attnkit.explain`) raise :class:`~attnkit.AttentionInputError`, saying why;
-float32/float64 and non-CPU calls never read the variable. The features are read once; the
+float32/float64 and non-CPU calls never read the variable. The features are read at import; the
 choice is cached per (value, dtype), so a call costs one environment lookup.
 """
 
@@ -110,11 +110,19 @@ def _read_flags(machine: str) -> frozenset[str]:
     return frozenset()
 
 
-@functools.cache
-def features() -> CpuFeatures:
-    """This machine's CPU features (read once)."""
+def _detect() -> CpuFeatures:
     machine = platform.machine()
     return CpuFeatures(machine, _read_flags(machine), torch.backends.cpu.get_cpu_capability())
+
+
+#: read at import (the first ``flags`` line of /proc/cpuinfo), so that ``torch.compile`` traces
+#: a constant rather than a file read
+_DETECTED = _detect()
+
+
+def features() -> CpuFeatures:
+    """This machine's CPU features (read once, at import)."""
+    return _DETECTED
 
 
 def unavailable(path: str, dtype: torch.dtype, feats: CpuFeatures | None = None) -> str | None:
@@ -135,9 +143,15 @@ def unavailable(path: str, dtype: torch.dtype, feats: CpuFeatures | None = None)
     return None
 
 
-@functools.cache
 def resolve(value: str, dtype: torch.dtype, feats: CpuFeatures) -> tuple[str | None, str]:
-    """``(path, why)`` for an ``ATTNKIT_CPU_PATH`` value; ``(None, problem)`` when it is bad."""
+    """``(path, why)`` for an ``ATTNKIT_CPU_PATH`` value; ``(None, problem)`` when it is bad.
+    Cached (``torch.compile`` traces the uncached rule, a few constant comparisons)."""
+    if torch.compiler.is_compiling():
+        return _resolve(value, dtype, feats)
+    return _resolve_cached(value, dtype, feats)
+
+
+def _resolve(value: str, dtype: torch.dtype, feats: CpuFeatures) -> tuple[str | None, str]:
     choice = value.strip().lower()
     if choice in ("", "auto"):
         for path in PATHS:
@@ -151,12 +165,7 @@ def resolve(value: str, dtype: torch.dtype, feats: CpuFeatures) -> tuple[str | N
     return choice, f"forced by {ENV}={value!r}"
 
 
-@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
-def _lookup(value: str, dtype: torch.dtype) -> str:
-    """The path, or why there is none (one string: ``torch.compile`` takes it as a constant
-    rather than tracing the read of /proc/cpuinfo)."""
-    path, why = resolve(value, dtype, features())
-    return why if path is None else path
+_resolve_cached = functools.cache(_resolve)
 
 
 def path_for(q: torch.Tensor, where: str) -> str | None:
@@ -165,8 +174,7 @@ def path_for(q: torch.Tensor, where: str) -> str | None:
     if q.device.type != "cpu" or q.dtype not in LOW:
         return None
     value = os.environ.get(ENV, "")
-    found: str = _lookup(value, q.dtype)
-    path, why = (found, "") if found in PATHS else (None, found)
+    path, why = resolve(value, q.dtype, features())
     if path is None:
         raise AttentionInputError(
             where,
