@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from attnkit.cpu import upcasts
 from attnkit.masks import DenseMask, MaskSpec, is_causal
 
 __all__ = ["AttentionCall", "Dims"]
@@ -53,6 +54,8 @@ class AttentionCall:
             joins every row's softmax denominator and adds no value; ``None``: none.
         explaining: built by :func:`attnkit.explain`: nothing runs, and :meth:`dense_mask`
             returns a zero-memory stand-in of the right shape and dtype.
+        cpu_path: for bfloat16/float16 on the CPU, the path the backends follow
+            (:mod:`attnkit.cpu`: ``native``, ``fp32-upcast`` or ``torch``); else ``None``.
     """
 
     q: torch.Tensor
@@ -66,6 +69,7 @@ class AttentionCall:
     softcap: float | None = None
     sinks: torch.Tensor | None = None
     explaining: bool = False
+    cpu_path: str | None = None
     _dense: dict[str, torch.Tensor | None] = field(default_factory=dict, repr=False)
 
     @property
@@ -84,6 +88,16 @@ class AttentionCall:
     def grouped(self) -> bool:
         """Grouped-query heads: ``H != Hkv``."""
         return self.q.shape[1] != self.k.shape[1]
+
+    @property
+    def upcast(self) -> bool:
+        """Backends convert q, k, v to float32 and their results back (``fp32-upcast``)."""
+        return upcasts(self.cpu_path)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype backends compute in: float32 on ``fp32-upcast``, else q's dtype."""
+        return torch.float32 if self.upcast else self.q.dtype
 
     @property
     def mask_tensor(self) -> torch.Tensor | None:
@@ -107,14 +121,15 @@ class AttentionCall:
         (:meth:`~attnkit.masks.MaskSpec.dense_bytes`)."""
         if self.mask is None or "dense" in self._dense:
             return 0
-        return self.mask.dense_bytes(self.dims.L, self.dims.S, self.q.dtype)
+        return self.mask.dense_bytes(self.dims.L, self.dims.S, self.compute_dtype)
 
     def dense_mask(self) -> torch.Tensor | None:
         """The mask as one tensor broadcastable to ``(B, H, L, S)``: bool (True = may attend)
         or float (added to the scores), built once per call; ``None`` for no mask.
 
-        A user's tensor comes back unchanged; a spec is materialised with ``to_dense``, which
-        refuses (:class:`~attnkit.AttentionMemoryError`) above attnkit's memory limit.
+        A user's tensor comes back unchanged; a spec is materialised with ``to_dense`` (a bias
+        in :attr:`compute_dtype`), which refuses (:class:`~attnkit.AttentionMemoryError`)
+        above attnkit's memory limit.
         """
         spec = self.mask
         if spec is None:
@@ -123,12 +138,12 @@ class AttentionCall:
             return spec.tensor
         if self.explaining:  # what to_dense would return, as a zero-stride view of one element
             d = self.dims
-            dtype = self.q.dtype if spec.has_bias else torch.bool
+            dtype = self.compute_dtype if spec.has_bias else torch.bool
             heads = (spec.heads or 1) if spec.has_bias else 1
             one = torch.zeros((), dtype=dtype, device=self.q.device)
             return one.expand(spec.batch or 1, heads, d.L, d.S)
         if "dense" not in self._dense:
             self._dense["dense"] = spec.to_dense(
-                self.dims.L, self.dims.S, device=self.q.device, dtype=self.q.dtype
+                self.dims.L, self.dims.S, device=self.q.device, dtype=self.compute_dtype
             )
         return self._dense["dense"]

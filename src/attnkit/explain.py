@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from attnkit import cpu
 from attnkit.backends import (
     auto_order,
     available_backends,
@@ -34,7 +35,9 @@ class Explanation:
     it cannot. ``rules`` maps each backend with an auto rule to ``(fires, why)``; ``rule`` is
     the line that decided auto's choice; ``notes`` holds what backends add (a plan, a compile
     state); ``device`` is the device type auto planned for (its order and the backends'
-    descriptions depend on it). ``str()`` renders the report.
+    descriptions depend on it). ``cpu_path`` is the path of a bfloat16/float16 CPU call
+    (:mod:`attnkit.cpu`: ``native``, ``fp32-upcast``, ``torch``), else ``None``. ``str()``
+    renders the report.
     """
 
     chosen: str
@@ -46,6 +49,7 @@ class Explanation:
     rule: str = ""
     notes: dict[str, str] = field(default_factory=dict)
     device: str = "cpu"
+    cpu_path: str | None = None
 
     def __str__(self) -> str:
         lines = [f"attnkit.explain: {self.summary}"]
@@ -152,6 +156,9 @@ def explain(
     if call.softcap is not None or call.sinks is not None:
         sinks_str = "none" if call.sinks is None else f"({d.H},) per head"
         summary += f"\n  softcap: {call.softcap}; sinks: {sinks_str}"
+    if call.cpu_path is not None:
+        summary += f"\n  CPU path: {cpu.describe(call.cpu_path, q.dtype)}"
+        summary += f"\n  CPU: {cpu.features()}"
     fires, why = rule_of(chosen, call)
     if not fires:  # auto's second pass: the backends whose rule fires are above the memory limit
         why = (
@@ -159,5 +166,14 @@ def explain(
             f"limit; {chosen.name} is the first in auto's order that serves the call within it"
         )
     return Explanation(
-        chosen.name, backend, d, summary, verdicts, rules, why, notes, call.device_type
+        chosen.name,
+        backend,
+        d,
+        summary,
+        verdicts,
+        rules,
+        why,
+        notes,
+        call.device_type,
+        call.cpu_path,
     )

@@ -17,6 +17,7 @@ import math
 import torch
 
 from attnkit.call import AttentionCall, Dims
+from attnkit.cpu import path_for
 from attnkit.errors import AttentionInputError, rank_error, shape_str, warn_user
 from attnkit.masks import MaskSpec, as_spec
 from attnkit.memory import AttentionMemoryError, refuse
@@ -241,6 +242,7 @@ def make_call(
         float(softcap) if softcap is not None else None,
         sinks,
         explaining,
+        path_for(q, where),
     )
 
 

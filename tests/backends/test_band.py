@@ -134,12 +134,15 @@ def test_attention_and_training_with_a_causal_window_use_the_kernel(
 
 
 def test_calls_the_kernel_does_not_serve_go_to_torchs_kernel(
-    calls: list[tuple[object, ...]],
+    calls: list[tuple[object, ...]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spec = masks.causal() & masks.sliding_window(8)
     q = torch.randn(1, 4, 64, 16)
     kv = torch.randn(1, 2, 64, 16)
     attnkit.attention(q, kv, kv, mask=spec, backend="blocked")  # grouped-query heads
+    # bfloat16 as it is (the CPU path `torch`; on `fp32-upcast` the kernel sees float32
+    # copies: tests/test_low_precision_paths.py)
+    monkeypatch.setenv("ATTNKIT_CPU_PATH", "torch")
     attnkit.attention(q.bfloat16(), q.bfloat16(), q.bfloat16(), mask=spec, backend="blocked")
     attnkit.attention(q, q[:, :, :32], q[:, :, :32], mask=spec, backend="blocked")  # L != S
     out, lse = blocked.forward_with_lse(q, q, q, mask=spec, scale=0.25, q_start=32, k_start=32)

@@ -415,6 +415,38 @@ def test_doctor() -> None:
     assert verdicts[("sdpa", "float32", "cpu")] == "usable (auto's choice)"
 
 
+def test_doctor_names_the_cpu_features_and_the_low_precision_paths(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from attnkit import cpu
+
+    fake = cpu.CpuFeatures("x86_64", frozenset({"avx2", "fma", "avx512f"}), "AVX512")
+    monkeypatch.setattr(cpu, "features", lambda: fake)
+    monkeypatch.delenv(cpu.ENV, raising=False)
+    out = _invoke("doctor").stdout
+    assert "  CPU             x86_64, torch capability AVX512\n" in out
+    assert "  CPU flags       avx2 fma avx512f\n" in out
+    assert (
+        "  bf16 path       fp32-upcast (chosen for this CPU); cannot run native: this CPU has no "
+        "avx512_bf16 or amx_bf16 (torch's bfloat16 matmuls are slow on it)\n"
+    ) in out
+    assert "  fp16 path       fp32-upcast (chosen for this CPU); cannot run native: " in out
+    monkeypatch.setenv(cpu.ENV, "native")
+    result = _invoke("doctor")
+    assert result.exit_code == 0, result.output  # doctor reports a bad path, it does not fail
+    assert (
+        "  bf16 path       error: ATTNKIT_CPU_PATH='native' forces a path this CPU cannot run "
+        "for torch.bfloat16: this CPU has no avx512_bf16 or amx_bf16"
+    ) in result.stdout
+    verdicts = {
+        tuple(line.split()[:3]): " ".join(line.split()[3:])
+        for line in _section(result.stdout, "backends (a tiny call")
+    }
+    assert verdicts[("sdpa", "bfloat16", "cpu")].startswith(
+        "fails: AttentionInputError: attnkit.explain: ATTNKIT_CPU_PATH='native' forces a path"
+    )
+
+
 def test_demo_walks_through_then_shows(tmp_path: Path) -> None:
     result = _invoke("demo", "--out", str(tmp_path))
     assert result.exit_code == 0, result.output

@@ -278,7 +278,14 @@ class FlexBackend(Backend):
                 f"compiled and cached for this shape and mask (the first call took "
                 f"{entry.seconds:.1f} s, compile included); {entry.calls} calls since"
             )
-        return state + (
-            "; under torch.compile, flex_attention is compiled into the caller's graph and its "
-            "block mask built there by create_block_mask (the spec's predicate on every pair)"
+        path = ""
+        if call.cpu_path is not None:  # torch compiles it: attnkit's CPU path does not apply
+            path = f"; takes q, k, v in {call.q.dtype} as they are (the CPU path is not applied)"
+        return (
+            state
+            + path
+            + (
+                "; under torch.compile, flex_attention is compiled into the caller's graph and its "
+                "block mask built there by create_block_mask (the spec's predicate on every pair)"
+            )
         )

@@ -2,7 +2,8 @@
 
 This is what every seed writes by hand, and what :func:`attnkit.attention` is *equivalent to*.
 It serves every call (any dtype, ``Dv != Dk``, dropout, masks) and is the only built-in backend
-that returns the attention weights.
+that returns the attention weights. On the CPU's ``fp32-upcast`` path (:mod:`attnkit.cpu`) a
+bfloat16/float16 call computes in float32 and returns its output and weights in the input dtype.
 
 Dimension legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv query heads per
 key/value head, L query length, S key length, Dk query/key head dim, Dv value head dim.
@@ -37,11 +38,11 @@ class MathBackend(Backend):
         """The scores and weights ``(B, H, L, S)``: about three such tensors are alive at once
         (scores, masked scores, weights), plus the mask when a spec is materialised."""
         B, H, L, S = call.dims.B, call.dims.H, call.dims.L, call.dims.S
-        scores = B * H * L * S * call.q.dtype.itemsize
+        scores = B * H * L * S * call.compute_dtype.itemsize
         mask = call.dense_mask_bytes()
         what = (
             f"the math backend's scores and weights (B={B}, H={H}, L={L}, S={S}) in "
-            f"{call.q.dtype} (about 3 such tensors at once)"
+            f"{call.compute_dtype} (about 3 such tensors at once)"
         )
         if mask:
             what += " and the mask spec materialised"
@@ -49,6 +50,8 @@ class MathBackend(Backend):
 
     def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         q, k, v = call.q, call.k, call.v
+        if call.upcast:  # fp32-upcast: no bf16/fp16 matmul on a CPU without their instructions
+            q, k, v = q.float(), k.float(), v.float()
         B, H, L, Dk = q.shape
         Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
         G = H // Hkv
@@ -75,4 +78,11 @@ class MathBackend(Backend):
         if call.dropout_p > 0.0:
             weights = F.dropout(weights, p=call.dropout_p)
         out = weights.view(B, Hkv, G * L, S) @ v  # (B, Hkv, G*L, Dv)
-        return out.view(B, H, L, Dv), (weights if call.return_weights else None)
+        dtype = call.q.dtype  # the input dtype (out and weights were float32 on fp32-upcast)
+        weights_out = weights.to(dtype) if call.return_weights else None
+        return out.view(B, H, L, Dv).to(dtype), weights_out
+
+    def note(self, call: AttentionCall) -> str | None:
+        if call.upcast:
+            return "computes in float32 on float32 copies of q, k, v (fp32-upcast)"
+        return None

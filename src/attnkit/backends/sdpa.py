@@ -5,6 +5,10 @@ never torch's own slow math path: :meth:`SdpaBackend.check` holds torch's rules 
 fused kernel on this device, and a test pins them against torch itself (``sdpa_kernel`` with the
 math kernel excluded). On CUDA, torch's own rules decide (:func:`cuda_fused_kernel`).
 Grouped-query heads use torch's ``enable_gqa`` (no repeated K/V in the fused kernel).
+On the CPU's ``fp32-upcast`` path (:mod:`attnkit.cpu`) a bfloat16/float16 call runs torch's
+float32 kernel on float32 copies of q, k, v (torch's bf16 backward on a CPU without bf16
+instructions is an order of magnitude slower); autograd keeps those copies for the backward,
+so its saved tensors are float32-sized.
 
 Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
 Dk query/key head dim, Dv value head dim.
@@ -17,6 +21,7 @@ import torch.nn.functional as F
 
 from attnkit.backends.base import Backend
 from attnkit.call import AttentionCall
+from attnkit.cpu import to_float32
 from attnkit.memory import exceeds
 
 __all__ = ["SdpaBackend", "cuda_fused_kernel"]
@@ -43,21 +48,36 @@ class SdpaBackend(Backend):
 
     def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         is_causal, mask = _flag_and_mask(call)
+        q, k, v = call.q, call.k, call.v
+        if call.upcast and not call.needs_grad:  # fp32-upcast: float32 copies in (in the
+            q, k, v = to_float32(q, k, v)  # reused buffer: torch is done with them on return)
+        elif call.upcast:  # autograd keeps the copies, so they are its own
+            q, k, v = q.float(), k.float(), v.float()
+        if call.upcast and mask is not None and mask.is_floating_point():
+            mask = mask.float()  # torch wants a float mask in q's dtype
         out = F.scaled_dot_product_attention(
-            call.q,
-            call.k,
-            call.v,
+            q,
+            k,
+            v,
             attn_mask=mask,
             dropout_p=call.dropout_p,
             is_causal=is_causal,
             scale=call.scale,
             enable_gqa=call.grouped,
         )
-        return out, None
+        return out.to(call.q.dtype), None
+
+    def note(self, call: AttentionCall) -> str | None:
+        if call.upcast:
+            return "runs torch's float32 fused kernel on float32 copies of q, k, v (fp32-upcast)"
+        return None
 
     def dense_allocation(self, call: AttentionCall) -> tuple[int, str] | None:
         """A mask spec (other than causal with ``L == S``) is materialised for torch."""
         nbytes = 0 if (call.causal and call.dims.L == call.dims.S) else call.dense_mask_bytes()
+        t = call.mask_tensor
+        if call.upcast and t is not None and t.is_floating_point():
+            return t.numel() * 4, "a float32 copy of the float mask (fp32-upcast)"
         if not nbytes:
             return None
         return nbytes, "materialising the mask spec for torch's fused kernel"

@@ -1,4 +1,5 @@
-"""``attnkit doctor``: versions, threads, CUDA, the model weights, and which backends work here.
+"""``attnkit doctor``: versions, threads, CUDA, the model weights, the CPU's features and the
+path bfloat16/float16 take on it (:mod:`attnkit.cpu`), and which backends work here.
 
 Each backend gets a tiny call on every device and in float32 and bfloat16, checked against a
 float64 reference. Only typer, torch and attnkit's own modules are imported at the top; the
@@ -60,6 +61,33 @@ def _backend_verdict(name: str, dtype_name: str, device: str) -> str:
     return "usable" + (" (auto's choice)" if explanation.chosen == name else "")
 
 
+def _cpu_rows() -> list[tuple[str, str]]:
+    """The CPU's features and the path each low-precision dtype takes on it (or why a forced
+    one cannot run)."""
+    from attnkit import cpu
+
+    f = cpu.features()
+    flags = " ".join(x for x in cpu.FLAGS if x in f.flags) or "none of " + " ".join(cpu.FLAGS)
+    rows = [
+        ("CPU", f"{f.machine or 'unknown'}, torch capability {f.capability}"),
+        ("CPU flags", flags),
+    ]
+    value = os.environ.get(cpu.ENV, "")
+    for dtype in cpu.LOW:
+        path, why = cpu.resolve(value, dtype, f)
+        name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+        if path is None:
+            rows.append((f"{name} path", f"error: {why}"))
+            continue
+        others = [
+            f"{p}: {reason}" for p in cpu.PATHS if (reason := cpu.unavailable(p, dtype)) is not None
+        ]
+        line = f"{path} ({why})"
+        cannot = f"; cannot run {'; '.join(others)}" if others else ""
+        rows.append((f"{name} path", line + cannot))
+    return rows
+
+
 def _band_kernel() -> str:
     """The blocked backend's kernel for causal sliding windows: built, or why not."""
     from attnkit.backends.blocked import band
@@ -105,6 +133,7 @@ def doctor() -> None:
             ("CUDA", cuda),
             ("MiniLM weights", weights),
             ("band kernel", _band_kernel()),
+            *_cpu_rows(),
         ]
     )
 

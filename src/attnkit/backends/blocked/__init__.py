@@ -21,6 +21,13 @@ The package, in the order a call goes through it:
 * ``band`` and ``csrc/band_window.cpp``: attnkit's own AVX2 kernel for causal sliding windows,
   forward and backward in one pass each.
 
+bfloat16/float16 on the CPU follow the path of :mod:`attnkit.cpu`: on ``fp32-upcast`` (AVX2 or
+AVX-512 without bf16/fp16 instructions) q, k, v are converted to float32 here, at the entry, and
+everything below (the band kernel included) sees float32; the output and the gradients are
+converted back, and training saves the input-dtype tensors (the backward converts them again).
+On ``native`` and ``torch`` the tensors go to the tiles as they are (torch's fused kernel
+accumulates in float32).
+
 Training keeps q, k, v, the output and ``lse (B, H, L)``: memory grows with L, not L x S.
 Grouped-query heads go to the kernels as they are (``Hkv`` heads, never repeated). A query row
 with nothing to attend to gets output 0, log-sum-exp ``-inf`` and gradient 0.
@@ -45,6 +52,7 @@ from attnkit.backends.blocked.blocks import (
 from attnkit.backends.blocked.config import BlockedConfig, configure, current
 from attnkit.backends.blocked.tiles import fused, merge
 from attnkit.call import AttentionCall
+from attnkit.cpu import to_float32
 
 __all__ = [
     "BlockPlan",
@@ -71,11 +79,36 @@ def _with_sinks(
     return out * torch.exp(lse - new).unsqueeze(-1), new
 
 
+def _float32(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, upcast: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as the kernels take them: float32 copies on ``fp32-upcast``, else themselves."""
+    if not upcast:
+        return q, k, v
+    qc, kc, vc = to_float32(q, k, v)  # a reused buffer: the kernels are done with it on return
+    return qc, kc, vc
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A float32 tensor of ``t``'s shape and device that allocates one element: what planning
+    reads (shape, dtype, device) for a tensor that ``fp32-upcast`` converts when it runs."""
+    return torch.zeros((), dtype=torch.float32, device=t.device).expand(t.shape)
+
+
+def _plan(call: AttentionCall) -> BlockPlan:
+    q, k, v = call.q, call.k, call.v
+    if call.upcast:
+        q, k, v = _stand_in(q), _stand_in(k), _stand_in(v)
+    return plan_blocks(q, k, v, call.mask, softcap=call.softcap)
+
+
 class _BlockedAttention(torch.autograd.Function):
     """Autograd over :func:`forward_with_lse` / :func:`backward_from_lse` with one plan: saves
     q, k, v, the output and ``lse (B, H, L)``, nothing of size L x S. With sinks, the saved
     ``lse`` includes them, so the blocks' backward is unchanged; the sinks' own gradient is
-    ``-sum over rows of P_sink * D`` with ``D = rowsum(dout * out)``."""
+    ``-sum over rows of P_sink * D`` with ``D = rowsum(dout * out)``. With ``upcast`` the
+    kernels run on float32 copies (made here, and again in the backward from the saved
+    input-dtype tensors)."""
 
     @staticmethod
     def forward(
@@ -86,12 +119,15 @@ class _BlockedAttention(torch.autograd.Function):
         sinks: torch.Tensor | None,
         plan: BlockPlan,
         scale: float,
+        upcast: bool,
     ) -> torch.Tensor:
-        out, lse = forward_with_lse(q, k, v, mask=plan.mask, scale=scale, plan=plan)
+        qc, kc, vc = _float32(q, k, v, upcast)
+        out, lse = forward_with_lse(qc, kc, vc, mask=plan.mask, scale=scale, plan=plan)
+        del qc, kc, vc
         out, lse = _with_sinks(out, lse, sinks)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.plan, ctx.scale = plan, scale
+        ctx.plan, ctx.scale, ctx.upcast = plan, scale, upcast
         return out
 
     @staticmethod
@@ -99,15 +135,17 @@ class _BlockedAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse, sinks = ctx.saved_tensors
         plan: BlockPlan = ctx.plan
+        qc, kc, vc, oc, doc = to_float32(q, k, v, out, dout) if ctx.upcast else (q, k, v, out, dout)
         dq, dk, dv = backward_from_lse(
-            q, k, v, out, dout, lse, mask=plan.mask, scale=ctx.scale, plan=plan
+            qc, kc, vc, oc, doc, lse, mask=plan.mask, scale=ctx.scale, plan=plan
         )
+        del qc, kc, vc, oc, doc
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             D = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (B, H, L)
             p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
             dsinks = -(p_sink * D).sum(dim=(0, 2)).to(sinks.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None
 
 
 class BlockedBackend(Backend):
@@ -134,12 +172,15 @@ class BlockedBackend(Backend):
         if torch.compiler.is_compiling():  # one opaque op in the graph; it plans when it runs
             return compiled.run(call), None
         q, k, v, sinks = call.q, call.k, call.v, call.sinks
-        plan = plan_blocks(q, k, v, call.mask, softcap=call.softcap)
+        plan = _plan(call)
         grads = call.needs_grad or (sinks is not None and sinks.requires_grad)
         if grads and torch.is_grad_enabled():
-            out: torch.Tensor = _BlockedAttention.apply(q, k, v, sinks, plan, call.scale)  # type: ignore[no-untyped-call]
+            out: torch.Tensor = _BlockedAttention.apply(
+                q, k, v, sinks, plan, call.scale, call.upcast
+            )  # type: ignore[no-untyped-call]
             return out, None
-        out, lse = forward_with_lse(q, k, v, mask=call.mask, scale=call.scale, plan=plan)
+        qc, kc, vc = _float32(q, k, v, call.upcast)
+        out, lse = forward_with_lse(qc, kc, vc, mask=call.mask, scale=call.scale, plan=plan)
         return _with_sinks(out, lse, sinks)[0].to(q.dtype), None
 
     def check(self, call: AttentionCall) -> str | None:
@@ -197,10 +238,20 @@ class BlockedBackend(Backend):
         return self._plan_note(call) + under_compile
 
     def _plan_note(self, call: AttentionCall) -> str:
+        prefix = ""
+        if call.cpu_path is not None:
+            how = "float32 copies of q, k, v" if call.upcast else f"q, k, v in {call.q.dtype}"
+            prefix = f"{call.cpu_path} path: the kernels run on {how}; "
         if call.mask is not None and call.mask.from_tensor:  # planning reads the whole mask
-            return "a dense mask: its empty blocks are found when it runs (one pass over the mask)"
+            return prefix + (
+                "a dense mask: its empty blocks are found when it runs (one pass over the mask)"
+            )
+        return prefix + self._kernels(call, _plan(call))
+
+    def _kernels(self, call: AttentionCall, plan: BlockPlan) -> str:
         q, k, v = call.q, call.k, call.v
-        plan = plan_blocks(q, k, v, call.mask, softcap=call.softcap)
+        if call.upcast:
+            q, k, v = _stand_in(q), _stand_in(k), _stand_in(v)
         w = plan.band.window
         if plan.band.serves:
             return (

@@ -35,6 +35,7 @@ import torch
 
 from attnkit.backends.blocked.blocks import backward_from_lse, forward_with_lse, plan_blocks
 from attnkit.call import AttentionCall
+from attnkit.cpu import path_for, to_float32, upcasts
 from attnkit.masks import MaskSpec
 
 __all__ = ["OP", "flatten", "rebuild", "run", "unsupported"]
@@ -153,6 +154,12 @@ def _lse_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
+def _kernel_inputs(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The op's tensors as the kernels take them: float32 copies on the CPU's ``fp32-upcast``
+    path (:mod:`attnkit.cpu`; the op runs eagerly, so the path is read here), else as given."""
+    return to_float32(*ts) if upcasts(path_for(ts[0], OP)) else ts
+
+
 @torch.library.custom_op(
     OP,
     mutates_args=(),
@@ -171,8 +178,9 @@ def _forward(
     """``out (B, H, L, Dv)`` in q's dtype and ``lse (B, H, L)`` (float32; float64 for float64
     q), both contiguous, as the fake implementation promises."""
     spec = rebuild(tensors, ints, floats, structure)
-    plan = plan_blocks(q, k, v, spec)
-    out, lse = forward_with_lse(q, k, v, mask=spec, scale=scale, plan=plan)
+    qc, kc, vc = _kernel_inputs(q, k, v)
+    plan = plan_blocks(qc, kc, vc, spec)
+    out, lse = forward_with_lse(qc, kc, vc, mask=spec, scale=scale, plan=plan)
     return out.to(q.dtype).contiguous(), lse.to(_lse_dtype(q)).contiguous()
 
 
@@ -208,8 +216,9 @@ def _backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv`` in the dtypes of q, k, v, contiguous."""
     spec = rebuild(tensors, ints, floats, structure)
-    plan = plan_blocks(q, k, v, spec)
-    dq, dk, dv = backward_from_lse(q, k, v, out, dout, lse, mask=spec, scale=scale, plan=plan)
+    qc, kc, vc, oc, doc = _kernel_inputs(q, k, v, out, dout)
+    plan = plan_blocks(qc, kc, vc, spec)
+    dq, dk, dv = backward_from_lse(qc, kc, vc, oc, doc, lse, mask=spec, scale=scale, plan=plan)
     return (
         dq.to(q.dtype).contiguous(),
         dk.to(k.dtype).contiguous(),

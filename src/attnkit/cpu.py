@@ -1,0 +1,239 @@
+"""The CPU's instruction sets and the path bfloat16/float16 attention takes on it.
+
+torch's bfloat16 and float16 matmuls are fast only where the CPU multiplies those types itself
+(AVX512-BF16 or AMX for bfloat16, AVX512-FP16 or AMX-FP16 for float16). On a CPU with only
+AVX2 or AVX-512F, torch's bf16 GEMM runs one to two orders of magnitude below its float32
+GEMM (measured on an AVX2 CPU: about 13x slower for a 512^3 matmul, and
+``F.scaled_dot_product_attention``'s bf16 backward 11x slower than its float32 one). So every
+CPU call in bfloat16 or float16 takes one of three paths, chosen once per process and dtype:
+
+``native``
+    the CPU has the type's dot-product instructions: the tensors stay in their dtype and go to
+    torch's kernels, which accumulate and take the softmax in float32.
+``fp32-upcast``
+    x86 with AVX2 and FMA (AVX-512F included) but no such instructions: q, k and v are
+    converted to float32 once, attnkit's float32 code runs (the band kernel included), and the
+    output and the gradients are converted back to the input dtype.
+``torch``
+    no AVX2, or not x86: everything goes to torch as it is.
+
+Every step keeps float32 accumulation and softmax; the output, ``lse``-derived results and the
+gradients come back in the input dtype. The ``math``, ``sdpa`` and ``blocked`` backends follow
+the path (``flex`` is compiled by torch and takes its tensors as they are);
+:func:`attnkit.explain` and ``attnkit doctor`` name it and the CPU features it was chosen from.
+
+The environment variable ``ATTNKIT_CPU_PATH`` (``native``, ``fp32-upcast``, ``torch``, or
+``auto``/unset) forces a path. Forcing one this CPU cannot run (``native`` without the
+instructions, ``fp32-upcast`` without AVX2) and any other value make every bfloat16/float16 CPU
+call (and :func:`attnkit.explain`) raise :class:`~attnkit.AttentionInputError`, saying why;
+float32/float64 and non-CPU calls never read the variable. The features are read at import; the
+choice is cached per (value, dtype), so a call costs one environment lookup.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from attnkit.errors import AttentionInputError
+
+__all__ = [
+    "ENV",
+    "PATHS",
+    "CpuFeatures",
+    "describe",
+    "features",
+    "path_for",
+    "release_buffers",
+    "resolve",
+    "to_float32",
+    "unavailable",
+    "upcasts",
+]
+
+#: forces the path of bfloat16/float16 CPU calls
+ENV = "ATTNKIT_CPU_PATH"
+#: the paths, fastest first (the order ``auto`` tries them in)
+PATHS = ("native", "fp32-upcast", "torch")
+#: the /proc/cpuinfo flags the choice reads (and ``attnkit doctor`` shows)
+FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16")
+#: which flags give a dtype its own dot products (any one of them)
+_NATIVE = {
+    torch.bfloat16: ("avx512_bf16", "amx_bf16"),
+    torch.float16: ("avx512_fp16", "amx_fp16"),
+}
+LOW = tuple(_NATIVE)  #: the dtypes a path applies to
+_X86 = ("x86_64", "amd64", "i386", "i686", "x86")
+
+_WHAT = {
+    "native": "{dtype} tensors go to torch's kernels as they are, which accumulate in float32",
+    "fp32-upcast": "q, k, v are converted to float32 once, attnkit's float32 code runs, and "
+    "the output and gradients come back in {dtype}",
+    "torch": "{dtype} tensors go to torch's kernels as they are",
+}
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    """What the path is chosen from: ``machine`` (``platform.machine()``), the :data:`FLAGS`
+    the CPU reports (empty off Linux/x86), and torch's ``get_cpu_capability()``."""
+
+    machine: str
+    flags: frozenset[str]
+    capability: str
+
+    @property
+    def x86(self) -> bool:
+        return self.machine.lower() in _X86
+
+    def __str__(self) -> str:
+        have = [f for f in FLAGS if f in self.flags]
+        flags = " ".join(have) if have else "none of " + " ".join(FLAGS)
+        return f"{self.machine or 'unknown'}; flags: {flags}; torch capability: {self.capability}"
+
+
+def _read_flags(machine: str) -> frozenset[str]:
+    if machine.lower() not in _X86:
+        return frozenset()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split()) & frozenset(FLAGS)
+    except OSError:  # not Linux
+        pass
+    return frozenset()
+
+
+def _detect() -> CpuFeatures:
+    machine = platform.machine()
+    return CpuFeatures(machine, _read_flags(machine), torch.backends.cpu.get_cpu_capability())
+
+
+#: read at import (the first ``flags`` line of /proc/cpuinfo), so that ``torch.compile`` traces
+#: a constant rather than a file read
+_DETECTED = _detect()
+
+
+def features() -> CpuFeatures:
+    """This machine's CPU features (read once, at import)."""
+    return _DETECTED
+
+
+def unavailable(path: str, dtype: torch.dtype, feats: CpuFeatures | None = None) -> str | None:
+    """``None`` when ``path`` runs ``dtype`` on this CPU (or ``feats``), else why not."""
+    f = features() if feats is None else feats
+    if path == "native":
+        need = _NATIVE[dtype]
+        if not f.flags & set(need):
+            name = str(dtype).removeprefix("torch.")
+            return f"this CPU has no {' or '.join(need)} (torch's {name} matmuls are slow on it)"
+    elif path == "fp32-upcast":
+        if not f.x86:
+            return f"it is for x86 CPUs, and this one is {f.machine or 'unknown'}"
+        if not {"avx2", "fma"} <= f.flags:
+            return "this CPU has no AVX2/FMA"
+    elif path != "torch":
+        raise ValueError(f"unknown path {path!r}")
+    return None
+
+
+def resolve(value: str, dtype: torch.dtype, feats: CpuFeatures) -> tuple[str | None, str]:
+    """``(path, why)`` for an ``ATTNKIT_CPU_PATH`` value; ``(None, problem)`` when it is bad.
+    Cached (``torch.compile`` traces the uncached rule, a few constant comparisons)."""
+    if torch.compiler.is_compiling():
+        return _resolve(value, dtype, feats)
+    return _resolve_cached(value, dtype, feats)
+
+
+def _resolve(value: str, dtype: torch.dtype, feats: CpuFeatures) -> tuple[str | None, str]:
+    choice = value.strip().lower()
+    if choice in ("", "auto"):
+        for path in PATHS:
+            if unavailable(path, dtype, feats) is None:
+                return path, "chosen for this CPU"
+    if choice not in PATHS:
+        return None, f"{ENV}={value!r} is not a path"
+    reason = unavailable(choice, dtype, feats)
+    if reason is not None:
+        return None, f"{ENV}={value!r} forces a path this CPU cannot run for {dtype}: {reason}"
+    return choice, f"forced by {ENV}={value!r}"
+
+
+_resolve_cached = functools.cache(_resolve)
+
+
+def path_for(q: torch.Tensor, where: str) -> str | None:
+    """The path of a call on ``q``: ``None`` unless q is bfloat16/float16 on the CPU. Raises
+    :class:`~attnkit.AttentionInputError` for a bad ``ATTNKIT_CPU_PATH``."""
+    if q.device.type != "cpu" or q.dtype not in LOW:
+        return None
+    value = os.environ.get(ENV, "")
+    path, why = resolve(value, q.dtype, features())
+    if path is None:
+        raise AttentionInputError(
+            where,
+            ENV,
+            f"{why}.",
+            got=f"{ENV}={value!r} for {q.dtype} on the CPU ({features()})",
+            expected=(
+                f"unset, 'auto', or a path this CPU runs for {q.dtype}: "
+                + ", ".join(p for p in PATHS if unavailable(p, q.dtype) is None)
+            ),
+            fix=f"unset {ENV} (auto picks the fastest path this CPU runs)",
+        )
+    return path
+
+
+_local = threading.local()
+
+
+def to_float32(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Contiguous float32 copies of ``ts`` (one device), in this thread's conversion buffer.
+
+    The buffer is kept between calls (grown to the largest call, freed by
+    :func:`release_buffers`): a fresh float32 tensor of tens of MB costs more in page faults
+    than the conversion itself (measured on an AVX2 CPU for 8.4M bfloat16 values: 48 ms into a
+    new tensor, 12 ms into a reused one). The copies are valid until this thread's next call:
+    only code that is done with them before it returns may use this (the ``blocked`` backend's
+    kernels; autograd never saves them). A buffer made under ``torch.inference_mode`` (an
+    inference tensor, which cannot be written outside it) is replaced outside it.
+    """
+    total = sum(t.numel() for t in ts)
+    buf: torch.Tensor | None = getattr(_local, "buf", None)
+    stale = buf is not None and buf.is_inference() and not torch.is_inference_mode_enabled()
+    if buf is None or stale or buf.numel() < total or buf.device != ts[0].device:
+        buf = _local.buf = None  # free the old one first
+        buf = _local.buf = torch.empty(total, dtype=torch.float32, device=ts[0].device)
+    out, at = [], 0
+    for t in ts:
+        n = t.numel()
+        out.append(buf[at : at + n].view(t.shape).copy_(t))
+        at += n
+    return tuple(out)
+
+
+def release_buffers() -> None:
+    """Free this thread's conversion buffer (:func:`to_float32`)."""
+    _local.buf = None
+
+
+def upcasts(path: str | None) -> bool:
+    """Whether a call on ``path`` converts q, k, v to float32 (and its results back)."""
+    return path == "fp32-upcast"
+
+
+def describe(path: str | None, dtype: torch.dtype) -> str:
+    """One line for :func:`attnkit.explain`: the path, why, and what it does."""
+    if path is None:
+        return "no CPU path (not a bfloat16/float16 call on the CPU)"
+    name = str(dtype).replace("torch.", "")
+    why = resolve(os.environ.get(ENV, ""), dtype, features())[1]
+    if why == "chosen for this CPU" and path != "native":  # say what it lacks
+        why += f": {unavailable(PATHS[PATHS.index(path) - 1], dtype)}"
+    return f"{path} ({why}): " + _WHAT[path].format(dtype=name)
