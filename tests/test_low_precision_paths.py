@@ -416,3 +416,20 @@ def test_the_conversion_buffer_survives_inference_mode(monkeypatch: pytest.Monke
     out.sum().backward()
     assert torch.equal(out.detach(), inside)
     assert not cpu._local.buf.is_inference()
+
+
+def test_a_long_call_keeps_no_conversion_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copies above cpu.KEEP_BYTES are fresh tensors: nothing of a long call stays allocated,
+    and the results are the same as through the kept buffer."""
+    use_path(monkeypatch, "fp32-upcast", torch.bfloat16)
+    cpu.release_buffers()
+    spec = masks.causal() & masks.sliding_window(8)
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=g).bfloat16() for _ in range(3))
+    kept = attnkit.attention(q, k, v, mask=spec, backend="blocked")
+    assert cpu._local.buf is not None  # a short call fills the buffer
+    cpu.release_buffers()
+    monkeypatch.setattr(cpu, "KEEP_BYTES", 16)  # every call is "long" now
+    fresh = attnkit.attention(q, k, v, mask=spec, backend="blocked")
+    assert getattr(cpu._local, "buf", None) is None
+    assert torch.equal(fresh, kept)

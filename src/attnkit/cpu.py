@@ -191,20 +191,25 @@ def path_for(q: torch.Tensor, where: str) -> str | None:
 
 
 _local = threading.local()
+#: the largest conversion buffer kept between calls (bytes)
+KEEP_BYTES = 64 << 20
 
 
 def to_float32(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Contiguous float32 copies of ``ts`` (one device), in this thread's conversion buffer.
 
-    The buffer is kept between calls (grown to the largest call, freed by
-    :func:`release_buffers`): a fresh float32 tensor of tens of MB costs more in page faults
-    than the conversion itself (measured on an AVX2 CPU for 8.4M bfloat16 values: 48 ms into a
-    new tensor, 12 ms into a reused one). The copies are valid until this thread's next call:
+    The buffer is kept between calls (grown to the largest call up to :data:`KEEP_BYTES`, freed
+    by :func:`release_buffers`; larger calls get fresh tensors, so no more is held): a fresh
+    float32 tensor of tens of MB costs more in page faults than the conversion itself (measured
+    on an AVX2 CPU for 8.4M bfloat16 values: 48 ms into a new tensor, 12 ms into a reused one).
+    The copies are valid until this thread's next call:
     only code that is done with them before it returns may use this (the ``blocked`` backend's
     kernels; autograd never saves them). A buffer made under ``torch.inference_mode`` (an
     inference tensor, which cannot be written outside it) is replaced outside it.
     """
     total = sum(t.numel() for t in ts)
+    if total * 4 > KEEP_BYTES:  # a long call: its compute dwarfs the page faults; keep nothing
+        return tuple(t.to(torch.float32, memory_format=torch.contiguous_format) for t in ts)
     buf: torch.Tensor | None = getattr(_local, "buf", None)
     stale = buf is not None and buf.is_inference() and not torch.is_inference_mode_enabled()
     if buf is None or stale or buf.numel() < total or buf.device != ts[0].device:
