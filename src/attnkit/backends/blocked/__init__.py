@@ -10,7 +10,7 @@ The package, in the order a call goes through it:
 * ``compiled``: inside ``torch.compile``, ``run`` hands the call to one custom op,
   ``attnkit::blocked_attention`` (forward and backward ops over the same functions below),
   which Dynamo keeps opaque; the spec goes in as tensors, numbers and a string;
-* ``blocks``: :func:`plan_blocks` (band kernel or tiles) and the public block functions
+* ``blocks``: :func:`plan_blocks` (row-span kernel or tiles) and the public block functions
   :func:`forward_with_lse` / :func:`backward_from_lse`, which ring attention builds on;
 * ``plan``: the tile planner, reading the spec's block map (:func:`attnkit.masks.block_states`);
   its knobs are one frozen :class:`~attnkit.backends.blocked.config.BlockedConfig`
@@ -18,8 +18,10 @@ The package, in the order a call goes through it:
 * ``tiles``: the tile kernels (torch's fused CPU flash kernel, or matmul), their launches over
   ``as_strided`` views, and :func:`~attnkit.backends.blocked.tiles.merge` (the log-sum-exp
   rule, shared with ring attention);
-* ``band`` and ``csrc/band_window.cpp``: attnkit's own AVX2 kernel for causal sliding windows,
-  forward and backward in one pass each.
+* ``rowspan`` and ``csrc/row_span.cpp``: attnkit's own AVX2 kernel for masks that allow one
+  run of keys per query row (causal, windows, documents, prefix-LM, contiguous padding; runs
+  from :func:`attnkit.masks.row_spans`), grouped-query heads sharing packed K panels, forward
+  and backward in one pass each.
 
 Training keeps q, k, v, the output and ``lse (B, H, L)``: memory grows with L, not L x S.
 Grouped-query heads go to the kernels as they are (``Hkv`` heads, never repeated). A query row
@@ -34,7 +36,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from attnkit.backends.base import Backend
-from attnkit.backends.blocked import band, compiled
+from attnkit.backends.blocked import compiled, rowspan
 from attnkit.backends.blocked.blocks import (
     BlockPlan,
     backward_from_lse,
@@ -114,8 +116,8 @@ class BlockedBackend(Backend):
     name = "blocked"
     description = (
         "block-sparse online softmax: visits only non-empty blocks of a mask spec, "
-        "torch's fused kernel per block (attnkit's own for causal windows), own backward "
-        "(memory grows with L)"
+        "torch's fused kernel per block (attnkit's own for one run of keys per row), own "
+        "backward (memory grows with L)"
     )
     priority = 30
     fused = True
@@ -185,13 +187,12 @@ class BlockedBackend(Backend):
             return "a dense mask: its empty blocks are found when it runs (one pass over the mask)"
         q, k, v = call.q, call.k, call.v
         plan = plan_blocks(q, k, v, call.mask, softcap=call.softcap)
-        w = plan.band.window
-        if plan.band.serves:
+        sp = plan.spans
+        if sp.serves:
             return (
-                f"causal sliding window {w}: forward and backward run {band.status()} "
-                "(one pass each, no tiles)"
+                f"{sp.what}: forward and backward run {rowspan.status()} (one pass each, no tiles)"
             )
-        prefix = "" if w is None else f"causal sliding window {w} ({plan.band.reason}): "
+        prefix = "" if sp.lo is None else f"{sp.what} ({sp.reason}): "
         tiles = plan.tiles(q, k, v)
         L, S = call.dims.L, call.dims.S
         done = tiles.computed_pairs / tiles.maps
