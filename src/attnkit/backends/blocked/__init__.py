@@ -153,12 +153,23 @@ class BlockedBackend(Backend):
         return None
 
     def rule(self, call: AttentionCall) -> tuple[bool, str]:
-        """auto takes ``blocked`` for a mask spec on a problem of at least ``min_pairs``."""
+        """auto takes ``blocked`` for a mask spec on a problem of at least ``min_pairs``, and for
+        plain causal calls that attnkit's row-span kernel runs, from
+        :data:`~attnkit.backends.blocked.rowspan.CAUSAL_MIN_PAIRS` pairs (where it was measured
+        faster than SDPA's ``is_causal``; not while torch.compile traces, where SDPA keeps
+        them)."""
         spec = call.mask
         extras = call.softcap is not None or call.sinks is not None
+        L, S = call.dims.L, call.dims.S
+        big = L * S >= rowspan.CAUSAL_MIN_PAIRS
+        plain_causal = not extras and call.causal and big and not torch.compiler.is_compiling()
+        if plain_causal and plan_blocks(call.q, call.k, call.v, spec).spans.serves:
+            return True, (
+                "causal, float32 on CPU, L x S >= 1024 x 1024: attnkit's row-span kernel, "
+                "measured 1.2-1.6x faster than SDPA's is_causal (benchmarks/kernel_spans.py)"
+            )
         if not extras and (spec is None or spec.from_tensor or call.causal):
             return False, "auto takes it for mask specs, soft-caps and sinks only"
-        L, S = call.dims.L, call.dims.S
         pairs = current().min_pairs
         if pairs > L * S:
             return False, (

@@ -43,6 +43,11 @@ __all__ = ["SpanPlan", "available", "build", "kernel", "main", "plan", "status"]
 
 #: set to "0" to keep the blocked backend on torch's kernel for row spans
 ENV = "ATTNKIT_SPAN_KERNEL"
+#: ``auto`` takes the kernel for plain causal calls (no other mask) from this many ``L x S``
+#: pairs: measured 1.2-1.6x faster than SDPA's ``is_causal`` forward at L = 1k-8k, and 1.2x
+#: forward + backward at 4k (float32, 2 AVX2 cores; ``benchmarks/kernel_spans.py``); smaller
+#: calls were not measured, so they keep to SDPA
+CAUSAL_MIN_PAIRS = 1024 * 1024
 #: bumped with every change to the C++ source's interface
 NAME = "attnkit_row_span_v1"
 

@@ -364,7 +364,12 @@ struct Spans {
   }
 };
 
-constexpr int64_t MAXKC = 512;  // keys per softmax chunk, at most
+#ifndef RS_MAXKC_FWD
+#define RS_MAXKC_FWD 512
+#endif
+#ifndef RS_MAXKC_BWD
+#define RS_MAXKC_BWD 512
+#endif
 
 // The work of one call: items (b, kv head, chunk of C query rows), ordered by cost
 // (largest first: threads pull them from a shared counter).
@@ -373,7 +378,8 @@ struct Work {
   std::vector<int64_t> order;
 };
 
-static Work plan_work(int64_t B, int64_t Hkv, int64_t L, const Spans& sp, int64_t nth) {
+static Work plan_work(int64_t B, int64_t Hkv, int64_t L, const Spans& sp, int64_t nth,
+                      int64_t maxkc) {
   Work w;
   const int64_t BK = B * Hkv;
   const int64_t target = std::max<int64_t>(1, (8 * nth + BK - 1) / BK);
@@ -396,7 +402,7 @@ static Work plan_work(int64_t B, int64_t Hkv, int64_t L, const Spans& sp, int64_
       }
     }
   }
-  w.KC = std::min<int64_t>(MAXKC, round_up(maxw, NR));
+  w.KC = std::min<int64_t>(maxkc, round_up(maxw, NR));
   w.order.resize(static_cast<size_t>(w.nitems));
   for (int64_t t = 0; t < w.nitems; ++t) w.order[t] = t;
   const int64_t nchk = w.nch;
@@ -437,7 +443,7 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int64_t Hkv = k.size(1), S = k.size(2), Dv = v.size(3);
   const int64_t g = H / Hkv;
   const int64_t nth = std::max<int64_t>(1, at::get_num_threads());
-  const Work w = plan_work(B, Hkv, L, sp, nth);
+  const Work w = plan_work(B, Hkv, L, sp, nth, RS_MAXKC_FWD);
   const int64_t C = w.C, nch = w.nch, KC = w.KC;
   const int64_t SS = KC + NR;  // S row stride (room for tail over-writes)
   const float sc = static_cast<float>(scale * 1.4426950408889634);
@@ -603,7 +609,7 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
   const int64_t Hkv = k.size(1), S = k.size(2), Dv = v.size(3);
   const int64_t g = H / Hkv;
   const int64_t nth = std::max<int64_t>(1, at::get_num_threads());
-  const Work w = plan_work(B, Hkv, L, sp, nth);
+  const Work w = plan_work(B, Hkv, L, sp, nth, RS_MAXKC_BWD);
   const int64_t C = w.C, nch = w.nch, KC = w.KC;
   const int64_t SS = KC + 2 * NR;
   const float sc = static_cast<float>(scale * 1.4426950408889634);
