@@ -7,7 +7,12 @@ noise of a shared machine hits all alike; each figure is the median of ``--reps`
 after one warm-up. ``of GEMM`` is useful FLOPs (allowed pairs only: ``4 D H`` per pair forward,
 3.5x that forward + backward, as ``attnkit bench`` counts) over the median GEMM throughput.
 
-    python benchmarks/kernel_spans.py [--reps 5] [--rows causal,documents,...] [--json out.json]
+    python benchmarks/kernel_spans.py [--reps 5] [--rows causal,documents,...] [--threads N]
+                                      [--json out.json]
+
+On a machine shared with other jobs, torch's GEMM and SDPA split their work statically over
+the threads and lose more to a busy core than the kernel, which hands out work items
+dynamically: compare with ``--threads 1`` there.
 """
 
 from __future__ import annotations
@@ -130,6 +135,7 @@ def run_case(case: Case, reps: int, gemm_n: int) -> dict[str, object]:
         "row": case.name,
         "kernel_ms": round(med["kernel"] * 1e3, 1),
         "gemm_gflops": round(gemm / 1e9, 1),
+        "kernel_gflops": round(flops / med["kernel"] / 1e9, 1),
         "kernel_of_gemm": round(flops / med["kernel"] / gemm, 3),
     }
     if "sdpa" in med:
@@ -141,10 +147,13 @@ def run_case(case: Case, reps: int, gemm_n: int) -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--gemm", type=int, default=2048, help="n of the n x n GEMM")
+    parser.add_argument("--gemm", type=int, default=4096, help="n of the n x n GEMM")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as set)")
     parser.add_argument("--rows", default="", help="comma-separated substrings of row names")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     wanted = [w for w in args.rows.split(",") if w]
     chosen = [c for c in cases() if not wanted or any(w in c.name for w in wanted)]
     print(

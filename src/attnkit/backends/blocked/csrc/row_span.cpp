@@ -364,6 +364,7 @@ struct Spans {
   }
 };
 
+// keys per softmax chunk, at most (forward, backward); -D at build time for tuning runs
 #ifndef RS_MAXKC_FWD
 #define RS_MAXKC_FWD 512
 #endif
