@@ -2,7 +2,7 @@
 allows one run of keys per query row.
 
 Dimension legend: B batch, H query heads, Hkv key/value heads (``H = g * Hkv``), L query rows,
-S keys, Dk query/key head dim, Dv value head dim; ``lo, hi`` ``(B' , L)`` the inclusive run of
+S keys, Dk query/key head dim, Dv value head dim; ``lo, hi`` ``(B', L)`` the inclusive run of
 local keys row ``i`` attends (``B'`` = 1 or B), non-decreasing along the rows.
 
 :func:`attnkit.masks.row_spans` turns a spec into runs where it is one (causal, sliding windows,
@@ -44,7 +44,7 @@ __all__ = ["SpanPlan", "available", "build", "kernel", "main", "plan", "status"]
 #: set to "0" to keep the blocked backend on torch's kernel for row spans
 ENV = "ATTNKIT_SPAN_KERNEL"
 #: ``auto`` takes the kernel for plain causal calls (no other mask) from this many ``L x S``
-#: pairs: measured 1.2-1.6x faster than SDPA's ``is_causal`` forward at L = 1k-8k, and 1.2x
+#: pairs: measured 1.2-1.6x faster than SDPA's ``is_causal`` forward at L = 1k-8k, 1.1-1.3x
 #: forward + backward at 4k (float32, 2 AVX2 cores; ``benchmarks/kernel_spans.py``); smaller
 #: calls were not measured, so they keep to SDPA
 CAUSAL_MIN_PAIRS = 1024 * 1024
