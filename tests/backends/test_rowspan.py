@@ -420,6 +420,8 @@ def test_auto_takes_the_kernel_for_plain_causal_calls_where_it_was_measured_fast
     want, _ = reference_attention(q, kv, kv, causal=True)
     assert _close(attnkit.attention(q, kv, kv, causal=True), want, 1e-5)
     short = q[:, :, :512]
-    assert attnkit.explain(short, short, short, causal=True).chosen == "sdpa"  # not measured
+    small = attnkit.explain(short, short, short, causal=True)
+    assert small.chosen == "sdpa"  # not measured
+    assert "plain causal float32 CPU calls from L x S = 1024 x 1024" in str(small)
     wide = q.double()
     assert attnkit.explain(wide, wide, wide, causal=True).chosen == "sdpa"  # not float32

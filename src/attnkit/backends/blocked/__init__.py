@@ -169,7 +169,10 @@ class BlockedBackend(Backend):
                 "measured 1.2-1.6x faster than SDPA's is_causal (benchmarks/kernel_spans.py)"
             )
         if not extras and (spec is None or spec.from_tensor or call.causal):
-            return False, "auto takes it for mask specs, soft-caps and sinks only"
+            return False, (
+                "auto takes it for mask specs, soft-caps and sinks, and for plain causal "
+                "float32 CPU calls from L x S = 1024 x 1024 (where its kernel is faster)"
+            )
         pairs = current().min_pairs
         if pairs > L * S:
             return False, (
