@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from attnkit import masks
 from attnkit.masks import MaskSpec
 
-__all__ = ["Sizes", "atoms", "qkv", "specs"]
+__all__ = ["Sizes", "atoms", "qkv", "span_specs", "specs"]
 
 
 def _lengths(draw: st.DrawFn, B: int, n: int) -> torch.Tensor:
@@ -66,6 +66,55 @@ def specs(draw: st.DrawFn, B: int, L: int, S: int, depth: int = 2) -> MaskSpec:
         return ~a
     b = draw(specs(B, L, S, depth - 1))
     return a & b if op == "and" else a | b
+
+
+@st.composite
+def span_atoms(draw: st.DrawFn, B: int, L: int, S: int) -> MaskSpec:
+    """One spec that allows one run of keys per query row (what the row-span kernel runs):
+    causal; a sliding window, causal or two-sided; documents of uneven lengths, causal or not,
+    one id row shared by the batch or one per sequence; prefix-LM; key padding on the right
+    (``padding``, of the queries too half the time) or the left (``key_mask`` of one run of
+    real keys per sequence); the KV cache's per-sequence causal rule."""
+    kind = draw(
+        st.sampled_from(["causal", "window", "document", "prefix", "padding", "left", "cache"])
+    )
+    if kind == "causal":
+        return masks.causal()
+    if kind == "window":
+        w = masks.sliding_window(draw(st.integers(1, S + 2)))
+        return masks.causal() & w if draw(st.booleans()) else w
+    if kind == "document":
+        cuts = sorted(draw(st.lists(st.integers(0, S), max_size=4)))
+        ids = torch.zeros(S, dtype=torch.long)
+        for c in cuts:
+            ids[c:] += 1
+        doc = masks.document(ids.expand(B, S).clone() if draw(st.booleans()) else ids)
+        return doc & masks.causal() if draw(st.booleans()) else doc
+    if kind == "prefix":
+        if draw(st.booleans()):
+            return masks.prefix_lm(_lengths(draw, B, S))
+        return masks.prefix_lm(draw(st.integers(0, S)))
+    if kind == "padding":
+        q_lengths = _lengths(draw, B, max(L, S)) if draw(st.booleans()) else None
+        return masks.padding(_lengths(draw, B, S), q_lengths)
+    if kind == "left":
+        starts, ends = _lengths(draw, B, S), _lengths(draw, B, S)
+        j = torch.arange(S)[None]
+        keep = (j >= starts[:, None]) & (j < ends[:, None])  # empty where start >= end
+        return masks.key_mask(keep)
+    if S < L:
+        return masks.causal()
+    lengths = torch.tensor(draw(st.lists(st.integers(L, S), min_size=B, max_size=B)))
+    return masks.sequence_causal(lengths, L)
+
+
+@st.composite
+def span_specs(draw: st.DrawFn, B: int, L: int, S: int) -> MaskSpec:
+    """A :func:`span_atoms` spec, or the ``&`` of two or three of them."""
+    spec = draw(span_atoms(B, L, S))
+    for _ in range(draw(st.integers(0, 2))):
+        spec = spec & draw(span_atoms(B, L, S))
+    return spec
 
 
 @dataclass(frozen=True)

@@ -71,11 +71,11 @@ def window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def test_a_window_compiles_with_inductor_and_keeps_the_blocked_kernels(
     op_calls: list[str],
 ) -> None:
-    qkv = _qkv(256, seed=0, Hkv=4, Dv=16)  # the band kernel's case (the others run tiles)
+    qkv = _qkv(256, seed=0, Hkv=4, Dv=16)  # the row-span kernel's case
     report = attnkit.explain(*qkv, mask=masks.causal() & masks.sliding_window(64))
     assert report.chosen == "blocked"
     assert report.notes["blocked"] == (
-        "causal sliding window 64: forward and backward run attnkit's AVX2 band kernel "
+        "causal sliding window 64: forward and backward run attnkit's AVX2 row-span kernel "
         "(one pass each, no tiles); under torch.compile the same, as one custom op "
         "(attnkit::blocked_attention)"
     )

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import cpu, masks
-from attnkit.backends.blocked import band
+from attnkit.backends.blocked import rowspan
 from attnkit.masks import MaskSpec
 from oracle import reference_attention
 from strategies import Sizes, qkv, specs
@@ -168,27 +168,27 @@ def test_backward_on_every_spec_kind(
 
 @pytest.fixture
 def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
-    """What reaches the band kernel: (direction, dtype of q)."""
-    if not band.available():
-        pytest.skip(f"the band kernel does not run here: {band.status()}")
+    """What reaches the row-span kernel: (direction, dtype of q)."""
+    if not rowspan.available():
+        pytest.skip(f"the row-span kernel does not run here: {rowspan.status()}")
     seen: list[tuple[Any, ...]] = []
-    real = band.kernel()
+    real = rowspan.kernel()
 
     class Spy:
-        def band_forward(self, *args: Any) -> Any:
+        def span_forward(self, *args: Any) -> Any:
             seen.append(("forward", args[0].dtype))
-            return real.band_forward(*args)
+            return real.span_forward(*args)
 
-        def band_backward(self, *args: Any) -> Any:
+        def span_backward(self, *args: Any) -> Any:
             seen.append(("backward", args[0].dtype, args[3].dtype, args[4].dtype))
-            return real.band_backward(*args)
+            return real.span_backward(*args)
 
-    monkeypatch.setattr(band, "kernel", Spy)
+    monkeypatch.setattr(rowspan, "kernel", Spy)
     return seen
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=str)
-def test_fp32_upcast_runs_a_low_precision_window_in_the_band_kernel(
+def test_fp32_upcast_runs_a_low_precision_window_in_the_row_span_kernel(
     dtype: torch.dtype, kernel_calls: list[tuple[Any, ...]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     use_path(monkeypatch, "fp32-upcast", dtype)
@@ -201,14 +201,14 @@ def test_fp32_upcast_runs_a_low_precision_window_in_the_band_kernel(
     assert out.dtype == q.grad.dtype == k.grad.dtype == v.grad.dtype == dtype  # type: ignore[union-attr]
     note = attnkit.explain(q, k, v, mask=spec).notes["blocked"]
     assert note.startswith("fp32-upcast path: the kernels run on float32 copies of q, k, v; ")
-    assert "attnkit's AVX2 band kernel" in note
+    assert "attnkit's AVX2 row-span kernel" in note
 
 
 @pytest.mark.parametrize("path", ["torch", "native-simulated"])
 def test_other_paths_keep_the_input_dtype(
     path: str, kernel_calls: list[tuple[Any, ...]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On ``torch`` and ``native`` nothing is converted: the float32-only band kernel stays
+    """On ``torch`` and ``native`` nothing is converted: the float32-only row-span kernel stays
     out, and sdpa's and math's matmuls see bfloat16."""
     use_path(monkeypatch, path, torch.bfloat16)
     spec = masks.causal() & masks.sliding_window(32)

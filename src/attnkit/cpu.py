@@ -12,7 +12,7 @@ CPU call in bfloat16 or float16 takes one of three paths, chosen once per proces
     torch's kernels, which accumulate and take the softmax in float32.
 ``fp32-upcast``
     x86 with AVX2 and FMA (AVX-512F included) but no such instructions: q, k and v are
-    converted to float32 once, attnkit's float32 code runs (the band kernel included), and the
+    converted to float32 once, attnkit's float32 code runs (the row-span kernel included), and the
     output and the gradients are converted back to the input dtype.
 ``torch``
     no AVX2, or not x86: everything goes to torch as it is.

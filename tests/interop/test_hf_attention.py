@@ -222,7 +222,7 @@ PADDED_SPECS = {  # what each layer's attnkit call gets, for the left-padded bat
 }  # fmt: skip
 UNPADDED_SPECS = {
     "llama": ["causal()"] * 2,
-    "mistral": ["causal() & sliding_window(4)"] * 2,  # exactly the band kernel's rule
+    "mistral": ["causal() & sliding_window(4)"] * 2,  # the row-span kernel's causal window
     "qwen2": ["causal()", "causal() & sliding_window(4)"],
 }
 

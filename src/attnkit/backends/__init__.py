@@ -21,9 +21,9 @@ masks.sliding_window(256))``:
    the first backend that serves the call within the limit, its rule fired or not; if none
    does, :class:`~attnkit.AttentionMemoryError` says how much and the way out.
 3. ``backend.run(call)``: ``blocked`` plans the call once (:mod:`attnkit.backends.blocked.plan`:
-   the band kernel for a causal window, else tiles of torch's fused CPU kernel over the
-   non-empty blocks; on CUDA, torch matmuls on those tiles) and runs it forward (and
-   backward, from the same plan) with autograd.
+   attnkit's row-span kernel where the mask allows one run of keys per query row, else tiles of
+   torch's fused CPU kernel over the non-empty blocks; on CUDA, torch matmuls on those tiles)
+   and runs it forward (and backward, from the same plan) with autograd.
 
 Inside ``torch.compile`` (``fullgraph=True`` included) the dispatcher makes the same choice, and
 the choice traces: ``blocked`` runs as one custom op, ``attnkit::blocked_attention``

@@ -88,13 +88,13 @@ def _cpu_rows() -> list[tuple[str, str]]:
     return rows
 
 
-def _band_kernel() -> str:
-    """The blocked backend's kernel for causal sliding windows: built, or why not."""
-    from attnkit.backends.blocked import band
+def _span_kernel() -> str:
+    """The blocked backend's row-span kernel (one run of keys per query row): built, or why not."""
+    from attnkit.backends.blocked import rowspan
 
-    line = band.status()
-    if band.build_seconds is not None:
-        line += f" (loaded in {band.build_seconds:.1f} s; compiled once, then cached)"
+    line = rowspan.status()
+    if rowspan.build_seconds is not None:
+        line += f" (loaded in {rowspan.build_seconds:.1f} s; compiled once, then cached)"
     return line
 
 
@@ -132,7 +132,7 @@ def doctor() -> None:
             ),
             ("CUDA", cuda),
             ("MiniLM weights", weights),
-            ("band kernel", _band_kernel()),
+            ("span kernel", _span_kernel()),
             *_cpu_rows(),
         ]
     )

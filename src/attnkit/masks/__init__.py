@@ -31,7 +31,9 @@ then evaluates the predicate inside it).
 
 Where things live: the protocol, combinators and :func:`block_states` in ``spec.py``; the
 built-in rules in ``rules.py``; ALiBi in ``alibi.py``; the KV cache's per-sequence causal rule
-in ``sequence.py``; a mask tensor as a spec in ``dense.py``; and :func:`as_spec`, the one place
+in ``sequence.py``; a mask tensor as a spec in ``dense.py``; :func:`row_spans` (a spec as one
+run of keys per query row, where it is one: what attnkit's row-span kernel runs) in
+``spans.py``; and :func:`as_spec`, the one place
 where the ``causal`` flag and a mask combine, in ``normalize.py``. Constructors raise
 :class:`~attnkit.AttentionInputError` with the fix. A spec built from per-key tensors
 (``key_mask``, ``document``) has a ``length``, which must be the call's ``S``; ``to_dense``
@@ -54,6 +56,7 @@ from attnkit.masks.rules import (
     sliding_window,
 )
 from attnkit.masks.sequence import sequence_causal
+from attnkit.masks.spans import row_spans
 from attnkit.masks.spec import EMPTY, FULL, PARTIAL, BlockMap, MaskSpec, block_states, tensor_key
 
 __all__ = [
@@ -75,6 +78,7 @@ __all__ = [
     "key_mask",
     "padding",
     "prefix_lm",
+    "row_spans",
     "sequence_causal",
     "sliding_window",
     "tensor_key",

@@ -10,7 +10,7 @@ The package, in the order a call goes through it:
 * ``compiled``: inside ``torch.compile``, ``run`` hands the call to one custom op,
   ``attnkit::blocked_attention`` (forward and backward ops over the same functions below),
   which Dynamo keeps opaque; the spec goes in as tensors, numbers and a string;
-* ``blocks``: :func:`plan_blocks` (band kernel or tiles) and the public block functions
+* ``blocks``: :func:`plan_blocks` (row-span kernel or tiles) and the public block functions
   :func:`forward_with_lse` / :func:`backward_from_lse`, which ring attention builds on;
 * ``plan``: the tile planner, reading the spec's block map (:func:`attnkit.masks.block_states`);
   its knobs are one frozen :class:`~attnkit.backends.blocked.config.BlockedConfig`
@@ -18,12 +18,14 @@ The package, in the order a call goes through it:
 * ``tiles``: the tile kernels (torch's fused CPU flash kernel, or matmul), their launches over
   ``as_strided`` views, and :func:`~attnkit.backends.blocked.tiles.merge` (the log-sum-exp
   rule, shared with ring attention);
-* ``band`` and ``csrc/band_window.cpp``: attnkit's own AVX2 kernel for causal sliding windows,
-  forward and backward in one pass each.
+* ``rowspan`` and ``csrc/row_span.cpp``: attnkit's own AVX2 kernel for masks that allow one
+  run of keys per query row (causal, windows, documents, prefix-LM, contiguous padding; runs
+  from :func:`attnkit.masks.row_spans`), grouped-query heads sharing packed K panels, forward
+  and backward in one pass each.
 
 bfloat16/float16 on the CPU follow the path of :mod:`attnkit.cpu`: on ``fp32-upcast`` (AVX2 or
 AVX-512 without bf16/fp16 instructions) q, k, v are converted to float32 here, at the entry, and
-everything below (the band kernel included) sees float32; the output and the gradients are
+everything below (the row-span kernel included) sees float32; the output and the gradients are
 converted back, and training saves the input-dtype tensors (the backward converts them again).
 On ``native`` and ``torch`` the tensors go to the tiles as they are (torch's fused kernel
 accumulates in float32).
@@ -41,7 +43,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from attnkit.backends.base import Backend
-from attnkit.backends.blocked import band, compiled
+from attnkit.backends.blocked import compiled, rowspan
 from attnkit.backends.blocked.blocks import (
     BlockPlan,
     backward_from_lse,
@@ -152,8 +154,8 @@ class BlockedBackend(Backend):
     name = "blocked"
     description = (
         "block-sparse online softmax: visits only non-empty blocks of a mask spec, "
-        "torch's fused kernel per block (attnkit's own for causal windows), own backward "
-        "(memory grows with L)"
+        "torch's fused kernel per block (attnkit's own for one run of keys per row), own "
+        "backward (memory grows with L)"
     )
     priority = 30
     priorities = {"cuda": 15}  # noqa: RUF012 (on CUDA: after flex and sdpa, before math)
@@ -202,8 +204,11 @@ class BlockedBackend(Backend):
         return None
 
     def rule(self, call: AttentionCall) -> tuple[bool, str]:
-        """auto takes ``blocked`` for a mask spec on a problem of at least ``min_pairs``; on
-        CUDA, for whatever ``flex`` and ``sdpa`` (before it there) could not serve."""
+        """auto takes ``blocked`` for a mask spec on a problem of at least ``min_pairs``, and for
+        plain causal calls that attnkit's row-span kernel runs, from
+        :data:`~attnkit.backends.blocked.rowspan.CAUSAL_MIN_PAIRS` pairs (where it was measured
+        faster than SDPA's ``is_causal``; not while torch.compile traces, where SDPA keeps
+        them); on CUDA, for whatever ``flex`` and ``sdpa`` (before it there) could not serve."""
         if call.device_type == "cuda":
             return True, (
                 "flex and torch's fused SDPA kernels cannot serve this call (see below): "
@@ -211,9 +216,20 @@ class BlockedBackend(Backend):
             )
         spec = call.mask
         extras = call.softcap is not None or call.sinks is not None
-        if not extras and (spec is None or spec.from_tensor or call.causal):
-            return False, "auto takes it for mask specs, soft-caps and sinks only"
         L, S = call.dims.L, call.dims.S
+        big = L * S >= rowspan.CAUSAL_MIN_PAIRS
+        plain_causal = not extras and call.causal and big and not torch.compiler.is_compiling()
+        if plain_causal and _plan(call).spans.serves:
+            on = f"float32 copies of {call.q.dtype}" if call.upcast else str(call.q.dtype)
+            return True, (
+                f"causal on CPU ({on}), L x S >= 1024 x 1024: attnkit's row-span kernel, "
+                "measured 1.2-1.6x faster than SDPA's is_causal (benchmarks/kernel_spans.py)"
+            )
+        if not extras and (spec is None or spec.from_tensor or call.causal):
+            return False, (
+                "auto takes it for mask specs, soft-caps and sinks, and for plain causal "
+                "CPU calls its kernel runs from L x S = 1024 x 1024 (where it is faster)"
+            )
         pairs = current().min_pairs
         if pairs > L * S:
             return False, (
@@ -252,13 +268,12 @@ class BlockedBackend(Backend):
         q, k, v = call.q, call.k, call.v
         if call.upcast:
             q, k, v = _stand_in(q), _stand_in(k), _stand_in(v)
-        w = plan.band.window
-        if plan.band.serves:
+        sp = plan.spans
+        if sp.serves:
             return (
-                f"causal sliding window {w}: forward and backward run {band.status()} "
-                "(one pass each, no tiles)"
+                f"{sp.what}: forward and backward run {rowspan.status()} (one pass each, no tiles)"
             )
-        prefix = "" if w is None else f"causal sliding window {w} ({plan.band.reason}): "
+        prefix = "" if sp.lo is None else f"{sp.what} ({sp.reason}): "
         tiles = plan.tiles(q, k, v)
         L, S = call.dims.L, call.dims.S
         done = tiles.computed_pairs / tiles.maps

@@ -4,11 +4,13 @@ backend's forward and backward, public because ring attention merges them across
 Dimension legend: B batch, H query heads, Hkv key/value heads, Lq query rows of the block, Sk
 keys of the block, Dk query/key head dim, Dv value head dim.
 
-:func:`plan_blocks` decides, once per call, how a block runs: attnkit's band kernel
-(:mod:`~attnkit.backends.blocked.band`) when the mask is a causal window over the whole
-sequence and the kernel takes the tensors, else tiles of torch's fused kernel over the non-empty
-blocks of the mask (:mod:`~attnkit.backends.blocked.plan`, cached per spec key, sizes and
-config). :func:`forward_with_lse`, :func:`backward_from_lse` and ``explain`` read that decision.
+:func:`plan_blocks` decides, once per call, how a block runs: attnkit's row-span kernel
+(:mod:`~attnkit.backends.blocked.rowspan`) when the mask allows one run of keys per query row
+(:func:`attnkit.masks.row_spans`: causal, windows, documents, prefix-LM, contiguous padding, at
+the block's global positions) and the kernel takes the tensors, else tiles of torch's fused
+kernel over the non-empty blocks of the mask (:mod:`~attnkit.backends.blocked.plan`, cached per
+spec key, sizes and config). :func:`forward_with_lse`, :func:`backward_from_lse` and
+``explain`` read that decision.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from attnkit.backends.blocked import band, tiles
-from attnkit.backends.blocked.band import BandPlan
+from attnkit.backends.blocked import rowspan, tiles
 from attnkit.backends.blocked.config import current
 from attnkit.backends.blocked.plan import Plan, make_plan
-from attnkit.masks import MaskSpec, causal_window
+from attnkit.backends.blocked.rowspan import SpanPlan
+from attnkit.masks import MaskSpec
 
 __all__ = ["BlockPlan", "backward_from_lse", "clear_plans", "forward_with_lse", "plan_blocks"]
 
@@ -37,13 +39,13 @@ def clear_plans() -> None:
 
 @dataclass(frozen=True)
 class BlockPlan:
-    """How one block runs: the band kernel (``band.serves``) or tiles (:meth:`tiles`)."""
+    """How one block runs: the row-span kernel (``spans.serves``) or tiles (:meth:`tiles`)."""
 
     mask: MaskSpec | None
     q_start: int
     k_start: int
     off: int  #: ``S_total - L_total``: the end-aligned offset of the whole sequence
-    band: BandPlan
+    spans: SpanPlan
     softcap: float | None = None  #: logit soft-cap ``c``: scores become ``c tanh(s / c)``
 
     def tiles(
@@ -95,12 +97,11 @@ def plan_blocks(
     L, S = q.shape[2], k.shape[2]
     L_total = L if L_total is None else L_total
     S_total = S if S_total is None else S_total
-    whole = q_start == 0 and k_start == 0 and (L_total, S_total) == (L, S)
-    window = causal_window(mask) if whole else None
-    decision = band.plan(window, q, k, v)
+    off = S_total - L_total
+    decision = rowspan.plan(mask, q, k, v, q_start=q_start, k_start=k_start, off=off)
     if softcap is not None and decision.serves:
-        decision = band.BandPlan(window, "attnkit's band kernel has no soft-cap")
-    return BlockPlan(mask, q_start, k_start, S_total - L_total, decision, softcap)
+        decision = decision.refuse("attnkit's row-span kernel has no soft-cap")
+    return BlockPlan(mask, q_start, k_start, off, decision, softcap)
 
 
 def forward_with_lse(
@@ -149,8 +150,9 @@ def forward_with_lse(
     """
     p = plan or plan_blocks(q, k, v, mask, q_start, k_start, L_total, S_total)
     with torch.no_grad():
-        if p.band.serves and p.band.window is not None:  # attnkit's band kernel
-            return band.kernel().band_forward(q, k, v, p.band.window, float(scale))  # type: ignore[no-any-return]
+        sp = p.spans
+        if sp.serves and sp.lo is not None and sp.hi is not None:  # attnkit's row-span kernel
+            return rowspan.kernel().span_forward(q, k, v, sp.lo, sp.hi, float(scale))  # type: ignore[no-any-return]
         return tiles.forward(p.tiles(q, k, v), q, k, v, scale, p.softcap)
 
 
@@ -194,7 +196,10 @@ def backward_from_lse(
     p = plan or plan_blocks(q, k, v, mask, q_start, k_start, L_total, S_total)
     with torch.no_grad():
         fp32 = out.dtype == dout.dtype == lse.dtype == torch.float32
-        if p.band.serves and p.band.window is not None and fp32:
-            return band.kernel().band_backward(q, k, v, out, dout, lse, p.band.window, float(scale))  # type: ignore[no-any-return]
+        sp = p.spans
+        if sp.serves and sp.lo is not None and sp.hi is not None and fp32:
+            return rowspan.kernel().span_backward(  # type: ignore[no-any-return]
+                q, k, v, out, dout, lse, sp.lo, sp.hi, float(scale)
+            )
         tile_plan = p.tiles(q, k, v, backward=True)
         return tiles.backward(tile_plan, (q, k, v, out, lse), dout, scale, p.softcap)

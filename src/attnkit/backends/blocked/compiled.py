@@ -4,7 +4,7 @@ Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S
 Dk query/key head dim, Dv value head dim.
 
 Dynamo cannot trace the blocked backend itself: its planner reads the mask's values
-(``.tolist()``), its tiles are Python loops and the band kernel is a C++ call, and a graph break
+(``.tolist()``), its tiles are Python loops and the row-span kernel is a C++ call, and a graph break
 is an error under ``fullgraph=True``. A compiled call therefore hands the whole computation to
 one opaque custom op (``torch.library.custom_op``) with a fake implementation (shapes only) and
 a backward op of its own. The compiled graph keeps attnkit's block-sparse kernels: the op plans

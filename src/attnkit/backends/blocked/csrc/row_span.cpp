@@ -1,0 +1,897 @@
+// attnkit's row-span kernel: exact attention where query row i attends the keys lo[i]..hi[i]
+// (inclusive, non-decreasing in i), forward and backward, fp32, CPU (AVX2 + FMA).
+// One kernel serves every mask whose allowed keys form one run per row: causal, sliding
+// windows, documents, prefix-LM, contiguous key padding and their intersections (the Python
+// side, attnkit.masks.spans, turns a spec into lo/hi). Grouped-query heads: q (B, H, L, Dk),
+// k (B, Hkv, S, Dk), v (B, Hkv, S, Dv), H = g * Hkv; the g query heads of a group run
+// against one packed K^T panel.
+//
+// Structure (work item = (b, kv head, chunk of C <= 2048 query rows); threads pull items,
+// the most expensive first, from a shared counter):
+//   * K^T is packed incrementally (8x8 AVX transposes) into panels of 16 keys ([D][16])
+//     aligned to absolute key index; spans only move forward, so each key is packed once
+//     per work item and reused by every query block and every head of the group.
+//   * Query block of MB=48 rows (8 micro-tiles of 6 rows), pre-scaled by scale*log2(e) so
+//     the softmax uses exp2.
+//   * Keys processed in chunks of KC <= 512 (one chunk when the block's span is narrow);
+//     online softmax (running max / sum, rescale of O) across chunks.
+//   * S = Q K^T via a 6x16 register-blocked FMA micro-kernel (12 ymm accumulators); only
+//     tiles that intersect a tile's spans are computed, with a 6x8 kernel for half panels.
+//   * Exact per-row softmax over the row's own span (vectorized degree-5 exp2 polynomial),
+//     P written in place over S, zeros at the ragged edges; a row with an empty span gets
+//     output 0 and lse -inf.
+//   * O += P V via a 6x16 micro-kernel over the key range of each 6-row tile (V in place).
+//   * Backward from the saved lse over the same panels (K^T and V^T): dQ per row; dK, dV
+//     summed per item over the group's heads, then added under a lock per key stripe.
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <tuple>
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace rowspan {
+
+constexpr int MR = 6;    // rows of a micro tile
+constexpr int NR = 16;   // keys per packed K^T panel; output cols per PV tile
+constexpr int MB = 48;   // query rows per block (multiple of MR)
+
+static const int32_t kMaskTbl[16] = {-1, -1, -1, -1, -1, -1, -1, -1,
+                                     0,  0,  0,  0,  0,  0,  0,  0};
+
+static inline __m256 tail_mask(int rem) {  // first rem lanes set, 0<=rem<=8
+  return _mm256_castsi256_ps(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kMaskTbl + 8 - rem)));
+}
+
+// 2^x for x <= 0 (clamped at -125), rel. error ~2.4e-7: degree-5 minimax
+// polynomial on [-0.5, 0.5]; 2^n applied by an integer add to the exponent.
+static inline __m256 exp2_ps(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-125.0f));
+  __m256i ni = _mm256_cvtps_epi32(x);  // round to nearest
+  __m256 f = _mm256_sub_ps(x, _mm256_cvtepi32_ps(ni));
+  __m256 p = _mm256_set1_ps(0.0013276472454890609f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.009675541892647743f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.05550713092088699f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24022120237350464f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.6931469440460205f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0000001192092896f));
+  return _mm256_castsi256_ps(
+      _mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(ni, 23)));
+}
+
+static inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+static inline float hsum(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_add_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// s[6 x 16] (row stride ss) = q[6 x D] (row stride D) * kt[D x 16]
+template <int64_t DC>  // DC > 0: compile-time head dim
+static inline void qk_6x16_t(const float* __restrict q, int64_t D_,
+                             const float* __restrict kt, float* __restrict s,
+                             int64_t ss) {
+  const int64_t D = DC > 0 ? DC : D_;
+  __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps();
+  __m256 c10 = _mm256_setzero_ps(), c11 = _mm256_setzero_ps();
+  __m256 c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps();
+  __m256 c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps();
+  __m256 c40 = _mm256_setzero_ps(), c41 = _mm256_setzero_ps();
+  __m256 c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
+  const float* q0 = q;
+  const float* q1 = q + D;
+  const float* q2 = q + 2 * D;
+  const float* q3 = q + 3 * D;
+  const float* q4 = q + 4 * D;
+  const float* q5 = q + 5 * D;
+#pragma GCC unroll 8
+  for (int64_t d = 0; d < D; ++d) {
+    __m256 k0 = _mm256_load_ps(kt + d * NR);
+    __m256 k1 = _mm256_load_ps(kt + d * NR + 8);
+    __m256 a;
+    a = _mm256_broadcast_ss(q0 + d);
+    c00 = _mm256_fmadd_ps(a, k0, c00); c01 = _mm256_fmadd_ps(a, k1, c01);
+    a = _mm256_broadcast_ss(q1 + d);
+    c10 = _mm256_fmadd_ps(a, k0, c10); c11 = _mm256_fmadd_ps(a, k1, c11);
+    a = _mm256_broadcast_ss(q2 + d);
+    c20 = _mm256_fmadd_ps(a, k0, c20); c21 = _mm256_fmadd_ps(a, k1, c21);
+    a = _mm256_broadcast_ss(q3 + d);
+    c30 = _mm256_fmadd_ps(a, k0, c30); c31 = _mm256_fmadd_ps(a, k1, c31);
+    a = _mm256_broadcast_ss(q4 + d);
+    c40 = _mm256_fmadd_ps(a, k0, c40); c41 = _mm256_fmadd_ps(a, k1, c41);
+    a = _mm256_broadcast_ss(q5 + d);
+    c50 = _mm256_fmadd_ps(a, k0, c50); c51 = _mm256_fmadd_ps(a, k1, c51);
+  }
+  _mm256_storeu_ps(s + 0 * ss, c00); _mm256_storeu_ps(s + 0 * ss + 8, c01);
+  _mm256_storeu_ps(s + 1 * ss, c10); _mm256_storeu_ps(s + 1 * ss + 8, c11);
+  _mm256_storeu_ps(s + 2 * ss, c20); _mm256_storeu_ps(s + 2 * ss + 8, c21);
+  _mm256_storeu_ps(s + 3 * ss, c30); _mm256_storeu_ps(s + 3 * ss + 8, c31);
+  _mm256_storeu_ps(s + 4 * ss, c40); _mm256_storeu_ps(s + 4 * ss + 8, c41);
+  _mm256_storeu_ps(s + 5 * ss, c50); _mm256_storeu_ps(s + 5 * ss + 8, c51);
+}
+
+static inline void qk_6x16(const float* __restrict q, int64_t D,
+                           const float* __restrict kt, float* __restrict s,
+                           int64_t ss) {
+  if (D == 64) qk_6x16_t<64>(q, D, kt, s, ss);
+  else if (D == 128) qk_6x16_t<128>(q, D, kt, s, ss);
+  else qk_6x16_t<0>(q, D, kt, s, ss);
+}
+
+// s[6 x 8] = q[6 x D] * kt[D x 8] (kt row stride NR): half-panel edge tiles
+static inline void qk_6x8(const float* __restrict q, int64_t D,
+                          const float* __restrict kt, float* __restrict s,
+                          int64_t ss) {
+  __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps(), c2 = _mm256_setzero_ps();
+  __m256 c3 = _mm256_setzero_ps(), c4 = _mm256_setzero_ps(), c5 = _mm256_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t d = 0; d < D; ++d) {
+    __m256 k0 = _mm256_load_ps(kt + d * NR);
+    c0 = _mm256_fmadd_ps(_mm256_broadcast_ss(q + d), k0, c0);
+    c1 = _mm256_fmadd_ps(_mm256_broadcast_ss(q + D + d), k0, c1);
+    c2 = _mm256_fmadd_ps(_mm256_broadcast_ss(q + 2 * D + d), k0, c2);
+    c3 = _mm256_fmadd_ps(_mm256_broadcast_ss(q + 3 * D + d), k0, c3);
+    c4 = _mm256_fmadd_ps(_mm256_broadcast_ss(q + 4 * D + d), k0, c4);
+    c5 = _mm256_fmadd_ps(_mm256_broadcast_ss(q + 5 * D + d), k0, c5);
+  }
+  _mm256_storeu_ps(s, c0); _mm256_storeu_ps(s + ss, c1);
+  _mm256_storeu_ps(s + 2 * ss, c2); _mm256_storeu_ps(s + 3 * ss, c3);
+  _mm256_storeu_ps(s + 4 * ss, c4); _mm256_storeu_ps(s + 5 * ss, c5);
+}
+
+// The products with P (forward O += P V; backward dQ += dS K, dV += P^T dO, dK += dS^T Q):
+// o[6 x cols] (row stride os) += A[6 x n] * x[n x cols] (x row stride xs), where
+// A(i, j) = p[i*ps + j] (rows of P) or, with TRANS, p[j*ps + i] (columns of P: the 6
+// rows of the product are 6 consecutive keys).
+template <bool TRANS>
+static inline void ax_6x16(const float* __restrict p, int64_t ps,
+                           const float* __restrict x, int64_t xs, int64_t n,
+                           float* __restrict o, int64_t os) {
+  const int64_t si = TRANS ? 1 : ps, sj = TRANS ? ps : 1;
+  __m256 c0[MR], c1[MR];
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r) {
+    c0[r] = _mm256_loadu_ps(o + r * os);
+    c1[r] = _mm256_loadu_ps(o + r * os + 8);
+  }
+#pragma GCC unroll 4
+  for (int64_t j = 0; j < n; ++j) {
+    const float* a = p + j * sj;
+    __m256 x0 = _mm256_loadu_ps(x + j * xs);
+    __m256 x1 = _mm256_loadu_ps(x + j * xs + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      __m256 b = _mm256_broadcast_ss(a + r * si);
+      c0[r] = _mm256_fmadd_ps(b, x0, c0[r]);
+      c1[r] = _mm256_fmadd_ps(b, x1, c1[r]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r) {
+    _mm256_storeu_ps(o + r * os, c0[r]);
+    _mm256_storeu_ps(o + r * os + 8, c1[r]);
+  }
+}
+
+// Same for an 8-column remainder.
+template <bool TRANS>
+static inline void ax_6x8(const float* __restrict p, int64_t ps,
+                          const float* __restrict x, int64_t xs, int64_t n,
+                          float* __restrict o, int64_t os) {
+  const int64_t si = TRANS ? 1 : ps, sj = TRANS ? ps : 1;
+  __m256 c[MR];
+  for (int r = 0; r < MR; ++r) c[r] = _mm256_loadu_ps(o + r * os);
+  for (int64_t j = 0; j < n; ++j) {
+    __m256 x0 = _mm256_loadu_ps(x + j * xs);
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r)
+      c[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * si + j * sj), x0, c[r]);
+  }
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(o + r * os, c[r]);
+}
+
+// Scalar remainder (< 8 columns).
+template <bool TRANS>
+static inline void ax_6xr(const float* p, int64_t ps, const float* x, int64_t xs,
+                          int64_t n, float* o, int64_t os, int64_t nc) {
+  const int64_t si = TRANS ? 1 : ps, sj = TRANS ? ps : 1;
+  for (int r = 0; r < MR; ++r)
+    for (int64_t c = 0; c < nc; ++c) {
+      float acc = o[r * os + c];
+      for (int64_t j = 0; j < n; ++j) acc += p[r * si + j * sj] * x[j * xs + c];
+      o[r * os + c] = acc;
+    }
+}
+
+// o[6 x D] (row stride D) += A[6 x n] x[n x D] (row stride D), all column tiles.
+template <bool TRANS>
+static inline void ax_6xD(const float* p, int64_t ps, const float* x, int64_t D,
+                          int64_t n, float* o) {
+  int64_t c = 0;
+  for (; c + NR <= D; c += NR) ax_6x16<TRANS>(p, ps, x + c, D, n, o + c, D);
+  if (c + 8 <= D) { ax_6x8<TRANS>(p, ps, x + c, D, n, o + c, D); c += 8; }
+  if (c < D) ax_6xr<TRANS>(p, ps, x + c, D, n, o + c, D, D - c);
+}
+
+// max of s[a..b] (inclusive); may read up to 7 floats past b.
+static inline float row_max(const float* s, int64_t a, int64_t b) {
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 m0 = ninf, m1 = ninf;
+  int64_t j = a;
+  for (; j + 16 <= b + 1; j += 16) {
+    m0 = _mm256_max_ps(m0, _mm256_loadu_ps(s + j));
+    m1 = _mm256_max_ps(m1, _mm256_loadu_ps(s + j + 8));
+  }
+  for (; j + 8 <= b + 1; j += 8) m0 = _mm256_max_ps(m0, _mm256_loadu_ps(s + j));
+  int64_t rem = b + 1 - j;
+  if (rem > 0) {
+    __m256 x = _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + j), tail_mask((int)rem));
+    m1 = _mm256_max_ps(m1, x);
+  }
+  return hmax(_mm256_max_ps(m0, m1));
+}
+
+// s[a..b] = 2^(s[a..b] - m) in place, returns the sum; lanes past b (up to 7)
+// are written as 0.
+static inline float row_exp(float* s, int64_t a, int64_t b, float m) {
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t j = a;
+  for (; j + 16 <= b + 1; j += 16) {
+    __m256 e0 = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
+    __m256 e1 = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j + 8), vm));
+    _mm256_storeu_ps(s + j, e0);
+    _mm256_storeu_ps(s + j + 8, e1);
+    acc0 = _mm256_add_ps(acc0, e0);
+    acc1 = _mm256_add_ps(acc1, e1);
+  }
+  for (; j + 8 <= b + 1; j += 8) {
+    __m256 e0 = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
+    _mm256_storeu_ps(s + j, e0);
+    acc0 = _mm256_add_ps(acc0, e0);
+  }
+  int64_t rem = b + 1 - j;
+  if (rem > 0) {
+    __m256 e0 = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
+    e0 = _mm256_and_ps(e0, tail_mask((int)rem));
+    _mm256_storeu_ps(s + j, e0);
+    acc1 = _mm256_add_ps(acc1, e0);
+  }
+  return hsum(_mm256_add_ps(acc0, acc1));
+}
+
+static inline void zero_range(float* s, int64_t a, int64_t b) {  // inclusive
+  for (int64_t j = a; j <= b; ++j) s[j] = 0.0f;
+}
+
+static inline void transpose8_store(const float* const* rows, int64_t d, float* dst) {
+  // rows[0..7] point to 8 key rows; stores dst[x*NR + y] = rows[y][d + x], x,y < 8
+  __m256 r0 = _mm256_loadu_ps(rows[0] + d), r1 = _mm256_loadu_ps(rows[1] + d);
+  __m256 r2 = _mm256_loadu_ps(rows[2] + d), r3 = _mm256_loadu_ps(rows[3] + d);
+  __m256 r4 = _mm256_loadu_ps(rows[4] + d), r5 = _mm256_loadu_ps(rows[5] + d);
+  __m256 r6 = _mm256_loadu_ps(rows[6] + d), r7 = _mm256_loadu_ps(rows[7] + d);
+  __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+  __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+  __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+  __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+  __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  _mm256_store_ps(dst + 0 * NR, _mm256_permute2f128_ps(u0, u4, 0x20));
+  _mm256_store_ps(dst + 1 * NR, _mm256_permute2f128_ps(u1, u5, 0x20));
+  _mm256_store_ps(dst + 2 * NR, _mm256_permute2f128_ps(u2, u6, 0x20));
+  _mm256_store_ps(dst + 3 * NR, _mm256_permute2f128_ps(u3, u7, 0x20));
+  _mm256_store_ps(dst + 4 * NR, _mm256_permute2f128_ps(u0, u4, 0x31));
+  _mm256_store_ps(dst + 5 * NR, _mm256_permute2f128_ps(u1, u5, 0x31));
+  _mm256_store_ps(dst + 6 * NR, _mm256_permute2f128_ps(u2, u6, 0x31));
+  _mm256_store_ps(dst + 7 * NR, _mm256_permute2f128_ps(u3, u7, 0x31));
+}
+
+// panel[d*NR + jj] = k[key0 + jj][d] (zero for keys >= L), jj < NR
+static inline void pack_panel(const float* kp, int64_t key0, int64_t L, int64_t D,
+                              const float* zrow, float* panel) {
+  const float* rows[NR];
+  for (int jj = 0; jj < NR; ++jj)
+    rows[jj] = (key0 + jj < L) ? kp + (key0 + jj) * D : zrow;
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    transpose8_store(rows, d, panel + d * NR);
+    transpose8_store(rows + 8, d, panel + d * NR + 8);
+  }
+  for (; d < D; ++d)
+    for (int jj = 0; jj < NR; ++jj) panel[d * NR + jj] = rows[jj][d];
+}
+
+struct AlignedBuf {
+  float* p = nullptr;
+  explicit AlignedBuf(size_t n) {
+    size_t bytes = ((n * sizeof(float) + 63) / 64) * 64 + 64;
+    p = static_cast<float*>(std::aligned_alloc(64, bytes));
+    std::fill(p, p + bytes / sizeof(float), 0.0f);
+  }
+  ~AlignedBuf() { std::free(p); }
+  AlignedBuf(const AlignedBuf&) = delete;
+  AlignedBuf& operator=(const AlignedBuf&) = delete;
+};
+
+// A buffer that keeps its largest size (contents undefined after a grow).
+struct GrowBuf {
+  float* p = nullptr;
+  size_t cap = 0;
+  void ensure(size_t n) {
+    if (n <= cap) return;
+    std::free(p);
+    const size_t bytes = ((n * sizeof(float) + 63) / 64) * 64 + 64;
+    p = static_cast<float*>(std::aligned_alloc(64, bytes));
+    cap = bytes / sizeof(float) - 16;
+  }
+  GrowBuf() = default;
+  ~GrowBuf() { std::free(p); }
+  GrowBuf(const GrowBuf&) = delete;
+  GrowBuf& operator=(const GrowBuf&) = delete;
+};
+
+static inline int64_t round_up(int64_t x, int64_t m) { return ((x + m - 1) / m) * m; }
+
+// Per-row key spans: row i of batch row b attends keys lo..hi (inclusive), read clamped to
+// [0, S] and [-1, S - 1]; lo > hi is an empty row. Both are non-decreasing in i.
+struct Spans {
+  const int64_t* lo;
+  const int64_t* hi;
+  int64_t bstride;  // 0 when one row of spans serves the whole batch
+  int64_t S;
+  inline int64_t l(int64_t b, int64_t i) const {
+    return std::min<int64_t>(std::max<int64_t>(lo[b * bstride + i], 0), S);
+  }
+  inline int64_t h(int64_t b, int64_t i) const {
+    return std::min<int64_t>(std::max<int64_t>(hi[b * bstride + i], -1), S - 1);
+  }
+};
+
+// keys per softmax chunk, at most (forward, backward); -D at build time for tuning runs
+#ifndef RS_MAXKC_FWD
+#define RS_MAXKC_FWD 512
+#endif
+#ifndef RS_MAXKC_BWD
+#define RS_MAXKC_BWD 512
+#endif
+
+// The work of one call: items (b, kv head, chunk of C query rows), ordered by cost
+// (largest first: threads pull them from a shared counter).
+struct Work {
+  int64_t C = 0, nch = 0, KC = NR, nitems = 0;
+  std::vector<int64_t> order;
+};
+
+static Work plan_work(int64_t B, int64_t Hkv, int64_t L, const Spans& sp, int64_t nth,
+                      int64_t maxkc) {
+  Work w;
+  const int64_t BK = B * Hkv;
+  const int64_t target = std::max<int64_t>(1, (8 * nth + BK - 1) / BK);
+  int64_t C = (L + target - 1) / target;
+  C = std::min<int64_t>(C, 2048);
+  C = round_up(std::max<int64_t>(C, MB), MB);
+  w.C = C;
+  w.nch = (L + C - 1) / C;
+  w.nitems = BK * w.nch;
+  const int64_t nb = sp.bstride ? B : 1;
+  int64_t maxw = NR;
+  std::vector<double> cost(static_cast<size_t>(nb * w.nch), 0.0);
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t i0 = 0; i0 < L; i0 += MB) {
+      const int64_t i1 = std::min<int64_t>(L, i0 + MB) - 1;
+      const int64_t blo = sp.l(b, i0), bhi = sp.h(b, i1);
+      if (blo <= bhi) {
+        maxw = std::max<int64_t>(maxw, bhi + 1 - (blo / NR) * NR);
+        cost[b * w.nch + i0 / C] += double(bhi + 1 - blo) * double(i1 + 1 - i0);
+      }
+    }
+  }
+  w.KC = std::min<int64_t>(maxkc, round_up(maxw, NR));
+  w.order.resize(static_cast<size_t>(w.nitems));
+  for (int64_t t = 0; t < w.nitems; ++t) w.order[t] = t;
+  const int64_t nchk = w.nch;
+  std::stable_sort(w.order.begin(), w.order.end(), [&](int64_t x, int64_t y) {
+    const int64_t bx = sp.bstride ? (x / nchk) / Hkv : 0, by = sp.bstride ? (y / nchk) / Hkv : 0;
+    return cost[bx * nchk + x % nchk] > cost[by * nchk + y % nchk];
+  });
+  return w;
+}
+
+// Runs fn(item) for every item on at::get_num_threads() threads, each pulling the next item.
+template <typename Init, typename Fn>
+static void run_items(const Work& w, int64_t nth, Init init, Fn fn) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, nth, 1, [&](int64_t, int64_t) {
+    auto state = init();
+    for (;;) {
+      const int64_t t = next.fetch_add(1);
+      if (t >= w.nitems) break;
+      fn(*state, w.order[t]);
+    }
+    _mm_sfence();
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Forward.
+struct FwdState {
+  GrowBuf kt;
+  AlignedBuf qs, sb, ob, zrow;
+  FwdState(int64_t Dk, int64_t Dv, int64_t SS)
+      : qs(MB * Dk), sb(MB * SS + NR), ob(MB * Dv), zrow(std::max(Dk, Dv)) {}
+};
+
+static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const Spans& sp, double scale, at::Tensor& out, at::Tensor& lse) {
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dk = q.size(3);
+  const int64_t Hkv = k.size(1), S = k.size(2), Dv = v.size(3);
+  const int64_t g = H / Hkv;
+  const int64_t nth = std::max<int64_t>(1, at::get_num_threads());
+  const Work w = plan_work(B, Hkv, L, sp, nth, RS_MAXKC_FWD);
+  const int64_t C = w.C, nch = w.nch, KC = w.KC;
+  const int64_t SS = KC + NR;  // S row stride (room for tail over-writes)
+  const float sc = static_cast<float>(scale * 1.4426950408889634);
+  const float ln2 = 0.6931471805599453f;
+  const float NINF = -std::numeric_limits<float>::infinity();
+  const float* qd = q.data_ptr<float>();
+  const float* kd = k.data_ptr<float>();
+  const float* vd = v.data_ptr<float>();
+  float* od = out.data_ptr<float>();
+  float* ld = lse.data_ptr<float>();
+
+  auto empty_rows = [&](int64_t b, int64_t hk, int64_t r0, int64_t n) {
+    for (int64_t gi = 0; gi < g; ++gi) {
+      const int64_t bh = b * H + hk * g + gi;
+      std::fill(od + (bh * L + r0) * Dv, od + (bh * L + r0 + n) * Dv, 0.0f);
+      std::fill(ld + bh * L + r0, ld + bh * L + r0 + n, NINF);
+    }
+  };
+
+  run_items(w, nth, [&] { return std::make_unique<FwdState>(Dk, Dv, SS); },
+            [&](FwdState& st, int64_t item) {
+    float mrow[MB], lrow[MB];
+    int64_t rl[MB], rh[MB];
+    int64_t tA[MB / MR], tB[MB / MR], tlo[MB / MR], thi[MB / MR];
+    const int64_t bk = item / nch, ci = item % nch;
+    const int64_t b = bk / Hkv, hk = bk % Hkv, bs = sp.bstride ? b : 0;
+    const float* kp = kd + bk * S * Dk;
+    const float* vp = vd + bk * S * Dv;
+    const int64_t c0 = ci * C, c1 = std::min(L, c0 + C);
+    const int64_t kfirst = sp.l(bs, c0), klast = sp.h(bs, c1 - 1);
+    if (kfirst > klast) { empty_rows(b, hk, c0, c1 - c0); return; }
+    const int64_t kbase = (kfirst / NR) * NR;
+    st.kt.ensure(static_cast<size_t>((round_up(klast + 1, NR) - kbase + NR) * Dk));
+    float* kt = st.kt.p;
+    int64_t packed_end = kbase;
+
+    for (int64_t i0 = c0; i0 < c1; i0 += MB) {
+      const int64_t mr = std::min<int64_t>(MB, c1 - i0);
+      for (int64_t r = 0; r < mr; ++r) { rl[r] = sp.l(bs, i0 + r); rh[r] = sp.h(bs, i0 + r); }
+      const int64_t blo = rl[0], bhi = rh[mr - 1];
+      if (blo > bhi) { empty_rows(b, hk, i0, mr); continue; }
+      const int64_t need = round_up(bhi + 1, NR);  // pack K^T panels up to bhi
+      while (packed_end < need) {
+        pack_panel(kp, packed_end, S, Dk, st.zrow.p, kt + (packed_end - kbase) * Dk);
+        packed_end += NR;
+      }
+      const int64_t ntile = (mr + MR - 1) / MR;
+      for (int64_t t = 0; t < ntile; ++t) {
+        tlo[t] = rl[t * MR];
+        thi[t] = rh[std::min<int64_t>(t * MR + MR, mr) - 1];
+      }
+      for (int64_t gi = 0; gi < g; ++gi) {  // the group's heads share the panels
+        const int64_t bh = b * H + hk * g + gi;
+        const float* qp = qd + bh * L * Dk;
+        float* op = od + bh * L * Dv;
+        float* lp = ld + bh * L;
+        for (int64_t r = 0; r < MB; ++r) {  // scaled Q block, zero padded
+          float* dst = st.qs.p + r * Dk;
+          if (r < mr) {
+            const float* src = qp + (i0 + r) * Dk;
+            for (int64_t d = 0; d < Dk; ++d) dst[d] = src[d] * sc;
+          } else {
+            std::fill(dst, dst + Dk, 0.0f);
+          }
+        }
+        std::fill(st.ob.p, st.ob.p + MB * Dv, 0.0f);
+        for (int r = 0; r < MB; ++r) { mrow[r] = NINF; lrow[r] = 0.0f; }
+        float* sb = st.sb.p;
+
+        for (int64_t kc0 = (blo / NR) * NR; kc0 <= bhi; kc0 += KC) {
+          const int64_t kc1 = std::min<int64_t>(kc0 + KC, bhi + 1);  // exclusive
+          // ---- S = Q K^T on the tiles the spans touch
+          for (int64_t j0 = kc0; j0 < kc1; j0 += NR) {
+            const float* panel = kt + (j0 - kbase) * Dk;
+            for (int64_t t = 0; t < ntile; ++t) {
+              if (j0 + NR - 1 < tlo[t] || j0 > thi[t]) continue;
+              float* sdst = sb + t * MR * SS + (j0 - kc0);
+              const float* qt = st.qs.p + t * MR * Dk;
+              if (tlo[t] >= j0 + 8) qk_6x8(qt, Dk, panel + 8, sdst + 8, SS);
+              else if (thi[t] < j0 + 8) qk_6x8(qt, Dk, panel, sdst, SS);
+              else qk_6x16(qt, Dk, panel, sdst, SS);
+            }
+          }
+          // ---- softmax (exact per row, online across chunks)
+          for (int64_t t = 0; t < ntile; ++t) {
+            const int64_t A = std::max<int64_t>(tlo[t], kc0);
+            const int64_t Bt = std::min<int64_t>(thi[t], kc1 - 1);
+            tA[t] = A; tB[t] = Bt;
+            if (A > Bt) continue;
+            for (int rr = 0; rr < MR; ++rr) {
+              const int64_t ri = t * MR + rr;
+              float* srow = sb + ri * SS;
+              if (ri >= mr) { zero_range(srow, A - kc0, Bt - kc0); continue; }
+              const int64_t a = std::max<int64_t>(rl[ri], kc0);
+              const int64_t bb = std::min<int64_t>(rh[ri], kc1 - 1);
+              if (a > bb) { zero_range(srow, A - kc0, Bt - kc0); continue; }
+              const float cm = row_max(srow, a - kc0, bb - kc0);
+              const float mo = mrow[ri];
+              const float mn = std::max(mo, cm);
+              float alpha = 1.0f;
+              if (mo != mn) {
+                alpha = (mo == NINF) ? 0.0f : std::exp2(mo - mn);
+                float* orow = st.ob.p + ri * Dv;
+                for (int64_t d = 0; d < Dv; ++d) orow[d] *= alpha;
+              }
+              const float sum = row_exp(srow, a - kc0, bb - kc0, mn);
+              lrow[ri] = lrow[ri] * alpha + sum;
+              mrow[ri] = mn;
+              zero_range(srow, A - kc0, a - kc0 - 1);
+              zero_range(srow, bb - kc0 + 1, Bt - kc0);
+            }
+          }
+          // ---- O += P V  (V rows in place)
+          for (int64_t t = 0; t < ntile; ++t) {
+            if (tA[t] > tB[t]) continue;
+            ax_6xD<false>(sb + t * MR * SS + (tA[t] - kc0), SS, vp + tA[t] * Dv, Dv,
+                          tB[t] - tA[t] + 1, st.ob.p + t * MR * Dv);
+          }
+        }
+        // ---- normalize + write out (a row that saw nothing: 0 and lse -inf)
+        for (int64_t r = 0; r < mr; ++r) {
+          float* dst = op + (i0 + r) * Dv;
+          if (!(lrow[r] > 0.0f)) {
+            std::fill(dst, dst + Dv, 0.0f);
+            lp[i0 + r] = NINF;
+            continue;
+          }
+          const float inv = 1.0f / lrow[r];
+          const float* src = st.ob.p + r * Dv;
+          int64_t d = 0;
+          if ((reinterpret_cast<uintptr_t>(dst) & 31) == 0) {
+            const __m256 vinv = _mm256_set1_ps(inv);
+            for (; d + 8 <= Dv; d += 8)
+              _mm256_stream_ps(dst + d, _mm256_mul_ps(_mm256_loadu_ps(src + d), vinv));
+          }
+          for (; d < Dv; ++d) dst[d] = src[d] * inv;
+          lp[i0 + r] = mrow[r] * ln2 + logf(lrow[r]);
+        }
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Backward: per item, dQ of its rows (all heads of the group) is written directly; dK and dV
+// of the keys it touches are summed in the item's own buffers, then added to dk/dv under a
+// lock per stripe of keys (items of one kv head overlap in keys wherever spans are wide).
+constexpr int64_t LOCK_KEYS = 256;
+
+struct BwdState {
+  GrowBuf kt, vt, dka, dva;
+  AlignedBuf qs, qr, gb, sb, db, ob, zrow;
+  BwdState(int64_t Dk, int64_t Dv, int64_t SS)
+      : qs(MB * Dk), qr(MB * Dk), gb(MB * Dv), sb(MB * SS + NR), db(MB * SS + NR),
+        ob(MB * Dk), zrow(std::max(Dk, Dv)) {}
+};
+
+static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse,
+                          const Spans& sp, double scale, at::Tensor& dq, at::Tensor& dk,
+                          at::Tensor& dv) {
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dk = q.size(3);
+  const int64_t Hkv = k.size(1), S = k.size(2), Dv = v.size(3);
+  const int64_t g = H / Hkv;
+  const int64_t nth = std::max<int64_t>(1, at::get_num_threads());
+  const Work w = plan_work(B, Hkv, L, sp, nth, RS_MAXKC_BWD);
+  const int64_t C = w.C, nch = w.nch, KC = w.KC;
+  const int64_t SS = KC + 2 * NR;
+  const float sc = static_cast<float>(scale * 1.4426950408889634);
+  const float log2e = 1.4426950408889634f;
+  const float fscale = static_cast<float>(scale);
+  const float NINF = -std::numeric_limits<float>::infinity();
+  const float* qd = q.data_ptr<float>();
+  const float* kd = k.data_ptr<float>();
+  const float* vd = v.data_ptr<float>();
+  const float* od = out.data_ptr<float>();
+  const float* gd = dout.data_ptr<float>();
+  const float* ld = lse.data_ptr<float>();
+  float* dqd = dq.data_ptr<float>();
+  float* dkd = dk.data_ptr<float>();
+  float* dvd = dv.data_ptr<float>();
+  const int64_t nstripe = std::max<int64_t>(1, (S + LOCK_KEYS - 1) / LOCK_KEYS);
+  std::unique_ptr<std::mutex[]> locks(new std::mutex[static_cast<size_t>(B * Hkv * nstripe)]);
+
+  auto zero_dq = [&](int64_t b, int64_t hk, int64_t r0, int64_t n) {
+    for (int64_t gi = 0; gi < g; ++gi) {
+      const int64_t bh = b * H + hk * g + gi;
+      std::fill(dqd + (bh * L + r0) * Dk, dqd + (bh * L + r0 + n) * Dk, 0.0f);
+    }
+  };
+
+  run_items(w, nth, [&] { return std::make_unique<BwdState>(Dk, Dv, SS); },
+            [&](BwdState& st, int64_t item) {
+    float mrow[MB], drow[MB];
+    int64_t rl[MB], rh[MB];
+    int64_t tA[MB / MR], tB[MB / MR], tlo[MB / MR], thi[MB / MR];
+    const int64_t bk = item / nch, ci = item % nch;
+    const int64_t b = bk / Hkv, hk = bk % Hkv, bs = sp.bstride ? b : 0;
+    const float* kp = kd + bk * S * Dk;
+    const float* vp = vd + bk * S * Dv;
+    const int64_t c0 = ci * C, c1 = std::min(L, c0 + C);
+    const int64_t kfirst = sp.l(bs, c0), klast = sp.h(bs, c1 - 1);
+    if (kfirst > klast) { zero_dq(b, hk, c0, c1 - c0); return; }
+    const int64_t kbase = (kfirst / NR) * NR;
+    const int64_t nk = round_up(klast + 1, NR) - kbase + 2 * NR;
+    st.kt.ensure(static_cast<size_t>(nk * Dk));
+    st.vt.ensure(static_cast<size_t>(nk * Dv));
+    st.dka.ensure(static_cast<size_t>(nk * Dk));
+    st.dva.ensure(static_cast<size_t>(nk * Dv));
+    float *kt = st.kt.p, *vt = st.vt.p, *dka = st.dka.p, *dva = st.dva.p;
+    std::fill(dka, dka + nk * Dk, 0.0f);
+    std::fill(dva, dva + nk * Dv, 0.0f);
+    float *sb = st.sb.p, *db = st.db.p;
+    int64_t packed_end = kbase;
+
+    for (int64_t i0 = c0; i0 < c1; i0 += MB) {
+      const int64_t mr = std::min<int64_t>(MB, c1 - i0);
+      for (int64_t r = 0; r < mr; ++r) { rl[r] = sp.l(bs, i0 + r); rh[r] = sp.h(bs, i0 + r); }
+      const int64_t blo = rl[0], bhi = rh[mr - 1];
+      if (blo > bhi) { zero_dq(b, hk, i0, mr); continue; }
+      const int64_t need = round_up(bhi + 1, NR);
+      while (packed_end < need) {
+        pack_panel(kp, packed_end, S, Dk, st.zrow.p, kt + (packed_end - kbase) * Dk);
+        pack_panel(vp, packed_end, S, Dv, st.zrow.p, vt + (packed_end - kbase) * Dv);
+        packed_end += NR;
+      }
+      const int64_t ntile = (mr + MR - 1) / MR;
+      for (int64_t t = 0; t < ntile; ++t) {
+        tlo[t] = rl[t * MR];
+        thi[t] = rh[std::min<int64_t>(t * MR + MR, mr) - 1];
+      }
+      for (int64_t gi = 0; gi < g; ++gi) {
+        const int64_t bh = b * H + hk * g + gi;
+        const float* qp = qd + bh * L * Dk;
+        const float* op = od + bh * L * Dv;
+        const float* gp = gd + bh * L * Dv;
+        const float* lp = ld + bh * L;
+        for (int64_t r = 0; r < MB; ++r) {
+          float* d1 = st.qs.p + r * Dk;
+          float* d2 = st.qr.p + r * Dk;
+          float* d3 = st.gb.p + r * Dv;
+          if (r < mr) {
+            const float* s1 = qp + (i0 + r) * Dk;
+            for (int64_t d = 0; d < Dk; ++d) { d1[d] = s1[d] * sc; d2[d] = s1[d]; }
+            const float* s3 = gp + (i0 + r) * Dv;
+            const float* s4 = op + (i0 + r) * Dv;
+            __m256 acc = _mm256_setzero_ps();
+            int64_t d = 0;
+            for (; d + 8 <= Dv; d += 8) {
+              const __m256 gg = _mm256_loadu_ps(s3 + d);
+              _mm256_storeu_ps(d3 + d, gg);
+              acc = _mm256_fmadd_ps(gg, _mm256_loadu_ps(s4 + d), acc);
+            }
+            float dsum = hsum(acc);
+            for (; d < Dv; ++d) { d3[d] = s3[d]; dsum += s3[d] * s4[d]; }
+            drow[r] = dsum;
+            mrow[r] = lp[i0 + r] * log2e;
+          } else {
+            std::fill(d1, d1 + Dk, 0.0f);
+            std::fill(d2, d2 + Dk, 0.0f);
+            std::fill(d3, d3 + Dv, 0.0f);
+            drow[r] = 0.0f;
+            mrow[r] = NINF;
+          }
+        }
+        std::fill(st.ob.p, st.ob.p + MB * Dk, 0.0f);
+
+        for (int64_t kc0 = (blo / NR) * NR; kc0 <= bhi; kc0 += KC) {
+          const int64_t kc1 = std::min<int64_t>(kc0 + KC, bhi + 1);  // exclusive
+          const int64_t Z = std::min<int64_t>(SS, kc1 - kc0 + NR);  // columns kept clean
+          // ---- S = Qs K^T, dP = dO V^T on the tiles the spans touch
+          for (int64_t j0 = kc0; j0 < kc1; j0 += NR) {
+            const float* kpan = kt + (j0 - kbase) * Dk;
+            const float* vpan = vt + (j0 - kbase) * Dv;
+            for (int64_t t = 0; t < ntile; ++t) {
+              if (j0 + NR - 1 < tlo[t] || j0 > thi[t]) continue;
+              float* sdst = sb + t * MR * SS + (j0 - kc0);
+              float* ddst = db + t * MR * SS + (j0 - kc0);
+              const float* qt = st.qs.p + t * MR * Dk;
+              const float* gt = st.gb.p + t * MR * Dv;
+              if (tlo[t] >= j0 + 8) {
+                qk_6x8(qt, Dk, kpan + 8, sdst + 8, SS);
+                qk_6x8(gt, Dv, vpan + 8, ddst + 8, SS);
+              } else if (thi[t] < j0 + 8) {
+                qk_6x8(qt, Dk, kpan, sdst, SS);
+                qk_6x8(gt, Dv, vpan, ddst, SS);
+              } else {
+                qk_6x16(qt, Dk, kpan, sdst, SS);
+                qk_6x16(gt, Dv, vpan, ddst, SS);
+              }
+            }
+          }
+          // ---- P = exp2(S - lse*log2e), dS = scale * P * (dP - Di); zeros elsewhere in
+          // the row's first Z columns (the P^T products read whole columns)
+          for (int64_t t = 0; t < MB / MR; ++t) {
+            tA[t] = t < ntile ? std::max<int64_t>(tlo[t], kc0) : 1;
+            tB[t] = t < ntile ? std::min<int64_t>(thi[t], kc1 - 1) : 0;
+          }
+          for (int64_t ri = 0; ri < MB; ++ri) {
+            float* srow = sb + ri * SS;
+            float* drw = db + ri * SS;
+            const int64_t a = ri < mr ? std::max<int64_t>(rl[ri], kc0) : 1;
+            const int64_t bb = ri < mr ? std::min<int64_t>(rh[ri], kc1 - 1) : 0;
+            if (ri >= mr || a > bb || !(mrow[ri] > NINF)) {
+              std::fill(srow, srow + Z, 0.0f);
+              std::fill(drw, drw + Z, 0.0f);
+              continue;
+            }
+            const int64_t ja = a - kc0, jb = bb - kc0;  // inclusive columns
+            std::fill(srow, srow + ja, 0.0f);
+            std::fill(drw, drw + ja, 0.0f);
+            const __m256 vm = _mm256_set1_ps(mrow[ri]);
+            const __m256 vD = _mm256_set1_ps(drow[ri]);
+            const __m256 vs = _mm256_set1_ps(fscale);
+            int64_t j = ja;
+            for (; j + 8 <= jb + 1; j += 8) {
+              __m256 p = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(srow + j), vm));
+              __m256 ds = _mm256_mul_ps(_mm256_mul_ps(p, vs),
+                                        _mm256_sub_ps(_mm256_loadu_ps(drw + j), vD));
+              _mm256_storeu_ps(srow + j, p);
+              _mm256_storeu_ps(drw + j, ds);
+            }
+            const int64_t rem = jb + 1 - j;
+            if (rem > 0) {
+              const __m256 msk = tail_mask((int)rem);
+              __m256 p = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(srow + j), vm));
+              p = _mm256_and_ps(p, msk);
+              __m256 ds = _mm256_mul_ps(_mm256_mul_ps(p, vs),
+                                        _mm256_sub_ps(_mm256_loadu_ps(drw + j), vD));
+              ds = _mm256_and_ps(ds, msk);
+              _mm256_storeu_ps(srow + j, p);
+              _mm256_storeu_ps(drw + j, ds);
+              j += 8;
+            }
+            if (j < Z) {
+              std::fill(srow + j, srow + Z, 0.0f);
+              std::fill(drw + j, drw + Z, 0.0f);
+            }
+          }
+          // ---- dQ += dS K  (K rows in place)
+          for (int64_t t = 0; t < ntile; ++t) {
+            if (tA[t] > tB[t]) continue;
+            ax_6xD<false>(db + t * MR * SS + (tA[t] - kc0), SS, kp + tA[t] * Dk, Dk,
+                          tB[t] - tA[t] + 1, st.ob.p + t * MR * Dk);
+          }
+          // ---- dV += P^T dO, dK += dS^T Q over 6-key tiles, rows ra..rb: those whose
+          // spans can reach the tile (both ends move forward with the key)
+          const int64_t ka = std::max<int64_t>(blo, kc0), kb = std::min<int64_t>(bhi, kc1 - 1);
+          int64_t ra = 0, rb = -1;
+          for (int64_t j = ka; j <= kb; j += MR) {
+            while (ra < mr && rh[ra] < j) ++ra;
+            while (rb + 1 < mr && rl[rb + 1] <= j + MR - 1) ++rb;
+            if (ra > rb) continue;
+            const int64_t col = j - kc0;
+            ax_6xD<true>(sb + ra * SS + col, SS, st.gb.p + ra * Dv, Dv, rb - ra + 1,
+                         dva + (j - kbase) * Dv);
+            ax_6xD<true>(db + ra * SS + col, SS, st.qr.p + ra * Dk, Dk, rb - ra + 1,
+                         dka + (j - kbase) * Dk);
+          }
+        }
+        std::copy(st.ob.p, st.ob.p + mr * Dk, dqd + (bh * L + i0) * Dk);
+      }
+    }
+    // ---- this item's keys [kfirst, klast] into dk, dv, one stripe at a time
+    for (int64_t s0 = kfirst; s0 <= klast;) {
+      const int64_t stripe = s0 / LOCK_KEYS;
+      const int64_t s1 = std::min<int64_t>(klast + 1, (stripe + 1) * LOCK_KEYS);
+      std::lock_guard<std::mutex> guard(locks[bk * nstripe + stripe]);
+      float* dkp = dkd + (bk * S + s0) * Dk;
+      const float* sk = dka + (s0 - kbase) * Dk;
+      for (int64_t e = 0, n = (s1 - s0) * Dk; e < n; ++e) dkp[e] += sk[e];
+      float* dvp = dvd + (bk * S + s0) * Dv;
+      const float* sv = dva + (s0 - kbase) * Dv;
+      for (int64_t e = 0, n = (s1 - s0) * Dv; e < n; ++e) dvp[e] += sv[e];
+      s0 = s1;
+    }
+  });
+}
+
+// Checks what the kernel's memory safety depends on; returns the spans (contiguous int64).
+static Spans check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& lo, const at::Tensor& hi) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+              "row-span kernel: q, k, v must be 4-D (B, H, L, D)");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat, "row-span kernel: q, k, v must be float32");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
+              "row-span kernel: q, k, v must be contiguous");
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && k.size(1) == v.size(1) &&
+                  k.size(2) == v.size(2) && k.size(3) == q.size(3),
+              "row-span kernel: k (B, Hkv, S, Dk) and v (B, Hkv, S, Dv) do not fit q");
+  TORCH_CHECK(k.size(1) >= 1 && H % k.size(1) == 0, "row-span kernel: H % Hkv != 0");
+  TORCH_CHECK(q.size(3) >= 1 && v.size(3) >= 1, "row-span kernel: empty head dim");
+  TORCH_CHECK(lo.scalar_type() == at::kLong && hi.scalar_type() == at::kLong &&
+                  lo.is_contiguous() && hi.is_contiguous() && lo.dim() == 2 &&
+                  lo.sizes() == hi.sizes() && (lo.size(0) == 1 || lo.size(0) == B) &&
+                  lo.size(1) == L,
+              "row-span kernel: lo, hi must be contiguous int64 (1 or B, L)");
+  const int64_t* lp = lo.data_ptr<int64_t>();
+  const int64_t* hp = hi.data_ptr<int64_t>();
+  for (int64_t b = 0; b < lo.size(0); ++b)
+    for (int64_t i = 1; i < L; ++i)
+      TORCH_CHECK(lp[b * L + i] >= lp[b * L + i - 1] && hp[b * L + i] >= hp[b * L + i - 1],
+                  "row-span kernel: lo and hi must be non-decreasing along the rows");
+  return Spans{lp, hp, lo.size(0) == 1 ? 0 : L, k.size(2)};
+}
+
+}  // namespace rowspan
+
+// (out (B, H, L, Dv), lse (B, H, L)) of rows attending keys lo[i]..hi[i].
+std::tuple<at::Tensor, at::Tensor> span_forward(at::Tensor q, at::Tensor k, at::Tensor v,
+                                                at::Tensor lo, at::Tensor hi, double scale) {
+  q = q.contiguous(); k = k.contiguous(); v = v.contiguous();
+  lo = lo.contiguous(); hi = hi.contiguous();
+  const rowspan::Spans sp = rowspan::check_inputs(q, k, v, lo, hi);
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dv = v.size(3);
+  auto out = at::empty({B, H, L, Dv}, q.options());
+  auto lse = at::empty({B, H, L}, q.options());
+  if (B * H * L > 0) rowspan::forward_impl(q, k, v, sp, scale, out, lse);
+  return {out, lse};
+}
+
+// (dq, dk, dv) given the final out and lse; dk, dv summed over each kv head's query heads.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
+    at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out, at::Tensor dout, at::Tensor lse,
+    at::Tensor lo, at::Tensor hi, double scale) {
+  q = q.contiguous(); k = k.contiguous(); v = v.contiguous();
+  out = out.contiguous(); dout = dout.contiguous(); lse = lse.contiguous();
+  lo = lo.contiguous(); hi = hi.contiguous();
+  const rowspan::Spans sp = rowspan::check_inputs(q, k, v, lo, hi);
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dv = v.size(3);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && dout.scalar_type() == at::kFloat &&
+                  lse.scalar_type() == at::kFloat && out.is_contiguous() &&
+                  dout.is_contiguous() && lse.is_contiguous(),
+              "row-span kernel: out, dout, lse must be contiguous float32");
+  TORCH_CHECK(out.dim() == 4 && out.size(0) == B && out.size(1) == H && out.size(2) == L &&
+                  out.size(3) == Dv && dout.sizes() == out.sizes(),
+              "row-span kernel: out and dout must be (B, H, L, Dv)");
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == B && lse.size(1) == H && lse.size(2) == L,
+              "row-span kernel: lse must be (B, H, L)");
+  auto dq = at::empty(q.sizes(), q.options());
+  auto dk = at::zeros(k.sizes(), k.options());
+  auto dv = at::zeros(v.sizes(), v.options());
+  if (B * H * L > 0 && k.size(2) > 0)
+    rowspan::backward_impl(q, k, v, out, dout, lse, sp, scale, dq, dk, dv);
+  else
+    dq.zero_();
+  return {dq, dk, dv};
+}

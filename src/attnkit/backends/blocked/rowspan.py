@@ -1,0 +1,197 @@
+"""attnkit's row-span kernel: the ``blocked`` backend's own CPU kernel for every mask that
+allows one run of keys per query row.
+
+Dimension legend: B batch, H query heads, Hkv key/value heads (``H = g * Hkv``), L query rows,
+S keys, Dk query/key head dim, Dv value head dim; ``lo, hi`` ``(B', L)`` the inclusive run of
+local keys row ``i`` attends (``B'`` = 1 or B), non-decreasing along the rows.
+
+:func:`attnkit.masks.row_spans` turns a spec into runs where it is one (causal, sliding windows,
+documents, prefix-LM, contiguous key padding, and their intersections, at any global offsets);
+:func:`plan` makes the one decision per call (:class:`SpanPlan`) that the forward, the backward
+and :func:`attnkit.explain` read. torch's fused CPU flash kernel would serve such masks only as
+many tiles, where its small GEMMs and per-tile softmax reach about half of the machine's GEMM
+throughput. The kernel in ``csrc/row_span.cpp`` does them in one pass: per (batch, kv head) and
+chunk of query rows it packs ``K^T`` once into 16-key panels that move forward with the spans,
+shared by the ``g`` query heads of the group (grouped-query heads are never repeated), computes
+``Q K^T`` and ``P V`` with register-blocked AVX2/FMA micro-kernels over the tiles the spans
+touch only, and an exact float32 softmax per row (``exp2`` polynomial, relative error about
+2.4e-7). The backward (``span_backward``) recomputes the scores from the saved log-sum-exp over
+the same panels, writes dQ per row and sums dK, dV over the group's heads (added to the result
+under a lock per stripe of keys, so their float32 sums may differ in the last bits from run to
+run). A row whose run is empty gets output 0, log-sum-exp ``-inf`` and gradient 0.
+
+It is compiled on first use with :func:`torch.utils.cpp_extension.load_inline` (gcc, about
+30 s, cached under ``~/.cache/torch_extensions``; ``make setup`` builds it ahead). Where it
+cannot be built or run (no AVX2, no compiler, ``ATTNKIT_SPAN_KERNEL=0``), :func:`status` says
+why and the blocked backend keeps to torch's kernel: ``attnkit.explain`` shows which one runs.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import torch
+
+from attnkit.masks import MaskSpec, causal_window, row_spans
+
+__all__ = ["SpanPlan", "available", "build", "kernel", "main", "plan", "status"]
+
+#: set to "0" to keep the blocked backend on torch's kernel for row spans
+ENV = "ATTNKIT_SPAN_KERNEL"
+#: ``auto`` takes the kernel for plain causal calls (no other mask) from this many ``L x S``
+#: pairs: measured 1.2-1.6x faster than SDPA's ``is_causal`` forward at L = 1k-8k, 1.1-1.3x
+#: forward + backward at 4k (float32, 2 AVX2 cores; ``benchmarks/kernel_spans.py``); smaller
+#: calls were not measured, so they keep to SDPA
+CAUSAL_MIN_PAIRS = 1024 * 1024
+#: bumped with every change to the C++ source's interface
+NAME = "attnkit_row_span_v1"
+
+_lock = threading.Lock()
+_module: Any = None
+_reason: str | None = None  # why the kernel is unavailable (None: not tried yet, or loaded)
+_tried = False
+build_seconds: float | None = None
+
+
+def _cpu_reason() -> str | None:
+    if os.environ.get(ENV, "1") == "0":
+        return f"{ENV}=0 in the environment"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"this CPU has no AVX2 (torch reports {capability!r})"
+    return None
+
+
+def build() -> Any:
+    """Compile (or load the cached build of) the kernel; returns the module or ``None``."""
+    global _module, _reason, _tried, build_seconds
+    with _lock:
+        if _tried:
+            return _module
+        _tried = True
+        _reason = _cpu_reason()
+        if _reason is not None:
+            return None
+        try:
+            from torch.utils.cpp_extension import load_inline
+
+            source = resources.files("attnkit.backends.blocked").joinpath("csrc/row_span.cpp")
+            t0 = time.perf_counter()
+            _module = load_inline(  # type: ignore[no-untyped-call]
+                name=NAME,
+                cpp_sources=[source.read_text()],
+                functions=["span_forward", "span_backward"],
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                no_implicit_headers=True,
+                with_pytorch_error_handling=False,
+                verbose=False,
+            )
+            build_seconds = time.perf_counter() - t0
+        except Exception as e:  # no compiler, no ninja, a failed build: say so, run without
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            _reason = f"it could not be built ({type(e).__name__}: {first[:200]})"
+            _module = None
+        return _module
+
+
+def available() -> bool:
+    """Whether the kernel runs here (builds it on the first call)."""
+    return build() is not None
+
+
+def status() -> str:
+    """One line: the kernel is in use, or why not."""
+    if build() is not None:
+        return "attnkit's AVX2 row-span kernel"
+    return f"torch's fused kernel (attnkit's row-span kernel is off: {_reason})"
+
+
+@dataclass(frozen=True)
+class SpanPlan:
+    """Whether the row-span kernel serves one call: decided once, read by the forward, the
+    backward and :func:`attnkit.explain`.
+
+    ``lo``, ``hi`` are the runs of keys (int64 ``(B', L)``, local, inclusive; see
+    :func:`attnkit.masks.row_spans`) when the mask is one run per row, else ``None``; ``what``
+    names the mask for explain; ``reason`` is ``None`` when the kernel runs the call, else why
+    not (in explain's words).
+    """
+
+    lo: torch.Tensor | None
+    hi: torch.Tensor | None
+    what: str
+    reason: str | None
+
+    @property
+    def serves(self) -> bool:
+        return self.lo is not None and self.reason is None
+
+    def refuse(self, reason: str) -> SpanPlan:
+        """The same spans, not run by the kernel, because of ``reason``."""
+        return SpanPlan(self.lo, self.hi, self.what, reason)
+
+
+NOT_SPANS = SpanPlan(None, None, "", "not one run of keys per query row")
+
+
+def describe(spec: MaskSpec) -> str:
+    """The mask in explain's words."""
+    w = causal_window(spec)
+    return f"causal sliding window {w}" if w is not None else f"row spans of {spec!r}"
+
+
+def plan(
+    spec: MaskSpec | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    q_start: int = 0,
+    k_start: int = 0,
+    off: int | None = None,
+) -> SpanPlan:
+    """The kernel decision for the block of ``q`` against ``k``/``v`` (global positions and
+    offset as in :func:`attnkit.masks.row_spans`)."""
+    if spec is None or spec.has_bias or spec.from_tensor:
+        return NOT_SPANS
+    L, S = q.shape[2], k.shape[2]
+    spans = row_spans(spec, L, S, q_start=q_start, k_start=k_start, off=off)
+    if spans is None:
+        return NOT_SPANS
+    lo, hi = spans
+    p = SpanPlan(lo, hi, describe(spec), None)
+    if bool((lo[:, 1:] < lo[:, :-1]).any() or (hi[:, 1:] < hi[:, :-1]).any()):
+        return p.refuse("its runs of keys do not move forward along the rows")
+    if q.device.type != "cpu":
+        return p.refuse(f"attnkit's row-span kernel is CPU-only (q is on {q.device.type})")
+    if not q.dtype == k.dtype == v.dtype == torch.float32:
+        return p.refuse(
+            f"attnkit's row-span kernel is float32-only (q is {q.dtype}): torch's fused kernel runs"
+        )
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+        return p.refuse("an empty dimension: nothing for the kernel to do")
+    return p if build() is not None else p.refuse(status())
+
+
+def kernel() -> Any:
+    """The loaded C++ module: ``span_forward(q, k, v, lo, hi, scale) -> (out, lse)`` and
+    ``span_backward(q, k, v, out, dout, lse, lo, hi, scale) -> (dq, dk, dv)``: float32 q
+    ``(B, H, L, Dk)``, k ``(B, Hkv, S, Dk)``, v ``(B, Hkv, S, Dv)``, out ``(B, H, L, Dv)``, lse
+    ``(B, H, L)`` (natural log), ``lo``/``hi`` int64 ``(1 or B, L)``. Call it only where
+    :func:`plan` says the kernel serves; the C++ checks what its memory safety needs (shapes,
+    dtypes, spans in order)."""
+    if _module is None:
+        raise RuntimeError(f"the row-span kernel is not loaded: {status()}")
+    return _module
+
+
+def main() -> None:
+    """Build ahead and say so (``make setup`` runs this)."""
+    t0 = time.perf_counter()
+    print(f"attnkit row-span kernel: {status()} ({time.perf_counter() - t0:.1f} s)")

@@ -1,0 +1,435 @@
+"""attnkit's AVX2 row-span kernel (one run of keys per query row, float32, CPU) against the
+float64 oracle, the spans :func:`attnkit.masks.row_spans` gives for each spec kind, and how the
+blocked backend hands the kernel the calls it serves.
+
+The kernel is built by ``make setup`` (``attnkit.backends.blocked.rowspan.main()``); these tests
+need it built: a machine without gcc or AVX2 fails them rather than skipping (the blocked
+backend itself still runs there, on torch's kernel, and says so in ``explain``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit import cpu, masks
+from attnkit.backends import blocked
+from attnkit.backends.blocked import rowspan
+from attnkit.backends.blocked.tiles import merge
+from attnkit.masks import alibi, row_spans
+from oracle import reference_attention
+from strategies import span_specs, specs
+
+NINF = -math.inf
+
+
+def _allowed(lo: torch.Tensor, hi: torch.Tensor, S: int) -> torch.Tensor:
+    """``(B', 1, L, S)`` bool from runs ``lo..hi``."""
+    j = torch.arange(S)[None, None, :]
+    return ((j >= lo[:, :, None]) & (j <= hi[:, :, None]))[:, None]
+
+
+def _lse(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 log-sum-exp ``(B, H, L)`` over the allowed keys (``-inf`` where none)."""
+    g = q.shape[1] // k.shape[1]
+    kk = k.double().repeat_interleave(g, dim=1)
+    s = (q.double() @ kk.transpose(-1, -2)) * scale
+    return torch.logsumexp(s.masked_fill(~allowed, NINF), dim=-1)
+
+
+def _grads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float,
+    g: torch.Tensor,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The oracle's output and its float64 gradients of ``sum(out * g)``."""
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    out, _ = reference_attention(*leaves, mask=allowed, scale=scale)
+    (out * g.double()).sum().backward()
+    return out.detach(), [t.grad for t in leaves if t.grad is not None]
+
+
+def _lse_close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal ``-inf`` rows (nothing to attend to) and, elsewhere, within 1e-4."""
+    live = want > NINF
+    if not torch.equal(got == NINF, ~live):
+        return False
+    return bool(((got.double() - want).abs() * live).nan_to_num(0.0).max() <= 1e-4)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
+    return bool((got.double() - want).abs().max() <= tol * max(1.0, float(want.abs().max())))
+
+
+def test_the_kernel_is_built_here() -> None:
+    assert rowspan.available(), rowspan.status()
+    assert rowspan.status() == "attnkit's AVX2 row-span kernel"
+
+
+@st.composite
+def _monotone_runs(draw: st.DrawFn, rows: int, L: int, S: int) -> tuple[torch.Tensor, ...]:
+    """Non-decreasing ``lo``, ``hi`` ``(rows, L)``, reaching past both ends of the keys, with
+    empty rows (``lo > hi``) wherever they fall."""
+    seed = draw(st.integers(0, 2**16))
+    gen = torch.Generator().manual_seed(seed)
+    lo = torch.randint(-3, S + 3, (rows, L), generator=gen).sort(dim=1).values
+    hi = (lo + torch.randint(-4, S + 1, (rows, L), generator=gen)).sort(dim=1).values
+    return lo, hi
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    B=st.integers(1, 2),
+    Hkv=st.integers(1, 2),
+    group=st.sampled_from([1, 2, 4]),
+    L=st.integers(1, 150),
+    S=st.integers(1, 200),
+    Dk=st.sampled_from([8, 20, 64]),
+    Dv=st.sampled_from([8, 24, 64]),
+    per_batch=st.booleans(),
+    data=st.data(),
+)
+def test_the_kernel_on_any_runs_equals_the_float64_oracle(
+    B: int, Hkv: int, group: int, L: int, S: int, Dk: int, Dv: int, per_batch: bool, data: Any
+) -> None:
+    lo, hi = data.draw(_monotone_runs(B if per_batch else 1, L, S))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    H = Hkv * group
+    q = torch.randn(B, H, L, Dk, generator=gen)
+    k = torch.randn(B, Hkv, S, Dk, generator=gen)
+    v = torch.randn(B, Hkv, S, Dv, generator=gen)
+    dout = torch.randn(B, H, L, Dv, generator=gen)
+    scale = Dk**-0.5
+    out, lse = rowspan.kernel().span_forward(q, k, v, lo, hi, scale)
+    dq, dk, dv = rowspan.kernel().span_backward(q, k, v, out, dout, lse, lo, hi, scale)
+    allowed = _allowed(lo, hi, S)
+    want, grads = _grads(q, k, v, allowed, scale, dout)
+    want_lse = _lse(q, k, allowed, scale)
+    assert out.shape == (B, H, L, Dv)
+    assert lse.shape == (B, H, L)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert _close(out, want, 1e-5)
+    assert _lse_close(lse, want_lse)  # rows that see nothing: lse -inf, nothing else
+    live = want_lse > NINF
+    assert bool((out[~live] == 0).all())
+    assert bool((dq[~live] == 0).all())
+    for got, ref in zip((dq, dk, dv), grads, strict=True):
+        assert not bool(got.isnan().any())
+        assert _close(got, ref, 1e-4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    B=st.integers(1, 2),
+    Hkv=st.integers(1, 2),
+    group=st.sampled_from([1, 2, 4]),
+    L=st.integers(1, 120),
+    S=st.integers(1, 140),
+    Dv=st.sampled_from([16, 24]),
+    data=st.data(),
+)
+def test_every_interval_spec_runs_in_the_kernel_and_equals_the_oracle(
+    B: int, Hkv: int, group: int, L: int, S: int, Dv: int, data: Any
+) -> None:
+    spec = data.draw(span_specs(B, L, S))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    H = Hkv * group
+    q = torch.randn(B, H, L, 16, generator=gen)
+    k = torch.randn(B, Hkv, S, 16, generator=gen)
+    v = torch.randn(B, Hkv, S, Dv, generator=gen)
+    dout = torch.randn(B, H, L, Dv, generator=gen)
+    plan = blocked.plan_blocks(q, k, v, spec)
+    assert plan.spans.serves, (spec, plan.spans.reason)
+    out, lse = blocked.forward_with_lse(q, k, v, mask=spec, scale=0.25, plan=plan)
+    allowed = spec.to_dense(L, S)
+    want, grads = _grads(q, k, v, allowed, 0.25, dout)
+    want_lse = _lse(q, k, allowed, 0.25)
+    assert _close(out, want, 1e-5)
+    assert _lse_close(lse, want_lse)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = attnkit.attention(*leaves, mask=spec, scale=0.25, backend="blocked")
+    (got * dout).sum().backward()
+    assert torch.equal(got.detach(), out)
+    for leaf, ref in zip(leaves, grads, strict=True):
+        assert leaf.grad is not None
+        assert not bool(leaf.grad.isnan().any())
+        assert _close(leaf.grad, ref, 1e-4)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    B=st.integers(1, 2),
+    L=st.integers(1, 24),
+    S=st.integers(1, 24),
+    data=st.data(),
+)
+def test_row_spans_are_exact_where_given(B: int, L: int, S: int, data: Any) -> None:
+    spec = data.draw(st.one_of(specs(B, L, S), span_specs(B, L, S)))
+    spans = row_spans(spec, L, S)
+    assume(spans is not None)  # None is always safe (block maps run it); given must be exact
+    assert spans is not None
+    lo, hi = spans
+    assert lo.dtype == hi.dtype == torch.long
+    assert lo.shape[1:] == (L,)
+    assert bool((lo >= 0).all() and (lo <= S).all() and (hi >= -1).all() and (hi < S).all())
+    assert torch.equal(
+        _allowed(lo, hi, S).expand(B, 1, L, S), spec.to_dense(L, S).expand(B, 1, L, S)
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(B=st.integers(1, 2), L=st.integers(1, 24), S=st.integers(1, 24), data=st.data())
+def test_interval_specs_always_have_spans(B: int, L: int, S: int, data: Any) -> None:
+    spec = data.draw(span_specs(B, L, S))
+    assert row_spans(spec, L, S) is not None, spec
+
+
+def test_specs_that_are_not_one_run_per_row_have_no_spans() -> None:
+    holes = torch.tensor([[True, False, True, True]])
+    back = torch.tensor([0, 0, 1, 1, 0, 0])  # document 0 comes back
+    assert row_spans(masks.key_mask(holes), 4, 4) is None
+    assert row_spans(masks.document(back), 6, 6) is None
+    assert row_spans(masks.causal() & alibi(2), 6, 6) is None
+    assert row_spans(~masks.causal(), 6, 6) is None
+    far = masks.sliding_window(1) | masks.padding(torch.tensor([2]))  # row 5: keys 0-1, 5
+    assert row_spans(far, 6, 6) is None
+    assert row_spans(masks.as_spec(torch.ones(6, 6, dtype=torch.bool)), 6, 6) is None
+    left = masks.key_mask(torch.tensor([[False, False, True, True]]))  # left padding: one run
+    assert row_spans(left, 4, 4) is not None
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    L=st.integers(2, 90),
+    S=st.integers(2, 90),
+    group=st.sampled_from([1, 2, 4]),
+    data=st.data(),
+)
+def test_blocks_at_global_offsets_merge_to_the_whole_attention(
+    L: int, S: int, group: int, data: Any
+) -> None:
+    """Ring attention's use: a slice of queries against two slices of keys, each block at its
+    global positions, merged by log-sum-exp, then each block's backward from the merged lse."""
+    B = 2
+    spec = data.draw(span_specs(B, L, S))
+    a = data.draw(st.integers(0, L - 1))
+    b = data.draw(st.integers(a + 1, L))
+    c = data.draw(st.integers(1, S - 1))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    q = torch.randn(B, 2 * group, L, 16, generator=gen)
+    k, v = torch.randn(2, B, 2, S, 16, generator=gen)
+    dout = torch.randn(B, 2 * group, b - a, 16, generator=gen)
+    qs = q[:, :, a:b]
+    parts = [(0, k[:, :, :c], v[:, :, :c]), (c, k[:, :, c:], v[:, :, c:])]
+    where = {"q_start": a, "L_total": L, "S_total": S}
+    plans = [blocked.plan_blocks(qs, kk, vv, spec, a, ks, L, S) for ks, kk, vv in parts]
+    assert all(p.spans.serves for p in plans)
+    res = [
+        blocked.forward_with_lse(qs, kk, vv, mask=spec, scale=0.25, k_start=ks, plan=p, **where)
+        for (ks, kk, vv), p in zip(parts, plans, strict=True)
+    ]
+    out, lse = res[0]
+    merge(out, lse, *res[1])  # in place, into the first block's result
+    allowed = spec.to_dense(L, S)[:, :, a:b]
+    want, grads = _grads(qs, k, v, allowed, 0.25, dout)
+    assert _close(out, want, 1e-5)
+    dq = torch.zeros_like(qs)
+    dks, dvs = [], []
+    for (ks, kk, vv), p in zip(parts, plans, strict=True):
+        g = blocked.backward_from_lse(
+            qs, kk, vv, out, dout, lse, mask=spec, scale=0.25, k_start=ks, plan=p, **where
+        )
+        dq += g[0]
+        dks.append(g[1])
+        dvs.append(g[2])
+    for got, ref in zip((dq, torch.cat(dks, 2), torch.cat(dvs, 2)), grads, strict=True):
+        assert _close(got, ref, 1e-4)
+
+
+def test_rows_that_see_nothing_stay_zero_with_zero_gradients() -> None:
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 70, 32, generator=gen, requires_grad=True)
+    k = torch.randn(2, 2, 50, 32, generator=gen, requires_grad=True)
+    v = torch.randn(2, 2, 50, 32, generator=gen, requires_grad=True)
+    # causal with L > S: the first 20 rows see nothing; sequence 1 has 30 real queries
+    spec = masks.causal() & masks.padding(torch.tensor([50, 40]), torch.tensor([70, 30]))
+    assert blocked.plan_blocks(q, k, v, spec).spans.serves
+    out = attnkit.attention(q, k, v, mask=spec, backend="blocked")
+    out.sum().backward()
+    assert q.grad is not None
+    assert bool((out[:, :, :20] == 0).all())
+    assert bool((out[1, :, 30:] == 0).all())
+    assert bool((q.grad[:, :, :20] == 0).all())
+    assert bool((q.grad[1, :, 30:] == 0).all())
+    assert not any(bool(t.isnan().any()) for t in (out, q.grad, k.grad, v.grad))  # type: ignore[arg-type]
+    _, lse = blocked.forward_with_lse(q, k, v, mask=spec, scale=0.25)
+    assert bool((lse[:, :, :20] == NINF).all())
+    assert bool((lse[:, :, 20:][0] > NINF).all())
+
+
+def test_non_contiguous_inputs_are_read_correctly() -> None:
+    x = torch.randn(2, 100, 3, 32)  # (B, L, H, D) in memory, as projections leave it
+    q = k = v = x.transpose(1, 2)
+    spec = masks.causal() & masks.sliding_window(17)
+    out, lse = blocked.forward_with_lse(q, k, v, mask=spec, scale=0.2)
+    allowed = spec.to_dense(100, 100)
+    want, _ = reference_attention(q, k, v, mask=allowed, scale=0.2)
+    assert _close(out, want, 1e-5)
+    assert _lse_close(lse, _lse(q, k, allowed, 0.2))
+
+
+def test_the_kernel_refuses_runs_out_of_order() -> None:
+    q = torch.randn(1, 1, 4, 8)
+    lo = torch.tensor([[0, 2, 1, 3]])
+    hi = torch.tensor([[0, 2, 2, 3]])
+    with pytest.raises(RuntimeError, match="non-decreasing along the rows"):
+        rowspan.kernel().span_forward(q, q, q, lo, hi, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("spec", "window"),
+    [
+        (masks.causal() & masks.sliding_window(5), 5),
+        (masks.sliding_window(9) & masks.causal(), 9),
+        (masks.sliding_window(5), None),  # two-sided
+        (masks.causal(), None),
+        (masks.causal() & masks.sliding_window(5) & masks.padding(torch.tensor([7])), None),
+        (alibi(2) & masks.causal(), None),
+        (None, None),
+    ],
+)
+def test_the_causal_window_is_recognised_exactly(
+    spec: masks.MaskSpec | None, window: int | None
+) -> None:
+    assert masks.causal_window(spec) == window
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, ...]]:
+    seen: list[tuple[object, ...]] = []
+    real = rowspan.kernel()
+
+    class Spy:
+        def span_forward(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            seen.append((*args[0].shape, args[1].shape[1]))
+            return real.span_forward(*args)  # type: ignore[no-any-return]
+
+        def span_backward(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            seen.append(("backward", *args[0].shape))
+            return real.span_backward(*args)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(rowspan, "kernel", Spy)
+    return seen
+
+
+def test_training_with_grouped_query_heads_and_a_window_uses_the_kernel(
+    calls: list[tuple[object, ...]],
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 150, 16, generator=gen)
+    k, v = torch.randn(2, 2, 2, 150, 16, generator=gen)
+    g = torch.randn(2, 8, 150, 16, generator=gen)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attnkit.attention(*leaves, causal=True, mask=masks.sliding_window(40))
+    (out * g).sum().backward()
+    assert calls == [(2, 8, 150, 16, 2), ("backward", 2, 8, 150, 16)]  # K/V not repeated
+    spec = masks.causal() & masks.sliding_window(40)
+    want, grads = _grads(q, k, v, spec.to_dense(150, 150), 16**-0.5, g)
+    assert _close(out.detach(), want, 1e-5)
+    for leaf, ref in zip(leaves, grads, strict=True):
+        assert leaf.grad is not None
+        assert _close(leaf.grad, ref, 1e-5)
+
+
+def test_calls_the_kernel_does_not_serve_go_to_torchs_kernel(
+    calls: list[tuple[object, ...]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = masks.causal() & masks.sliding_window(8)
+    q = torch.randn(1, 4, 64, 16)
+    bf = q.bfloat16()
+    holes = torch.ones(1, 64, dtype=torch.bool)
+    holes[0, 10] = False
+    crossing = masks.padding(torch.tensor([64]), torch.tensor([10])) | (
+        masks.causal() & masks.sliding_window(1)
+    )  # rows 0-9 see every key, later rows only themselves: the runs move back
+    # bfloat16 as it is (the CPU path `torch`; on `fp32-upcast` the kernel sees float32
+    # copies: tests/test_low_precision_paths.py)
+    monkeypatch.setenv("ATTNKIT_CPU_PATH", "torch")
+    attnkit.attention(bf, bf, bf, mask=spec, backend="blocked")
+    attnkit.attention(q, q, q, mask=masks.key_mask(holes), backend="blocked")
+    attnkit.attention(q, q, q, mask=spec & alibi(4), backend="blocked")
+    got = attnkit.attention(q, q, q, mask=crossing, backend="blocked")
+    assert calls == []
+    want, _ = reference_attention(q, q, q, mask=crossing.to_dense(64, 64))
+    assert _close(got, want, 1e-5)
+    note = attnkit.explain(bf, bf, bf, mask=spec).notes["blocked"]
+    assert "row-span kernel is float32-only (q is torch.bfloat16)" in note
+    note = attnkit.explain(q, q, q, mask=crossing).notes["blocked"]
+    assert "its runs of keys do not move forward along the rows" in note
+
+
+def test_explain_names_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    q = torch.randn(1, 8, 256, 32)
+    kv = torch.randn(1, 2, 256, 32)  # grouped-query heads, 4 per kv head
+    spec = masks.causal() & masks.sliding_window(64)
+    note = attnkit.explain(q, kv, kv, mask=spec).notes["blocked"]
+    assert note == (
+        "causal sliding window 64: forward and backward run attnkit's AVX2 row-span kernel "
+        "(one pass each, no tiles); under torch.compile the same, as one custom op "
+        "(attnkit::blocked_attention)"
+    )
+    docs = masks.document(torch.arange(256) // 100) & masks.causal()
+    note = attnkit.explain(q, kv, kv, mask=docs).notes["blocked"]
+    assert note.startswith(
+        "row spans of document(<ids (1, 256)>) & causal(): forward and backward run attnkit's "
+        "AVX2 row-span kernel"
+    )
+    # switched off (as on a machine where it cannot be built): torch's kernel, and why
+    monkeypatch.setenv(rowspan.ENV, "0")
+    monkeypatch.setattr(rowspan, "_tried", False)
+    monkeypatch.setattr(rowspan, "_module", None)
+    assert not rowspan.available()
+    assert rowspan.status() == (
+        "torch's fused kernel (attnkit's row-span kernel is off: ATTNKIT_SPAN_KERNEL=0 in the "
+        "environment)"
+    )
+    note = attnkit.explain(q, kv, kv, mask=spec).notes["blocked"]
+    assert (
+        "causal sliding window 64 (torch's fused kernel (attnkit's row-span kernel is off" in note
+    )
+    out = attnkit.attention(q, kv, kv, mask=spec)
+    want, _ = reference_attention(q, kv, kv, mask=spec.to_dense(256, 256))
+    assert _close(out, want, 1e-5)
+
+
+def test_auto_takes_the_kernel_for_plain_causal_calls_where_it_was_measured_faster() -> None:
+    q = torch.randn(1, 8, 1024, 16)
+    kv = torch.randn(1, 2, 1024, 16)
+    report = attnkit.explain(q, kv, kv, causal=True)
+    assert report.chosen == "blocked"
+    assert report.rule == (
+        "causal on CPU (torch.float32), L x S >= 1024 x 1024: attnkit's row-span kernel, measured "
+        "1.2-1.6x faster than SDPA's is_causal (benchmarks/kernel_spans.py)"
+    )
+    want, _ = reference_attention(q, kv, kv, causal=True)
+    assert _close(attnkit.attention(q, kv, kv, causal=True), want, 1e-5)
+    short = q[:, :, :512]
+    small = attnkit.explain(short, short, short, causal=True)
+    assert small.chosen == "sdpa"  # not measured
+    assert "plain causal CPU calls its kernel runs from L x S = 1024 x 1024" in str(small)
+    wide = q.double()
+    assert attnkit.explain(wide, wide, wide, causal=True).chosen == "sdpa"  # not float32
+    if cpu.path_for(q.bfloat16(), "test") == "fp32-upcast":  # bf16 runs on float32 copies
+        half = q.bfloat16()
+        report = attnkit.explain(half, half, half, causal=True)
+        assert report.chosen == "blocked"
+        assert "causal on CPU (float32 copies of torch.bfloat16)" in report.rule
