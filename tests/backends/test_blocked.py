@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import attnkit
 from attnkit import AttentionInputError, masks
 from attnkit.backends import blocked
-from attnkit.backends.blocked import backward_from_lse, forward_with_lse
+from attnkit.backends.blocked import BlockAt, backward_from_lse, forward_with_lse
 from attnkit.backends.blocked import config as blocked_config
 from attnkit.masks import MaskSpec
 from oracle import reference_attention
@@ -222,14 +222,14 @@ def test_block_functions_with_offsets_merge_to_the_whole(
     dout = torch.randn(2, 4, L, 8, generator=g, dtype=torch.float64)
     full_out, full_lse = forward_with_lse(q, k, v, mask=spec, scale=scale)
     qs, ks = [(0, 16), (16, 37)], [(0, 10), (10, 29), (29, 45)]
-    kw = {"mask": spec, "scale": scale, "L_total": L, "S_total": S}
+    kw = {"mask": spec, "scale": scale}
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for a, b in qs:
         out = torch.zeros(2, 4, b - a, 8, dtype=torch.float64)
         lse = torch.full((2, 4, b - a), -math.inf, dtype=torch.float64)
         for c, d in ks:
             o, s = forward_with_lse(
-                q[:, :, a:b], k[:, :, c:d], v[:, :, c:d], q_start=a, k_start=c, **kw
+                q[:, :, a:b], k[:, :, c:d], v[:, :, c:d], at=BlockAt(a, c, L, S), **kw
             )
             new = torch.logaddexp(lse, s)
             w_old = torch.where(new == -math.inf, 0.0, (lse - new).exp())
@@ -246,8 +246,7 @@ def test_block_functions_with_offsets_merge_to_the_whole(
                 full_out[:, :, a:b],
                 dout[:, :, a:b],
                 full_lse[:, :, a:b],
-                q_start=a,
-                k_start=c,
+                at=BlockAt(a, c, L, S),
                 **kw,
             )
             dq[:, :, a:b] += gq

@@ -230,12 +230,14 @@ def test_blocks_at_global_offsets_merge_to_the_whole_attention(
     dout = torch.randn(B, 2 * group, b - a, 16, generator=gen)
     qs = q[:, :, a:b]
     parts = [(0, k[:, :, :c], v[:, :, :c]), (c, k[:, :, c:], v[:, :, c:])]
-    where = {"q_start": a, "L_total": L, "S_total": S}
-    plans = [blocked.plan_blocks(qs, kk, vv, spec, a, ks, L, S) for ks, kk, vv in parts]
+    at = [blocked.BlockAt(a, ks, L, S) for ks, _, _ in parts]
+    plans = [
+        blocked.plan_blocks(qs, kk, vv, spec, w) for (_, kk, vv), w in zip(parts, at, strict=True)
+    ]
     assert all(p.spans.serves for p in plans)
     res = [
-        blocked.forward_with_lse(qs, kk, vv, mask=spec, scale=0.25, k_start=ks, plan=p, **where)
-        for (ks, kk, vv), p in zip(parts, plans, strict=True)
+        blocked.forward_with_lse(qs, kk, vv, mask=spec, scale=0.25, at=w, plan=p)
+        for (_, kk, vv), w, p in zip(parts, at, plans, strict=True)
     ]
     out, lse = res[0]
     merge(out, lse, *res[1])  # in place, into the first block's result
@@ -244,9 +246,9 @@ def test_blocks_at_global_offsets_merge_to_the_whole_attention(
     assert _close(out, want, 1e-5)
     dq = torch.zeros_like(qs)
     dks, dvs = [], []
-    for (ks, kk, vv), p in zip(parts, plans, strict=True):
+    for (_, kk, vv), w, p in zip(parts, at, plans, strict=True):
         g = blocked.backward_from_lse(
-            qs, kk, vv, out, dout, lse, mask=spec, scale=0.25, k_start=ks, plan=p, **where
+            qs, kk, vv, out, dout, lse, mask=spec, scale=0.25, at=w, plan=p
         )
         dq += g[0]
         dks.append(g[1])

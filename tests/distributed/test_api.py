@@ -13,7 +13,7 @@ import torch.distributed as dist
 import attnkit
 import attnkit.distributed as akd
 from attnkit import masks
-from attnkit.backends.blocked import merge
+from attnkit.backends.blocked import BlockAt, merge
 from attnkit.distributed import ring
 from attnkit.modules.positions import RotaryEmbedding
 
@@ -65,7 +65,7 @@ def test_block_pieces_merge_to_the_whole(name: str) -> None:
         for c, e in k_cuts:
             o, lse_o = ring.forward_with_lse(
                 q[:, :, a:z], k[:, :, c:e], v[:, :, c:e], mask=spec, scale=8**-0.5,
-                q_start=a, k_start=c, L_total=L, S_total=S,
+                at=BlockAt(a, c, L, S),
             )  # fmt: skip
             merge(out[:, :, a:z], lse[:, :, a:z], o, lse_o)  # the rule ring attention uses
     assert (out - ref).abs().max() <= 1e-12
@@ -75,7 +75,7 @@ def test_block_pieces_merge_to_the_whole(name: str) -> None:
             dq, dk, dv = ring.backward_from_lse(
                 q[:, :, a:z], k[:, :, c:e], v[:, :, c:e], out[:, :, a:z], g[:, :, a:z],
                 lse[:, :, a:z], mask=spec, scale=8**-0.5,
-                q_start=a, k_start=c, L_total=L, S_total=S,
+                at=BlockAt(a, c, L, S),
             )  # fmt: skip
             grads[0][:, :, a:z] += dq
             grads[1][:, :, c:e] += dk

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from attnkit.backends.blocked import BlockAt
 from attnkit.distributed import profile as _profile
 from attnkit.distributed.faults import Pending, exchange, wait_all
 from attnkit.distributed.sharding import Chunk, Layout
@@ -80,15 +81,9 @@ class RingPlan:
 
     def at(self, qc: Chunk, kc: Chunk) -> dict[str, Any]:
         """The block functions' keywords for the pair (query chunk, key chunk): the spec, the
-        scale and the chunks' global positions."""
-        return {
-            "mask": self.spec,
-            "scale": self.scale,
-            "q_start": qc.start,
-            "k_start": kc.start,
-            "L_total": self.q_layout.total,
-            "S_total": self.k_layout.total,
-        }
+        scale and where the pair sits (:class:`~attnkit.backends.blocked.BlockAt`)."""
+        at = BlockAt(qc.start, kc.start, self.q_layout.total, self.k_layout.total)
+        return {"mask": self.spec, "scale": self.scale, "at": at}
 
     def post(
         self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], tag: int

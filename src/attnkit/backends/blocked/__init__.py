@@ -45,6 +45,8 @@ from torch.autograd.function import once_differentiable
 from attnkit.backends.base import Backend
 from attnkit.backends.blocked import compiled, rowspan
 from attnkit.backends.blocked.blocks import (
+    WHOLE,
+    BlockAt,
     BlockPlan,
     backward_from_lse,
     clear_plans,
@@ -57,6 +59,8 @@ from attnkit.call import AttentionCall
 from attnkit.cpu import to_float32
 
 __all__ = [
+    "WHOLE",
+    "BlockAt",
     "BlockPlan",
     "BlockedBackend",
     "BlockedConfig",

@@ -27,7 +27,15 @@ from attnkit.backends.blocked.plan import Plan, make_plan
 from attnkit.backends.blocked.rowspan import SpanPlan
 from attnkit.masks import MaskSpec
 
-__all__ = ["BlockPlan", "backward_from_lse", "clear_plans", "forward_with_lse", "plan_blocks"]
+__all__ = [
+    "WHOLE",
+    "BlockAt",
+    "BlockPlan",
+    "backward_from_lse",
+    "clear_plans",
+    "forward_with_lse",
+    "plan_blocks",
+]
 
 _PLANS: OrderedDict[Hashable, Plan] = OrderedDict()
 
@@ -82,22 +90,36 @@ class BlockPlan:
         return plan
 
 
+@dataclass(frozen=True)
+class BlockAt:
+    """Where a block sits in the whole attention: its first query and first key are at global
+    positions ``q_start`` and ``k_start`` of ``L_total`` queries and ``S_total`` keys
+    (``None``: the block's own length). The default, :data:`WHOLE`, is a block that is the whole
+    attention."""
+
+    q_start: int = 0
+    k_start: int = 0
+    L_total: int | None = None
+    S_total: int | None = None
+
+
+#: the block that is the whole attention
+WHOLE = BlockAt()
+
+
 def plan_blocks(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: MaskSpec | None,
-    q_start: int = 0,
-    k_start: int = 0,
-    L_total: int | None = None,
-    S_total: int | None = None,
+    at: BlockAt = WHOLE,
     softcap: float | None = None,
 ) -> BlockPlan:
-    """Decide how the block of ``q`` against ``k``/``v`` runs (see the module docstring)."""
+    """Decide how the block of ``q`` against ``k``/``v`` at ``at`` runs (see the module
+    docstring)."""
     L, S = q.shape[2], k.shape[2]
-    L_total = L if L_total is None else L_total
-    S_total = S if S_total is None else S_total
-    off = S_total - L_total
+    q_start, k_start = at.q_start, at.k_start
+    off = (S if at.S_total is None else at.S_total) - (L if at.L_total is None else at.L_total)
     decision = rowspan.plan(mask, q, k, v, q_start=q_start, k_start=k_start, off=off)
     if softcap is not None and decision.serves:
         decision = decision.refuse("attnkit's row-span kernel has no soft-cap")
@@ -111,22 +133,21 @@ def forward_with_lse(
     *,
     mask: MaskSpec | None,
     scale: float,
-    q_start: int = 0,
-    k_start: int = 0,
-    L_total: int | None = None,
-    S_total: int | None = None,
+    at: BlockAt = WHOLE,
     plan: BlockPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a slice of queries against a slice of keys, with its log-sum-exp.
 
     Args:
-        q: ``(B, H, Lq, Dk)``, the queries at global positions ``q_start .. q_start + Lq - 1``
-            of a sequence of ``L_total`` queries (default ``Lq``).
-        k: ``(B, Hkv, Sk, Dk)``, the keys at global positions ``k_start ..`` of ``S_total``
-            (default ``Sk``). ``H % Hkv == 0``; K/V are never repeated per query head.
+        q: ``(B, H, Lq, Dk)``, the queries at global positions ``at.q_start ..
+            at.q_start + Lq - 1`` of a sequence of ``at.L_total`` queries (default ``Lq``).
+        k: ``(B, Hkv, Sk, Dk)``, the keys at global positions ``at.k_start ..`` of
+            ``at.S_total`` (default ``Sk``). ``H % Hkv == 0``; K/V are never repeated per query
+            head.
         v: ``(B, Hkv, Sk, Dv)``.
         mask: a spec from :mod:`attnkit.masks` evaluated at the *global* positions with
             ``off = S_total - L_total`` (end-aligned, as everywhere in attnkit), or ``None``.
+        at: where the block sits (:class:`BlockAt`; default: the block is the whole attention).
         scale: multiplies ``q @ k^T``.
         plan: the decision of :func:`plan_blocks` for these arguments, when already made
             (a soft-cap is part of the plan: ``plan_blocks(..., softcap=c)``).
@@ -148,7 +169,7 @@ def forward_with_lse(
     >>> out.shape, lse.shape
     (torch.Size([1, 4, 8, 16]), torch.Size([1, 4, 8]))
     """
-    p = plan or plan_blocks(q, k, v, mask, q_start, k_start, L_total, S_total)
+    p = plan or plan_blocks(q, k, v, mask, at)
     with torch.no_grad():
         sp = p.spans
         if sp.serves and sp.lo is not None and sp.hi is not None:  # attnkit's row-span kernel
@@ -166,10 +187,7 @@ def backward_from_lse(
     *,
     mask: MaskSpec | None,
     scale: float,
-    q_start: int = 0,
-    k_start: int = 0,
-    L_total: int | None = None,
-    S_total: int | None = None,
+    at: BlockAt = WHOLE,
     plan: BlockPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one (query slice, key slice) block, given the *final* output and lse.
@@ -179,7 +197,7 @@ def backward_from_lse(
     ``dq = dS @ k * scale``, ``dk = dS^T @ q * scale``, ``dv = P^T @ dout``. With the globally
     merged ``out (B, H, Lq, Dv)`` and ``lse (B, H, Lq)`` (``-inf`` where a row sees nothing
     anywhere), the gradients of all blocks sum to the gradients of the whole attention.
-    Positions, ``mask``, ``scale`` and ``plan`` as in :func:`forward_with_lse`.
+    ``mask``, ``scale``, ``at`` and ``plan`` as in :func:`forward_with_lse`.
 
     Returns:
         ``dq (B, H, Lq, Dk)``, ``dk (B, Hkv, Sk, Dk)``, ``dv (B, Hkv, Sk, Dv)`` in float32
@@ -193,7 +211,7 @@ def backward_from_lse(
     >>> dk.shape
     torch.Size([1, 2, 8, 16])
     """
-    p = plan or plan_blocks(q, k, v, mask, q_start, k_start, L_total, S_total)
+    p = plan or plan_blocks(q, k, v, mask, at)
     with torch.no_grad():
         fp32 = out.dtype == dout.dtype == lse.dtype == torch.float32
         sp = p.spans
