@@ -36,6 +36,7 @@ smoke test; its verdicts do not judge the issue.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import json
@@ -44,7 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -210,16 +211,52 @@ def measure_memory(impl: str, step: str, L: int) -> dict[str, Any]:
 # the run
 
 
-def interleaved(calls: dict[str, Callable[[], object]], reps: int) -> dict[str, list[float]]:
-    """Seconds of each call, ``reps`` rounds, one call of each per round, order flipped."""
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    names = list(calls)
-    for r in range(reps):
-        for name in names if r % 2 == 0 else names[::-1]:
+@contextlib.contextmanager
+def attention_clock(spent: dict[str, float]) -> Iterator[None]:
+    """Add the seconds spent inside each implementation's attention function (its forward
+    calls, as the model's layers make them) to ``spent[impl]``."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    originals = {impl: ALL_ATTENTION_FUNCTIONS[impl] for impl in IMPLS}
+
+    def clocked(impl: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
-            calls[name]()
-            times[name].append(time.perf_counter() - t0)
-    return times
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[impl] += time.perf_counter() - t0
+
+        return call
+
+    for impl, fn in originals.items():
+        AttentionInterface.register(impl, clocked(impl, fn))
+    try:
+        yield
+    finally:
+        for impl, fn in originals.items():
+            AttentionInterface.register(impl, fn)
+
+
+def interleaved(
+    calls: dict[str, Callable[[], object]], reps: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Seconds of each call, ``reps`` rounds, one call of each per round, order flipped; and
+    the seconds of each call spent inside the attention functions (forward calls only)."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    inside: dict[str, list[float]] = {name: [] for name in calls}
+    spent = dict.fromkeys(IMPLS, 0.0)
+    names = list(calls)
+    with attention_clock(spent):
+        for r in range(reps):
+            for name in names if r % 2 == 0 else names[::-1]:
+                before = spent[name]
+                t0 = time.perf_counter()
+                calls[name]()
+                times[name].append(time.perf_counter() - t0)
+                inside[name].append(spent[name] - before)
+    return times, inside
 
 
 def run(L_fwd: int, L_train: int, reps: int, memory: bool) -> dict[str, Any]:
@@ -240,6 +277,7 @@ def run(L_fwd: int, L_train: int, reps: int, memory: bool) -> dict[str, Any]:
         "checks": {},
         "attnkit_path": {},
         "peak_mib": {},
+        "attention_ms": {},
     }
     for step, L in lengths.items():
         ids = input_ids(L)
@@ -259,10 +297,13 @@ def run(L_fwd: int, L_train: int, reps: int, memory: bool) -> dict[str, Any]:
             )
         result["checks"][step] = checks
         result["attnkit_path"][step] = explain_layers(models["attnkit"], ids)
-        times = interleaved(
+        times, inside = interleaved(
             {i: functools.partial(STEPS[step], models[i], ids) for i in IMPLS}, reps
         )
         result["times_ms"][step] = {k: [s * 1e3 for s in v] for k, v in times.items()}
+        result["attention_ms"][step] = {
+            k: statistics.median(s * 1e3 for s in v) for k, v in inside.items()
+        }
         result["median_ms"][step] = {
             k: statistics.median(v) for k, v in result["times_ms"][step].items()
         }
@@ -352,6 +393,22 @@ def report(result: dict[str, Any]) -> str:
             "",
             f"Lengths {L['fwd']} / {L['train']} are not the issue's {ISSUE_LENGTHS[0]} / "
             f"{ISSUE_LENGTHS[1]}: these verdicts do not judge it.",
+        ]
+    att = result["attention_ms"].get("fwd")
+    if att:
+        med = result["median_ms"]["fwd"]
+        rest = {i: med[i] - att[i] for i in IMPLS}
+        ceiling = (att["sdpa"] + rest["sdpa"]) / rest["attnkit"]
+        lines += [
+            "",
+            f"Where the forward's time goes (medians, ms): inside the attention functions sdpa "
+            f"{att['sdpa']:,.1f}, attnkit {att['attnkit']:,.1f} "
+            f"({att['sdpa'] / max(att['attnkit'], 1e-9):.1f}x); the rest of the model (embedding, "
+            f"projections, RoPE, MLP, norms, logits, transformers' mask) sdpa "
+            f"{rest['sdpa']:,.1f}, attnkit {rest['attnkit']:,.1f}. Even attention in no time at "
+            f"all would make the whole forward at most {ceiling:.2f}x faster than sdpa's "
+            "(the backward's attention time is not separated: transformers' layers call "
+            "attention forward only).",
         ]
     c = result["checks"]
     lines += [

@@ -80,6 +80,13 @@ def test_a_tiny_run_prints_the_table_and_both_models_agree(tmp_path: Path) -> No
     assert result["checks"]["train"]["loss_abs_diff"] <= 1e-5
     assert result["checks"]["train"]["grad_max_abs_diff"] <= 1e-4
     assert result["machine"]["cpu_features"] is not None
+    for step in ("fwd", "train"):  # time inside the attention functions: part of each call
+        for impl in ("attnkit", "sdpa"):
+            inside = result["attention_ms"][step][impl]
+            assert 0 < inside < max(result["times_ms"][step][impl])
+    assert "Where the forward's time goes (medians, ms): inside the attention functions" in (
+        out.stdout
+    )
 
     text = doc.read_text()
     assert text.startswith("# prose\n<!-- hf_speed: start -->\n**Machine:** ")
