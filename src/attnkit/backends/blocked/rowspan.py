@@ -49,7 +49,7 @@ ENV = "ATTNKIT_SPAN_KERNEL"
 #: calls were not measured, so they keep to SDPA
 CAUSAL_MIN_PAIRS = 1024 * 1024
 #: bumped with every change to the C++ source's interface
-NAME = "attnkit_row_span_v1"
+NAME = "attnkit_row_span_v2"
 
 _lock = threading.Lock()
 _module: Any = None
@@ -65,6 +65,19 @@ def _cpu_reason() -> str | None:
     if capability not in ("AVX2", "AVX512"):
         return f"this CPU has no AVX2 (torch reports {capability!r})"
     return None
+
+
+def _has_f16c() -> bool:
+    """Whether /proc/cpuinfo lists F16C (float16 <-> float32 conversions): the kernel is built
+    with ``-mf16c`` and reads float16 only then."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "f16c" in line.partition(":")[2].split()
+    except OSError:  # not Linux: build without it (bfloat16 needs nothing more than AVX2)
+        pass
+    return False
 
 
 def build() -> Any:
@@ -85,8 +98,8 @@ def build() -> Any:
             _module = load_inline(  # type: ignore[no-untyped-call]
                 name=NAME,
                 cpp_sources=[source.read_text()],
-                functions=["span_forward", "span_backward"],
-                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                functions=["span_forward", "span_backward", "span_low_dtypes"],
+                extra_cflags=["-O3", "-mavx2", "-mfma", *(["-mf16c"] if _has_f16c() else []), "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 no_implicit_headers=True,
                 with_pytorch_error_handling=False,
