@@ -143,8 +143,7 @@ def forward_with_lse(
         float64; ``out`` in q's dtype where a plan made with ``in_dtype=True`` runs the
         row-span kernel on bfloat16/float16): the softmax over this block's keys only. A row
         with no allowed key here has ``out`` 0 and ``lse`` ``-inf``. Partial results merge
-        exactly
-        (:func:`attnkit.backends.blocked.tiles.merge`)::
+        exactly (:func:`attnkit.backends.blocked.tiles.merge`)::
 
             lse = torch.logaddexp(lse1, lse2)
             out = out1 * (lse1 - lse).exp()[..., None] + out2 * (lse2 - lse).exp()[..., None]
