@@ -742,12 +742,14 @@ struct BwdState {
         ob(MB * Dk), zrow(std::max(Dk, Dv)) {}
 };
 
-// dq in the element type; dk, dv float32 (summed over items: the caller converts them)
+// dq in the element type; dk, dv float32 sums (zeros on entry). For a low-precision element
+// type, dk_low and dv_low (same shapes, element type) get dk and dv converted, one stripe of
+// keys as soon as the last item that adds to it is done (while it is still in cache).
 template <Dt E>
 static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse,
                           const Spans& sp, double scale, at::Tensor& dq, at::Tensor& dk,
-                          at::Tensor& dv) {
+                          at::Tensor& dv, at::Tensor& dk_low, at::Tensor& dv_low) {
   using T = elem_t<E>;
   constexpr bool LOWP = E != Dt::F32;
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dk = q.size(3);
@@ -772,6 +774,30 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
   float* dvd = dv.data_ptr<float>();
   const int64_t nstripe = std::max<int64_t>(1, (S + LOCK_KEYS - 1) / LOCK_KEYS);
   std::unique_ptr<std::mutex[]> locks(new std::mutex[static_cast<size_t>(B * Hkv * nstripe)]);
+  // low precision: how many items add to each stripe (read and decremented under its lock)
+  std::vector<int64_t> pending;
+  T* dkl = nullptr;
+  T* dvl = nullptr;
+  auto convert_stripe = [&](int64_t bk, int64_t stripe) {
+    const int64_t a = stripe * LOCK_KEYS, e = std::min<int64_t>(S, a + LOCK_KEYS);
+    store_row<E>(dkd + (bk * S + a) * Dk, dkl + (bk * S + a) * Dk, (e - a) * Dk);
+    store_row<E>(dvd + (bk * S + a) * Dv, dvl + (bk * S + a) * Dv, (e - a) * Dv);
+  };
+  if constexpr (LOWP) {
+    dkl = static_cast<T*>(dk_low.data_ptr());
+    dvl = static_cast<T*>(dv_low.data_ptr());
+    pending.assign(static_cast<size_t>(B * Hkv * nstripe), 0);
+    for (int64_t item = 0; item < w.nitems; ++item) {
+      const int64_t bk = item / nch, ci = item % nch, bs = sp.bstride ? bk / Hkv : 0;
+      const int64_t c0 = ci * C, c1 = std::min(L, c0 + C);
+      const int64_t kf = sp.l(bs, c0), kl = sp.h(bs, c1 - 1);
+      if (kf > kl) continue;
+      for (int64_t t = kf / LOCK_KEYS; t <= kl / LOCK_KEYS; ++t) ++pending[bk * nstripe + t];
+    }
+    for (int64_t bk = 0; bk < B * Hkv; ++bk)  // stripes no item reaches: zeros
+      for (int64_t t = 0; t < nstripe; ++t)
+        if (pending[bk * nstripe + t] == 0) convert_stripe(bk, t);
+  }
 
   auto zero_dq = [&](int64_t b, int64_t hk, int64_t r0, int64_t n) {
     for (int64_t gi = 0; gi < g; ++gi) {
@@ -984,6 +1010,8 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
       float* dvp = dvd + (bk * S + s0) * Dv;
       const float* sv = dva + (s0 - kbase) * Dv;
       for (int64_t e = 0, n = (s1 - s0) * Dv; e < n; ++e) dvp[e] += sv[e];
+      if constexpr (LOWP)
+        if (--pending[bk * nstripe + stripe] == 0) convert_stripe(bk, stripe);
       s0 = s1;
     }
   });
@@ -1078,26 +1106,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
               "row-span kernel: lse must be (B, H, L)");
   auto dq = at::empty(q.sizes(), q.options());
   auto f32 = k.options().dtype(at::kFloat);
-  auto dk = at::zeros(k.sizes(), f32);
+  auto dk = at::zeros(k.sizes(), f32);  // the float32 sums
   auto dv = at::zeros(v.sizes(), f32);
-  if (B * H * L > 0 && k.size(2) > 0) {
-    using rowspan::Dt;
-    switch (dt) {
-      case at::kBFloat16:
-        rowspan::backward_impl<Dt::BF16>(q, k, v, out, dout, lse, sp, scale, dq, dk, dv);
-        break;
-#ifdef __F16C__
-      case at::kHalf:
-        rowspan::backward_impl<Dt::F16>(q, k, v, out, dout, lse, sp, scale, dq, dk, dv);
-        break;
-#endif
-      default:
-        rowspan::backward_impl<Dt::F32>(q, k, v, out, dout, lse, sp, scale, dq, dk, dv);
-        break;
-    }
-  } else {
+  if (!(B * H * L > 0 && k.size(2) > 0)) {
     dq.zero_();
+    return {dq, dk.to(dt), dv.to(dt)};
   }
-  if (dt != at::kFloat) return {dq, dk.to(dt), dv.to(dt)};
-  return {dq, dk, dv};
+  using rowspan::Dt;
+  at::Tensor none;
+  if (dt == at::kFloat) {
+    rowspan::backward_impl<Dt::F32>(q, k, v, out, dout, lse, sp, scale, dq, dk, dv, none, none);
+    return {dq, dk, dv};
+  }
+  auto dk_low = at::empty(k.sizes(), k.options());
+  auto dv_low = at::empty(v.sizes(), v.options());
+  if (dt == at::kBFloat16)
+    rowspan::backward_impl<Dt::BF16>(q, k, v, out, dout, lse, sp, scale, dq, dk, dv, dk_low,
+                                     dv_low);
+#ifdef __F16C__
+  else
+    rowspan::backward_impl<Dt::F16>(q, k, v, out, dout, lse, sp, scale, dq, dk, dv, dk_low,
+                                    dv_low);
+#endif
+  return {dq, dk_low, dv_low};
 }
