@@ -102,11 +102,12 @@ def _stand_in(t: torch.Tensor) -> torch.Tensor:
 
 def _plan(call: AttentionCall) -> BlockPlan:
     """The call's plan. On ``fp32-upcast``: the row-span kernel on the input-dtype tensors where
-    it serves them, else the plan for the float32 copies that the call then converts to."""
+    it serves them, else the plan for the float32 copies that the call then converts to (the
+    same plan where the mask has no runs of keys: tiles are planned from shapes only)."""
     q, k, v = call.q, call.k, call.v
     if call.upcast:
         direct = plan_blocks(q, k, v, call.mask, softcap=call.softcap, in_dtype=True)
-        if direct.spans.serves:
+        if direct.spans.serves or direct.spans.lo is None:
             return direct
         q, k, v = _stand_in(q), _stand_in(k), _stand_in(v)
     return plan_blocks(q, k, v, call.mask, softcap=call.softcap)

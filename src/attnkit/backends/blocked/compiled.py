@@ -171,6 +171,8 @@ def _kernel_inputs(
         if plan.spans.serves:
             return ts, plan
         ts = to_float32(*ts)
+        if plan.spans.lo is None:  # no runs of keys: the tiles' plan reads shapes only
+            return ts, plan
     return ts, plan_blocks(ts[0], ts[1], ts[2], spec)
 
 
