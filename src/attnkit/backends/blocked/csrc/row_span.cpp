@@ -121,7 +121,8 @@ static inline void store1(elem_t<E>* p, float x) {
   } else if constexpr (E == Dt::BF16) {
     uint32_t u;
     std::memcpy(&u, &x, sizeof u);
-    *p = std::isnan(x) ? uint16_t(0x7FC0) : static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+    *p = std::isnan(x) ? uint16_t(0x7FC0)
+                       : static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
   } else {
 #ifdef __F16C__
     *p = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
