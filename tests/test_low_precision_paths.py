@@ -238,6 +238,39 @@ def test_fp32_upcast_hands_a_low_precision_window_to_the_row_span_kernel_as_it_i
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_fp32_upcast_sinks_with_the_kernel_reading_low_precision(
+    dtype: torch.dtype,
+    kernel_calls: list[tuple[Any, ...]],
+    conversions: list[tuple[torch.dtype, ...]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sinks join the kernel's float32 lse outside it (the output is rescaled from the kernel's
+    input-dtype output, a second rounding): out, dq, dk, dv and dsinks within RTOL."""
+    use_path(monkeypatch, "fp32-upcast", dtype)
+    g = torch.Generator().manual_seed(21)
+    B, H, Hkv, L, D = 1, 4, 2, 120, 16
+    q = torch.randn(B, H, L, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, Hkv, L, D, generator=g).to(dtype) for _ in range(2))
+    sinks = (torch.randn(H, generator=g) * 2).to(dtype)
+    dout = torch.randn(B, H, L, D, generator=g).to(dtype)
+    spec = masks.causal() & masks.sliding_window(24)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
+    out = attnkit.attention(*leaves[:3], mask=spec, sinks=leaves[3], backend="blocked")
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert kernel_calls == [("forward", dtype), ("backward", dtype, dtype, dtype)]
+    assert conversions == []
+    refs = [t.double().requires_grad_(True) for t in (q, k, v, sinks)]
+    dense = spec.to_dense(L, L)
+    want = reference_attention(*refs[:3], mask=dense, sinks=refs[3])[0]
+    want_grads = torch.autograd.grad(want, refs, dout.double())
+    assert out.dtype == dtype
+    assert _rel_err(out, want.detach()) <= RTOL[dtype]
+    for name, got, ref in zip(("dq", "dk", "dv", "dsinks"), grads, want_grads, strict=True):
+        assert got.dtype == dtype, name
+        assert _rel_err(got, ref) <= RTOL[dtype], (name, _rel_err(got, ref))
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
 def test_fp32_upcast_calls_the_kernel_does_not_serve_still_convert(
     dtype: torch.dtype,
     kernel_calls: list[tuple[Any, ...]],
