@@ -148,6 +148,8 @@ def _spec_kinds(B: int, H: int, L: int) -> dict[str, MaskSpec]:
 
 
 KINDS = list(_spec_kinds(2, 4, 200))
+#: a mask the row-span kernel does not serve (a bias), so fp32-upcast converts (2 heads)
+CONVERTS = masks.alibi(2) & masks.causal()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -187,29 +189,152 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
     return seen
 
 
+@pytest.fixture
+def conversions(monkeypatch: pytest.MonkeyPatch) -> list[tuple[torch.dtype, ...]]:
+    """The dtypes of each call of ``to_float32`` (the blocked backend's and its op's)."""
+    from attnkit.backends import blocked
+    from attnkit.backends.blocked import compiled
+
+    seen: list[tuple[torch.dtype, ...]] = []
+    real = cpu.to_float32
+
+    def spy(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        seen.append(tuple(t.dtype for t in ts))
+        return real(*ts)
+
+    monkeypatch.setattr(blocked, "to_float32", spy)
+    monkeypatch.setattr(compiled, "to_float32", spy)
+    return seen
+
+
 @pytest.mark.parametrize("dtype", LOW, ids=str)
-def test_fp32_upcast_runs_a_low_precision_window_in_the_row_span_kernel(
-    dtype: torch.dtype, kernel_calls: list[tuple[Any, ...]], monkeypatch: pytest.MonkeyPatch
+def test_fp32_upcast_hands_a_low_precision_window_to_the_row_span_kernel_as_it_is(
+    dtype: torch.dtype,
+    kernel_calls: list[tuple[Any, ...]],
+    conversions: list[tuple[torch.dtype, ...]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The kernel reads bfloat16/float16 itself: it receives the input-dtype q (and out, dout
+    in the backward), and nothing is converted to float32 on the way."""
     use_path(monkeypatch, "fp32-upcast", dtype)
     spec = masks.causal() & masks.sliding_window(32)
     q, k, v = (torch.randn(1, 2, 256, 32).to(dtype).requires_grad_(True) for _ in range(3))
     out = attnkit.attention(q, k, v, mask=spec)
     out.backward(torch.ones_like(out))
-    f32 = torch.float32
-    assert kernel_calls == [("forward", f32), ("backward", f32, f32, f32)]
+    assert kernel_calls == [("forward", dtype), ("backward", dtype, dtype, dtype)]
+    assert conversions == []
     assert out.dtype == q.grad.dtype == k.grad.dtype == v.grad.dtype == dtype  # type: ignore[union-attr]
+    with torch.no_grad():
+        attnkit.attention(q, k, v, mask=spec)
+    assert kernel_calls[-1] == ("forward", dtype)
+    assert conversions == []
+    name = str(dtype).removeprefix("torch.")
+    note = attnkit.explain(q, k, v, mask=spec).notes["blocked"]
+    assert note.startswith(
+        f"fp32-upcast path: attnkit's row-span kernel reads {name} q, k, v directly (float32 "
+        "inside, no float32 copies); causal sliding window 32: forward and backward run "
+        "attnkit's AVX2 row-span kernel"
+    )
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_fp32_upcast_sinks_with_the_kernel_reading_low_precision(
+    dtype: torch.dtype,
+    kernel_calls: list[tuple[Any, ...]],
+    conversions: list[tuple[torch.dtype, ...]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sinks join the kernel's float32 lse outside it (the output is rescaled from the kernel's
+    input-dtype output, a second rounding): out, dq, dk, dv and dsinks within RTOL."""
+    use_path(monkeypatch, "fp32-upcast", dtype)
+    g = torch.Generator().manual_seed(21)
+    B, H, Hkv, L, D = 1, 4, 2, 120, 16
+    q = torch.randn(B, H, L, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, Hkv, L, D, generator=g).to(dtype) for _ in range(2))
+    sinks = (torch.randn(H, generator=g) * 2).to(dtype)
+    dout = torch.randn(B, H, L, D, generator=g).to(dtype)
+    spec = masks.causal() & masks.sliding_window(24)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
+    out = attnkit.attention(*leaves[:3], mask=spec, sinks=leaves[3], backend="blocked")
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert kernel_calls == [("forward", dtype), ("backward", dtype, dtype, dtype)]
+    assert conversions == []
+    refs = [t.double().requires_grad_(True) for t in (q, k, v, sinks)]
+    dense = spec.to_dense(L, L)
+    want = reference_attention(*refs[:3], mask=dense, sinks=refs[3])[0]
+    want_grads = torch.autograd.grad(want, refs, dout.double())
+    assert out.dtype == dtype
+    assert _rel_err(out, want.detach()) <= RTOL[dtype]
+    for name, got, ref in zip(("dq", "dk", "dv", "dsinks"), grads, want_grads, strict=True):
+        assert got.dtype == dtype, name
+        assert _rel_err(got, ref) <= RTOL[dtype], (name, _rel_err(got, ref))
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+def test_fp32_upcast_calls_the_kernel_does_not_serve_still_convert(
+    dtype: torch.dtype,
+    kernel_calls: list[tuple[Any, ...]],
+    conversions: list[tuple[torch.dtype, ...]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A mask that is not one run of keys per row (ALiBi's bias) goes to the tiles on float32
+    copies, as before; so does float16 where the kernel was built without F16C, which then
+    runs the kernel on the float32 copies."""
+    use_path(monkeypatch, "fp32-upcast", dtype)
+    q, k, v = (torch.randn(1, 2, 96, 16).to(dtype).requires_grad_(True) for _ in range(3))
+    spec = masks.alibi(2) & masks.causal()
+    out = attnkit.attention(q, k, v, mask=spec, backend="blocked")
+    out.backward(torch.ones_like(out))
+    assert kernel_calls == []
+    assert conversions == [(dtype,) * 3, (dtype,) * 5]
     note = attnkit.explain(q, k, v, mask=spec).notes["blocked"]
     assert note.startswith("fp32-upcast path: the kernels run on float32 copies of q, k, v; ")
-    assert "attnkit's AVX2 row-span kernel" in note
+
+    real = rowspan._module
+
+    class NoF16C:  # the module as built without -mf16c
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def span_low_dtypes(self) -> list[str]:
+            return ["bfloat16"]
+
+    monkeypatch.setattr(rowspan, "_module", NoF16C())
+    conversions.clear()
+    for leaf in (q, k, v):
+        leaf.grad = None
+    window = masks.causal() & masks.sliding_window(16)
+    out = attnkit.attention(q, k, v, mask=window, backend="blocked")
+    out.backward(torch.ones_like(out))
+    f32 = torch.float32
+    if dtype == torch.float16:
+        assert kernel_calls == [("forward", f32), ("backward", f32, f32, f32)]
+        assert conversions == [(dtype,) * 3, (dtype,) * 5]
+        note = attnkit.explain(q, k, v, mask=window).notes["blocked"]
+        assert note.startswith("fp32-upcast path: the kernels run on float32 copies of q, k, v; ")
+        assert "attnkit's AVX2 row-span kernel" in note
+        plan = rowspan.plan(window, q, k, v, in_dtype=True)
+        assert plan.reason == (
+            "attnkit's row-span kernel was built without F16C (this CPU has none), so it does "
+            "not read float16"
+        )
+    else:
+        assert kernel_calls == [("forward", dtype), ("backward", dtype, dtype, dtype)]
+        assert conversions == []
+    dense = window.to_dense(96, 96)
+    want, want_grads = _oracle(q.detach(), k.detach(), v.detach(), dense, torch.ones_like(out))
+    assert _rel_err(out, want) <= RTOL[dtype]
+    for leaf, ref in zip((q, k, v), want_grads, strict=True):
+        assert leaf.grad is not None
+        assert _rel_err(leaf.grad, ref) <= RTOL[dtype]
 
 
 @pytest.mark.parametrize("path", ["torch", "native-simulated"])
 def test_other_paths_keep_the_input_dtype(
     path: str, kernel_calls: list[tuple[Any, ...]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On ``torch`` and ``native`` nothing is converted: the float32-only row-span kernel stays
-    out, and sdpa's and math's matmuls see bfloat16."""
+    """On ``torch`` and ``native`` nothing is converted: the row-span kernel (which reads
+    bfloat16 only on fp32-upcast) stays out, and sdpa's and math's matmuls see bfloat16."""
     use_path(monkeypatch, path, torch.bfloat16)
     spec = masks.causal() & masks.sliding_window(32)
     q = torch.randn(1, 2, 256, 32, dtype=torch.bfloat16)
@@ -336,25 +461,39 @@ def test_forcing_a_path_the_cpu_cannot_run_is_an_input_error(
         attnkit.attention(q, q, q)
 
 
-def test_compiled_blocked_follows_the_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inside torch.compile the blocked op converts as the eager call does: same numbers."""
+def test_compiled_blocked_follows_the_path(
+    kernel_calls: list[tuple[Any, ...]],
+    conversions: list[tuple[torch.dtype, ...]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Inside torch.compile the blocked op does what the eager call does (the row-span kernel
+    reads bfloat16 directly; a mask it does not serve converts): same numbers."""
     use_path(monkeypatch, "fp32-upcast", torch.bfloat16)
     spec = masks.causal() & masks.sliding_window(16)
     q, k, v = (torch.randn(1, 2, 96, 16, dtype=torch.bfloat16) for _ in range(3))
-    eager = attnkit.attention(q, k, v, mask=spec, backend="blocked")
-    compiled = torch.compile(
-        lambda q, k, v: attnkit.attention(q, k, v, mask=spec, backend="blocked"), fullgraph=True
-    )
-    assert torch.equal(compiled(q, k, v), eager)
+    for m in (spec, CONVERTS):
+        eager = attnkit.attention(q, k, v, mask=m, backend="blocked")
+        kernel_calls.clear()
+        conversions.clear()
+        compiled = torch.compile(
+            lambda q, k, v, m=m: attnkit.attention(q, k, v, mask=m, backend="blocked"),
+            fullgraph=True,
+        )
+        assert torch.equal(compiled(q, k, v), eager)
+        if m is spec:
+            assert (kernel_calls, conversions) == ([("forward", torch.bfloat16)], [])
+        else:
+            assert (kernel_calls, conversions) == ([], [(torch.bfloat16,) * 3])
 
 
 def test_the_reused_conversion_buffer_never_leaks_between_calls(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """fp32-upcast converts into one buffer per thread: a second call between a forward and its
-    backward overwrites it, and neither the first output nor its gradients change."""
+    """fp32-upcast converts into one buffer per thread (for calls the row-span kernel does not
+    read directly: ALiBi's bias here): a second call between a forward and its backward
+    overwrites it, and neither the first output nor its gradients change."""
     use_path(monkeypatch, "fp32-upcast", torch.bfloat16)
-    spec = masks.causal() & masks.sliding_window(24)
+    spec = CONVERTS & masks.sliding_window(24)
     g = torch.Generator().manual_seed(3)
     a = [torch.randn(1, 2, 128, 16, generator=g).bfloat16().requires_grad_(True) for _ in range(3)]
     b = [torch.randn(1, 2, 160, 16, generator=g).bfloat16() for _ in range(3)]
@@ -364,7 +503,7 @@ def test_the_reused_conversion_buffer_never_leaks_between_calls(
     out = attnkit.attention(*a, mask=spec)
     kept = out.detach().clone()
     attnkit.attention(*b, mask=spec)  # overwrites (and grows) the buffer
-    attnkit.attention(*b, mask=masks.document(torch.tensor([0] * 80 + [1] * 80)))
+    attnkit.attention(*b, mask=CONVERTS & masks.document(torch.tensor([0] * 80 + [1] * 80)))
     assert torch.equal(out, kept)
     got = torch.autograd.grad(out, a, dout)
     for x, y in zip(got, want, strict=True):
@@ -406,7 +545,7 @@ def test_the_conversion_buffer_survives_inference_mode(monkeypatch: pytest.Monke
     outside it: the next call outside makes a new one (and training works)."""
     use_path(monkeypatch, "fp32-upcast", torch.bfloat16)
     cpu.release_buffers()
-    spec = masks.causal() & masks.sliding_window(8)
+    spec = CONVERTS & masks.sliding_window(8)
     q = torch.randn(1, 2, 64, 16).bfloat16()
     with torch.inference_mode():
         inside = attnkit.attention(q, q, q, mask=spec, backend="blocked")
@@ -423,7 +562,7 @@ def test_a_long_call_keeps_no_conversion_buffer(monkeypatch: pytest.MonkeyPatch)
     and the results are the same as through the kept buffer."""
     use_path(monkeypatch, "fp32-upcast", torch.bfloat16)
     cpu.release_buffers()
-    spec = masks.causal() & masks.sliding_window(8)
+    spec = CONVERTS & masks.sliding_window(8)
     g = torch.Generator().manual_seed(9)
     q, k, v = (torch.randn(1, 2, 64, 16, generator=g).bfloat16() for _ in range(3))
     kept = attnkit.attention(q, k, v, mask=spec, backend="blocked")

@@ -12,8 +12,10 @@ CPU call in bfloat16 or float16 takes one of three paths, chosen once per proces
     torch's kernels, which accumulate and take the softmax in float32.
 ``fp32-upcast``
     x86 with AVX2 and FMA (AVX-512F included) but no such instructions: q, k and v are
-    converted to float32 once, attnkit's float32 code runs (the row-span kernel included), and the
-    output and the gradients are converted back to the input dtype.
+    converted to float32 once, attnkit's float32 code runs, and the output and the gradients are
+    converted back to the input dtype; attnkit's row-span kernel (the ``blocked`` backend's,
+    for masks of one run of keys per row) reads the bfloat16/float16 tensors directly instead,
+    converting as it loads them, and writes its results in the input dtype.
 ``torch``
     no AVX2, or not x86: everything goes to torch as it is.
 
@@ -72,8 +74,9 @@ _X86 = ("x86_64", "amd64", "i386", "i686", "x86")
 
 _WHAT = {
     "native": "{dtype} tensors go to torch's kernels as they are, which accumulate in float32",
-    "fp32-upcast": "q, k, v are converted to float32 once, attnkit's float32 code runs, and "
-    "the output and gradients come back in {dtype}",
+    "fp32-upcast": "q, k, v are converted to float32 once (or read as they are by attnkit's "
+    "row-span kernel), attnkit's float32 code runs, and the output and gradients come back in "
+    "{dtype}",
     "torch": "{dtype} tensors go to torch's kernels as they are",
 }
 

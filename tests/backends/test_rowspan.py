@@ -1,6 +1,6 @@
-"""attnkit's AVX2 row-span kernel (one run of keys per query row, float32, CPU) against the
-float64 oracle, the spans :func:`attnkit.masks.row_spans` gives for each spec kind, and how the
-blocked backend hands the kernel the calls it serves.
+"""attnkit's AVX2 row-span kernel (one run of keys per query row, CPU; float32, and bfloat16 /
+float16 read directly) against the float64 oracle, the spans :func:`attnkit.masks.row_spans`
+gives for each spec kind, and how the blocked backend hands the kernel the calls it serves.
 
 The kernel is built by ``make setup`` (``attnkit.backends.blocked.rowspan.main()``); these tests
 need it built: a machine without gcc or AVX2 fails them rather than skipping (the blocked
@@ -125,6 +125,111 @@ def test_the_kernel_on_any_runs_equals_the_float64_oracle(
     for got, ref in zip((dq, dk, dv), grads, strict=True):
         assert not bool(got.isnan().any())
         assert _close(got, ref, 1e-4)
+
+
+#: relative max error of the kernel on bfloat16/float16 inputs against the float64 oracle on the
+#: same (rounded) inputs: ``max |got - want| <= RTOL * max(max |want|, 1)``, the rule and values
+#: of tests/test_low_precision_paths.py (16 roundings of the dtype: the kernel computes in float32
+#: and rounds each result once, so what is left is that one rounding, 2**-9 / 2**-12)
+RTOL = {torch.bfloat16: 2**-5, torch.float16: 2**-8}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    B=st.integers(1, 2),
+    Hkv=st.integers(1, 2),
+    group=st.sampled_from([1, 2, 4]),
+    L=st.integers(1, 150),
+    S=st.integers(1, 200),
+    Dk=st.sampled_from([8, 20, 64]),
+    Dv=st.sampled_from([8, 24, 64]),
+    per_batch=st.booleans(),
+    data=st.data(),
+)
+def test_the_kernel_reads_bf16_and_fp16_directly_and_equals_the_float64_oracle(
+    dtype: torch.dtype,
+    B: int,
+    Hkv: int,
+    group: int,
+    L: int,
+    S: int,
+    Dk: int,
+    Dv: int,
+    per_batch: bool,
+    data: Any,
+) -> None:
+    """out, dq, dk, dv in the input dtype within RTOL of the oracle on the rounded inputs; lse
+    float32 (computed in float32 from the rounded inputs: 1e-4 as for float32 inputs); rows
+    with an empty run: out 0, dq 0, lse -inf. And the same numbers as the kernel on float32
+    copies, rounded to the dtype (out, lse, dq exactly: their sums run in a fixed order)."""
+    lo, hi = data.draw(_monotone_runs(B if per_batch else 1, L, S))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    H = Hkv * group
+    q = torch.randn(B, H, L, Dk, generator=gen).to(dtype)
+    k = torch.randn(B, Hkv, S, Dk, generator=gen).to(dtype)
+    v = torch.randn(B, Hkv, S, Dv, generator=gen).to(dtype)
+    dout = torch.randn(B, H, L, Dv, generator=gen).to(dtype)
+    scale = Dk**-0.5
+    out, lse = rowspan.kernel().span_forward(q, k, v, lo, hi, scale)
+    dq, dk, dv = rowspan.kernel().span_backward(q, k, v, out, dout, lse, lo, hi, scale)
+    assert out.dtype == dq.dtype == dk.dtype == dv.dtype == dtype
+    assert lse.dtype == torch.float32
+    assert (out.shape, lse.shape) == ((B, H, L, Dv), (B, H, L))
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    allowed = _allowed(lo, hi, S)
+    want, grads = _grads(q, k, v, allowed, scale, dout)
+    want_lse = _lse(q, k, allowed, scale)
+    assert _close(out, want, RTOL[dtype])
+    assert _lse_close(lse, want_lse)
+    live = want_lse > NINF
+    assert bool((out[~live] == 0).all())
+    assert bool((dq[~live] == 0).all())
+    for got, ref in zip((dq, dk, dv), grads, strict=True):
+        assert not bool(got.isnan().any())
+        assert _close(got, ref, RTOL[dtype])
+    f32 = [t.float() for t in (q, k, v)]
+    out32, lse32 = rowspan.kernel().span_forward(*f32, lo, hi, scale)
+    dq32 = rowspan.kernel().span_backward(*f32, out.float(), dout.float(), lse, lo, hi, scale)[0]
+    assert torch.equal(out, out32.to(dtype))
+    assert torch.equal(lse, lse32)
+    assert torch.equal(dq, dq32.to(dtype))
+
+
+def test_the_kernel_refuses_mixed_dtypes() -> None:
+    q = torch.randn(1, 1, 4, 8)
+    lo, hi = torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None]
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16, all one dtype"):
+        rowspan.kernel().span_forward(q.bfloat16(), q, q, lo, hi, 1.0)
+    out, lse = rowspan.kernel().span_forward(q, q, q, lo, hi, 1.0)
+    with pytest.raises(RuntimeError, match="out, dout must be contiguous in q's dtype"):
+        rowspan.kernel().span_backward(q, q, q, out.bfloat16(), out, lse, lo, hi, 1.0)
+
+
+def test_the_plan_reads_low_precision_only_for_a_caller_that_takes_it_back() -> None:
+    """``forward_with_lse`` returns float32 for a plan made by default (ring attention merges
+    its blocks in float32), so bfloat16 goes to the tiles there; ``in_dtype=True`` (the
+    blocked backend on fp32-upcast) lets the kernel read it and return bfloat16."""
+    spec = masks.causal() & masks.sliding_window(8)
+    q = torch.randn(1, 2, 40, 16).bfloat16()
+    plain = blocked.plan_blocks(q, q, q, spec)
+    assert not plain.spans.serves
+    assert plain.spans.reason == (
+        "attnkit's row-span kernel reads float32, and bfloat16/float16 only on the fp32-upcast "
+        "CPU path (q is torch.bfloat16): torch's fused kernel runs"
+    )
+    assert blocked.forward_with_lse(q, q, q, mask=spec, scale=0.25, plan=plain)[0].dtype == (
+        torch.float32
+    )
+    direct = blocked.plan_blocks(q, q, q, spec, in_dtype=True)
+    assert direct.spans.serves
+    assert direct.spans.dtype == torch.bfloat16
+    out, lse = blocked.forward_with_lse(q, q, q, mask=spec, scale=0.25, plan=direct)
+    assert (out.dtype, lse.dtype) == (torch.bfloat16, torch.float32)
+    want, _ = reference_attention(q, q, q, mask=spec.to_dense(40, 40), scale=0.25)
+    assert _close(out, want, RTOL[torch.bfloat16])
+    wide = q.double()
+    assert not blocked.plan_blocks(wide, wide, wide, spec, in_dtype=True).spans.serves
 
 
 @settings(max_examples=60, deadline=None)
@@ -363,8 +468,8 @@ def test_calls_the_kernel_does_not_serve_go_to_torchs_kernel(
     crossing = masks.padding(torch.tensor([64]), torch.tensor([10])) | (
         masks.causal() & masks.sliding_window(1)
     )  # rows 0-9 see every key, later rows only themselves: the runs move back
-    # bfloat16 as it is (the CPU path `torch`; on `fp32-upcast` the kernel sees float32
-    # copies: tests/test_low_precision_paths.py)
+    # bfloat16 as it is (the CPU path `torch`; on `fp32-upcast` the kernel reads it directly:
+    # tests/test_low_precision_paths.py)
     monkeypatch.setenv("ATTNKIT_CPU_PATH", "torch")
     attnkit.attention(bf, bf, bf, mask=spec, backend="blocked")
     attnkit.attention(q, q, q, mask=masks.key_mask(holes), backend="blocked")
@@ -374,7 +479,10 @@ def test_calls_the_kernel_does_not_serve_go_to_torchs_kernel(
     want, _ = reference_attention(q, q, q, mask=crossing.to_dense(64, 64))
     assert _close(got, want, 1e-5)
     note = attnkit.explain(bf, bf, bf, mask=spec).notes["blocked"]
-    assert "row-span kernel is float32-only (q is torch.bfloat16)" in note
+    assert (
+        "row-span kernel reads float32, and bfloat16/float16 only on the fp32-upcast CPU path "
+        "(q is torch.bfloat16)" in note
+    )
     note = attnkit.explain(q, q, q, mask=crossing).notes["blocked"]
     assert "its runs of keys do not move forward along the rows" in note
 
@@ -430,8 +538,8 @@ def test_auto_takes_the_kernel_for_plain_causal_calls_where_it_was_measured_fast
     assert "plain causal CPU calls its kernel runs from L x S = 1024 x 1024" in str(small)
     wide = q.double()
     assert attnkit.explain(wide, wide, wide, causal=True).chosen == "sdpa"  # not float32
-    if cpu.path_for(q.bfloat16(), "test") == "fp32-upcast":  # bf16 runs on float32 copies
+    if cpu.path_for(q.bfloat16(), "test") == "fp32-upcast":  # the kernel reads bf16 directly
         half = q.bfloat16()
         report = attnkit.explain(half, half, half, causal=True)
         assert report.chosen == "blocked"
-        assert "causal on CPU (float32 copies of torch.bfloat16)" in report.rule
+        assert "causal on CPU (torch.bfloat16, read directly)" in report.rule

@@ -24,11 +24,13 @@ The package, in the order a call goes through it:
   and backward in one pass each.
 
 bfloat16/float16 on the CPU follow the path of :mod:`attnkit.cpu`: on ``fp32-upcast`` (AVX2 or
-AVX-512 without bf16/fp16 instructions) q, k, v are converted to float32 here, at the entry, and
-everything below (the row-span kernel included) sees float32; the output and the gradients are
-converted back, and training saves the input-dtype tensors (the backward converts them again).
-On ``native`` and ``torch`` the tensors go to the tiles as they are (torch's fused kernel
-accumulates in float32).
+AVX-512 without bf16/fp16 instructions) a call the row-span kernel serves hands it the
+bfloat16/float16 tensors as they are (it converts as it packs its panels and loads its rows,
+computes in float32 and writes out, dq, dk, dv in the input dtype: no float32 copies); every
+other call converts q, k, v to float32 here, at the entry (the tiles see float32), and the
+output and the gradients are converted back. Training saves the input-dtype tensors either way
+(the converting backward converts them again). On ``native`` and ``torch`` the tensors go to
+the tiles as they are (torch's fused kernel accumulates in float32).
 
 Training keeps q, k, v, the output and ``lse (B, H, L)``: memory grows with L, not L x S.
 Grouped-query heads go to the kernels as they are (``Hkv`` heads, never repeated). A query row
@@ -88,7 +90,8 @@ def _with_sinks(
 def _float32(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, upcast: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v as the kernels take them: float32 copies on ``fp32-upcast``, else themselves."""
+    """q, k, v as the kernels take them: float32 copies where ``upcast`` (see :func:`_converts`),
+    else themselves."""
     if not upcast:
         return q, k, v
     qc, kc, vc = to_float32(q, k, v)  # a reused buffer: the kernels are done with it on return
@@ -102,10 +105,22 @@ def _stand_in(t: torch.Tensor) -> torch.Tensor:
 
 
 def _plan(call: AttentionCall) -> BlockPlan:
+    """The call's plan. On ``fp32-upcast``: the row-span kernel on the input-dtype tensors where
+    it serves them, else the plan for the float32 copies that the call then converts to (the
+    same plan where the mask has no runs of keys: tiles are planned from shapes only)."""
     q, k, v = call.q, call.k, call.v
     if call.upcast:
+        direct = plan_blocks(q, k, v, call.mask, softcap=call.softcap, in_dtype=True)
+        if direct.spans.serves or direct.spans.lo is None:
+            return direct
         q, k, v = _stand_in(q), _stand_in(k), _stand_in(v)
     return plan_blocks(q, k, v, call.mask, softcap=call.softcap)
+
+
+def _converts(call: AttentionCall, plan: BlockPlan) -> bool:
+    """Whether the call runs on float32 copies: on ``fp32-upcast``, unless the row-span kernel
+    reads the input dtype directly."""
+    return call.upcast and not (plan.spans.serves and plan.spans.dtype == call.q.dtype)
 
 
 class _BlockedAttention(torch.autograd.Function):
@@ -114,7 +129,8 @@ class _BlockedAttention(torch.autograd.Function):
     ``lse`` includes them, so the blocks' backward is unchanged; the sinks' own gradient is
     ``-sum over rows of P_sink * D`` with ``D = rowsum(dout * out)``. With ``upcast`` the
     kernels run on float32 copies (made here, and again in the backward from the saved
-    input-dtype tensors)."""
+    input-dtype tensors); without it they take the tensors as they are (on ``fp32-upcast``
+    that is the row-span kernel reading bfloat16/float16)."""
 
     @staticmethod
     def forward(
@@ -179,13 +195,12 @@ class BlockedBackend(Backend):
             return compiled.run(call), None
         q, k, v, sinks = call.q, call.k, call.v, call.sinks
         plan = _plan(call)
+        upcast = _converts(call, plan)
         grads = call.needs_grad or (sinks is not None and sinks.requires_grad)
         if grads and torch.is_grad_enabled():
-            out: torch.Tensor = _BlockedAttention.apply(
-                q, k, v, sinks, plan, call.scale, call.upcast
-            )  # type: ignore[no-untyped-call]
+            out: torch.Tensor = _BlockedAttention.apply(q, k, v, sinks, plan, call.scale, upcast)  # type: ignore[no-untyped-call]
             return out, None
-        qc, kc, vc = _float32(q, k, v, call.upcast)
+        qc, kc, vc = _float32(q, k, v, upcast)
         out, lse = forward_with_lse(qc, kc, vc, mask=call.mask, scale=call.scale, plan=plan)
         return _with_sinks(out, lse, sinks)[0].to(q.dtype), None
 
@@ -223,8 +238,11 @@ class BlockedBackend(Backend):
         L, S = call.dims.L, call.dims.S
         big = L * S >= rowspan.CAUSAL_MIN_PAIRS
         plain_causal = not extras and call.causal and big and not torch.compiler.is_compiling()
-        if plain_causal and _plan(call).spans.serves:
-            on = f"float32 copies of {call.q.dtype}" if call.upcast else str(call.q.dtype)
+        plan = _plan(call) if plain_causal else None
+        if plan is not None and plan.spans.serves:
+            on = str(call.q.dtype)
+            if call.upcast:
+                on = f"float32 copies of {on}" if _converts(call, plan) else f"{on}, read directly"
             return True, (
                 f"causal on CPU ({on}), L x S >= 1024 x 1024: attnkit's row-span kernel, "
                 "measured 1.2-1.6x faster than SDPA's is_causal (benchmarks/kernel_spans.py)"
@@ -258,19 +276,27 @@ class BlockedBackend(Backend):
         return self._plan_note(call) + under_compile
 
     def _plan_note(self, call: AttentionCall) -> str:
+        dense = call.mask is not None and call.mask.from_tensor  # planning reads the whole mask
+        plan = None if dense else _plan(call)
         prefix = ""
         if call.cpu_path is not None:
             how = "float32 copies of q, k, v" if call.upcast else f"q, k, v in {call.q.dtype}"
             prefix = f"{call.cpu_path} path: the kernels run on {how}; "
-        if call.mask is not None and call.mask.from_tensor:  # planning reads the whole mask
+            if plan is not None and call.upcast and not _converts(call, plan):
+                name = str(call.q.dtype).removeprefix("torch.")
+                prefix = (
+                    f"{call.cpu_path} path: attnkit's row-span kernel reads {name} q, k, v "
+                    "directly (float32 inside, no float32 copies); "
+                )
+        if plan is None:
             return prefix + (
                 "a dense mask: its empty blocks are found when it runs (one pass over the mask)"
             )
-        return prefix + self._kernels(call, _plan(call))
+        return prefix + self._kernels(call, plan)
 
     def _kernels(self, call: AttentionCall, plan: BlockPlan) -> str:
         q, k, v = call.q, call.k, call.v
-        if call.upcast:
+        if _converts(call, plan):
             q, k, v = _stand_in(q), _stand_in(k), _stand_in(v)
         sp = plan.spans
         if sp.serves:

@@ -114,13 +114,20 @@ def plan_blocks(
     mask: MaskSpec | None,
     at: BlockAt = WHOLE,
     softcap: float | None = None,
+    in_dtype: bool = False,
 ) -> BlockPlan:
     """Decide how the block of ``q`` against ``k``/``v`` at ``at`` runs (see the module
-    docstring)."""
+    docstring).
+
+    ``in_dtype=True`` lets the row-span kernel read bfloat16/float16 tensors directly, and the
+    forward and backward then return out, dq, dk, dv in that dtype (see
+    :func:`~attnkit.backends.blocked.rowspan.plan`); by default such tensors go to the tiles."""
     L, S = q.shape[2], k.shape[2]
     q_start, k_start = at.q_start, at.k_start
     off = (S if at.S_total is None else at.S_total) - (L if at.L_total is None else at.L_total)
-    decision = rowspan.plan(mask, q, k, v, q_start=q_start, k_start=k_start, off=off)
+    decision = rowspan.plan(
+        mask, q, k, v, q_start=q_start, k_start=k_start, off=off, in_dtype=in_dtype
+    )
     if softcap is not None and decision.serves:
         decision = decision.refuse("attnkit's row-span kernel has no soft-cap")
     return BlockPlan(mask, q_start, k_start, off, decision, softcap)
@@ -154,9 +161,10 @@ def forward_with_lse(
 
     Returns:
         ``out (B, H, Lq, Dv)`` and ``lse (B, H, Lq)``, both float32 (float64 when q is
-        float64): the softmax over this block's keys only. A row with no allowed key here
-        has ``out`` 0 and ``lse`` ``-inf``. Partial results merge exactly
-        (:func:`attnkit.backends.blocked.tiles.merge`)::
+        float64; ``out`` in q's dtype where a plan made with ``in_dtype=True`` runs the
+        row-span kernel on bfloat16/float16): the softmax over this block's keys only. A row
+        with no allowed key here has ``out`` 0 and ``lse`` ``-inf``. Partial results merge
+        exactly (:func:`attnkit.backends.blocked.tiles.merge`)::
 
             lse = torch.logaddexp(lse1, lse2)
             out = out1 * (lse1 - lse).exp()[..., None] + out2 * (lse2 - lse).exp()[..., None]
@@ -201,8 +209,9 @@ def backward_from_lse(
 
     Returns:
         ``dq (B, H, Lq, Dk)``, ``dk (B, Hkv, Sk, Dk)``, ``dv (B, Hkv, Sk, Dv)`` in float32
-        (float64 for float64 q); ``dk``/``dv`` are summed over the query heads of each key/value
-        head.
+        (float64 for float64 q; q's dtype where a plan made with ``in_dtype=True`` runs the
+        row-span kernel on bfloat16/float16 q, k, v, out, dout); ``dk``/``dv`` are summed over
+        the query heads of each key/value head.
 
     >>> q = torch.randn(1, 4, 8, 16); k = v = torch.randn(1, 2, 8, 16)
     >>> out, lse = forward_with_lse(q, k, v, mask=None, scale=0.25)
@@ -213,9 +222,9 @@ def backward_from_lse(
     """
     p = plan or plan_blocks(q, k, v, mask, at)
     with torch.no_grad():
-        fp32 = out.dtype == dout.dtype == lse.dtype == torch.float32
         sp = p.spans
-        if sp.serves and sp.lo is not None and sp.hi is not None and fp32:
+        same = q.dtype == out.dtype == dout.dtype == sp.dtype and lse.dtype == torch.float32
+        if sp.serves and sp.lo is not None and sp.hi is not None and same:
             return rowspan.kernel().span_backward(  # type: ignore[no-any-return]
                 q, k, v, out, dout, lse, sp.lo, sp.hi, float(scale)
             )

@@ -33,7 +33,12 @@ from typing import Any
 
 import torch
 
-from attnkit.backends.blocked.blocks import backward_from_lse, forward_with_lse, plan_blocks
+from attnkit.backends.blocked.blocks import (
+    BlockPlan,
+    backward_from_lse,
+    forward_with_lse,
+    plan_blocks,
+)
 from attnkit.call import AttentionCall
 from attnkit.cpu import path_for, to_float32, upcasts
 from attnkit.masks import MaskSpec
@@ -154,10 +159,21 @@ def _lse_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _kernel_inputs(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The op's tensors as the kernels take them: float32 copies on the CPU's ``fp32-upcast``
-    path (:mod:`attnkit.cpu`; the op runs eagerly, so the path is read here), else as given."""
-    return to_float32(*ts) if upcasts(path_for(ts[0], OP)) else ts
+def _kernel_inputs(
+    spec: MaskSpec | None, *ts: torch.Tensor
+) -> tuple[tuple[torch.Tensor, ...], BlockPlan]:
+    """The op's tensors (q, k, v first) as the kernels take them, and their plan: on the CPU's
+    ``fp32-upcast`` path (:mod:`attnkit.cpu`; the op runs eagerly, so the path is read here) the
+    tensors as given where the row-span kernel reads their dtype directly, else float32 copies;
+    as given on every other path."""
+    if upcasts(path_for(ts[0], OP)):
+        plan = plan_blocks(ts[0], ts[1], ts[2], spec, in_dtype=True)
+        if plan.spans.serves:
+            return ts, plan
+        ts = to_float32(*ts)
+        if plan.spans.lo is None:  # no runs of keys: the tiles' plan reads shapes only
+            return ts, plan
+    return ts, plan_blocks(ts[0], ts[1], ts[2], spec)
 
 
 @torch.library.custom_op(
@@ -178,8 +194,7 @@ def _forward(
     """``out (B, H, L, Dv)`` in q's dtype and ``lse (B, H, L)`` (float32; float64 for float64
     q), both contiguous, as the fake implementation promises."""
     spec = rebuild(tensors, ints, floats, structure)
-    qc, kc, vc = _kernel_inputs(q, k, v)
-    plan = plan_blocks(qc, kc, vc, spec)
+    (qc, kc, vc), plan = _kernel_inputs(spec, q, k, v)
     out, lse = forward_with_lse(qc, kc, vc, mask=spec, scale=scale, plan=plan)
     return out.to(q.dtype).contiguous(), lse.to(_lse_dtype(q)).contiguous()
 
@@ -216,8 +231,7 @@ def _backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv`` in the dtypes of q, k, v, contiguous."""
     spec = rebuild(tensors, ints, floats, structure)
-    qc, kc, vc, oc, doc = _kernel_inputs(q, k, v, out, dout)
-    plan = plan_blocks(qc, kc, vc, spec)
+    (qc, kc, vc, oc, doc), plan = _kernel_inputs(spec, q, k, v, out, dout)
     dq, dk, dv = backward_from_lse(qc, kc, vc, oc, doc, lse, mask=spec, scale=scale, plan=plan)
     return (
         dq.to(q.dtype).contiguous(),

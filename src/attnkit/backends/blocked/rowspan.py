@@ -20,6 +20,15 @@ the same panels, writes dQ per row and sums dK, dV over the group's heads (added
 under a lock per stripe of keys, so their float32 sums may differ in the last bits from run to
 run). A row whose run is empty gets output 0, log-sum-exp ``-inf`` and gradient 0.
 
+It reads float32, and bfloat16 or float16 (float16 where the CPU has F16C) directly: q, k, v
+(and out, dout in the backward) are converted to float32 as the kernel packs its panels and loads
+its rows (bfloat16 to float32 is a 16-bit shift), everything inside stays float32, ``lse`` is
+float32, and out, dq, dk, dv come back in the input dtype, rounded to nearest even as torch
+rounds (the same numbers as the kernel on float32 copies, converted back). :func:`plan` takes
+bfloat16/float16 only for a caller that wants results in that dtype (``in_dtype=True``: the
+blocked backend on the ``fp32-upcast`` CPU path, :mod:`attnkit.cpu`), since
+:func:`~attnkit.backends.blocked.forward_with_lse` otherwise returns float32.
+
 It is compiled on first use with :func:`torch.utils.cpp_extension.load_inline` (gcc, about
 30 s, cached under ``~/.cache/torch_extensions``; ``make setup`` builds it ahead). Where it
 cannot be built or run (no AVX2, no compiler, ``ATTNKIT_SPAN_KERNEL=0``), :func:`status` says
@@ -49,7 +58,7 @@ ENV = "ATTNKIT_SPAN_KERNEL"
 #: calls were not measured, so they keep to SDPA
 CAUSAL_MIN_PAIRS = 1024 * 1024
 #: bumped with every change to the C++ source's interface
-NAME = "attnkit_row_span_v1"
+NAME = "attnkit_row_span_v2"
 
 _lock = threading.Lock()
 _module: Any = None
@@ -65,6 +74,19 @@ def _cpu_reason() -> str | None:
     if capability not in ("AVX2", "AVX512"):
         return f"this CPU has no AVX2 (torch reports {capability!r})"
     return None
+
+
+def _has_f16c() -> bool:
+    """Whether /proc/cpuinfo lists F16C (float16 <-> float32 conversions): the kernel is built
+    with ``-mf16c`` and reads float16 only then."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "f16c" in line.partition(":")[2].split()
+    except OSError:  # not Linux: build without it (bfloat16 needs nothing more than AVX2)
+        pass
+    return False
 
 
 def build() -> Any:
@@ -85,8 +107,14 @@ def build() -> Any:
             _module = load_inline(  # type: ignore[no-untyped-call]
                 name=NAME,
                 cpp_sources=[source.read_text()],
-                functions=["span_forward", "span_backward"],
-                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                functions=["span_forward", "span_backward", "span_low_dtypes"],
+                extra_cflags=[
+                    "-O3",
+                    "-mavx2",
+                    "-mfma",
+                    *(["-mf16c"] if _has_f16c() else []),
+                    "-fopenmp",
+                ],
                 extra_ldflags=["-fopenmp"],
                 no_implicit_headers=True,
                 with_pytorch_error_handling=False,
@@ -120,13 +148,16 @@ class SpanPlan:
     ``lo``, ``hi`` are the runs of keys (int64 ``(B', L)``, local, inclusive; see
     :func:`attnkit.masks.row_spans`) when the mask is one run per row, else ``None``; ``what``
     names the mask for explain; ``reason`` is ``None`` when the kernel runs the call, else why
-    not (in explain's words).
+    not (in explain's words); ``dtype`` is the dtype the kernel reads q, k, v in (float32, or
+    bfloat16/float16 read directly, for a plan made with ``in_dtype=True``), and returns out,
+    dq, dk, dv in.
     """
 
     lo: torch.Tensor | None
     hi: torch.Tensor | None
     what: str
     reason: str | None
+    dtype: torch.dtype = torch.float32
 
     @property
     def serves(self) -> bool:
@@ -134,7 +165,7 @@ class SpanPlan:
 
     def refuse(self, reason: str) -> SpanPlan:
         """The same spans, not run by the kernel, because of ``reason``."""
-        return SpanPlan(self.lo, self.hi, self.what, reason)
+        return SpanPlan(self.lo, self.hi, self.what, reason, self.dtype)
 
 
 NOT_SPANS = SpanPlan(None, None, "", "not one run of keys per query row")
@@ -155,9 +186,16 @@ def plan(
     q_start: int = 0,
     k_start: int = 0,
     off: int | None = None,
+    in_dtype: bool = False,
 ) -> SpanPlan:
     """The kernel decision for the block of ``q`` against ``k``/``v`` (global positions and
-    offset as in :func:`attnkit.masks.row_spans`)."""
+    offset as in :func:`attnkit.masks.row_spans`).
+
+    The dtype rule: float32 always; bfloat16 and float16 (float16 only where the kernel was
+    built with F16C) with ``in_dtype=True``, for a caller that takes out, dq, dk, dv in that
+    dtype (the kernel reads them directly and computes in float32); anything else is refused,
+    and the caller's other path (torch's fused kernel, on float32 copies on ``fp32-upcast``)
+    runs."""
     if spec is None or spec.has_bias or spec.from_tensor:
         return NOT_SPANS
     L, S = q.shape[2], k.shape[2]
@@ -170,20 +208,34 @@ def plan(
         return p.refuse("its runs of keys do not move forward along the rows")
     if q.device.type != "cpu":
         return p.refuse(f"attnkit's row-span kernel is CPU-only (q is on {q.device.type})")
-    if not q.dtype == k.dtype == v.dtype == torch.float32:
+    low = in_dtype and q.dtype in (torch.bfloat16, torch.float16)
+    if not (q.dtype == k.dtype == v.dtype and (q.dtype == torch.float32 or low)):
         return p.refuse(
-            f"attnkit's row-span kernel is float32-only (q is {q.dtype}): torch's fused kernel runs"
+            f"attnkit's row-span kernel reads float32, and bfloat16/float16 only on the "
+            f"fp32-upcast CPU path (q is {q.dtype}): torch's fused kernel runs"
         )
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         return p.refuse("an empty dimension: nothing for the kernel to do")
-    return p if build() is not None else p.refuse(status())
+    if build() is None:
+        return p.refuse(status())
+    if low:
+        p = SpanPlan(lo, hi, p.what, None, q.dtype)
+        name = str(q.dtype).removeprefix("torch.")
+        if name not in _module.span_low_dtypes():
+            return p.refuse(
+                f"attnkit's row-span kernel was built without F16C (this CPU has none), so it "
+                f"does not read {name}"
+            )
+    return p
 
 
 def kernel() -> Any:
     """The loaded C++ module: ``span_forward(q, k, v, lo, hi, scale) -> (out, lse)`` and
-    ``span_backward(q, k, v, out, dout, lse, lo, hi, scale) -> (dq, dk, dv)``: float32 q
+    ``span_backward(q, k, v, out, dout, lse, lo, hi, scale) -> (dq, dk, dv)``: q
     ``(B, H, L, Dk)``, k ``(B, Hkv, S, Dk)``, v ``(B, Hkv, S, Dv)``, out ``(B, H, L, Dv)``, lse
-    ``(B, H, L)`` (natural log), ``lo``/``hi`` int64 ``(1 or B, L)``. Call it only where
+    ``(B, H, L)`` (natural log, float32), ``lo``/``hi`` int64 ``(1 or B, L)``; q, k, v, out,
+    dout, dq, dk, dv all float32, or all the dtype of q among ``span_low_dtypes()``
+    (``["bfloat16", "float16"]``, without float16 where built without F16C). Call it only where
     :func:`plan` says the kernel serves; the C++ checks what its memory safety needs (shapes,
     dtypes, spans in order)."""
     if _module is None:

@@ -1,5 +1,9 @@
 // attnkit's row-span kernel: exact attention where query row i attends the keys lo[i]..hi[i]
-// (inclusive, non-decreasing in i), forward and backward, fp32, CPU (AVX2 + FMA).
+// (inclusive, non-decreasing in i), forward and backward, CPU (AVX2 + FMA). q, k, v (and out,
+// dout) are float32, bfloat16 or float16 (float16 where built with F16C): low-precision
+// elements are converted to float32 as the kernel packs panels and loads rows (bf16 -> fp32 is
+// a 16-bit shift, fp16 -> fp32 F16C's vcvtph2ps); everything inside is float32, lse is float32,
+// and out, dq, dk, dv come back in the input dtype (rounded to nearest even, as torch rounds).
 // One kernel serves every mask whose allowed keys form one run per row: causal, sliding
 // windows, documents, prefix-LM, contiguous key padding and their intersections (the Python
 // side, attnkit.masks.spans, turns a spec into lo/hi). Grouped-query heads: q (B, H, L, Dk),
@@ -31,6 +35,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <string>
+#include <type_traits>
 #include <limits>
 #include <tuple>
 #include <atomic>
@@ -39,6 +46,107 @@
 #include <vector>
 
 namespace rowspan {
+
+// ---------------------------------------------------------------------------
+// Element types: what q, k, v (out, dout; out, dq, dk, dv on the way out) are stored as.
+enum class Dt { F32, BF16, F16 };
+template <Dt E>
+using elem_t = typename std::conditional<E == Dt::F32, float, uint16_t>::type;
+
+// 8 elements at p as float32
+template <Dt E>
+static inline __m256 load8(const elem_t<E>* p) {
+  if constexpr (E == Dt::F32) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (E == Dt::BF16) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+  } else {
+#ifdef __F16C__
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    static_assert(E != Dt::F16, "float16 needs F16C");
+    return _mm256_setzero_ps();
+#endif
+  }
+}
+
+template <Dt E>
+static inline float load1(const elem_t<E>* p) {
+  if constexpr (E == Dt::F32) {
+    return *p;
+  } else if constexpr (E == Dt::BF16) {
+    const uint32_t u = static_cast<uint32_t>(*p) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+  } else {
+#ifdef __F16C__
+    return _cvtsh_ss(*p);
+#else
+    return 0.0f;
+#endif
+  }
+}
+
+// bfloat16 bits of 8 floats, rounded to nearest even (NaN -> 0x7FC0), as torch rounds
+static inline __m128i bf16_bits(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+template <Dt E>
+static inline void store8(elem_t<E>* p, __m256 x) {
+  if constexpr (E == Dt::F32) {
+    _mm256_storeu_ps(p, x);
+  } else if constexpr (E == Dt::BF16) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_bits(x));
+  } else {
+#ifdef __F16C__
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  }
+}
+
+template <Dt E>
+static inline void store1(elem_t<E>* p, float x) {
+  if constexpr (E == Dt::F32) {
+    *p = x;
+  } else if constexpr (E == Dt::BF16) {
+    uint32_t u;
+    std::memcpy(&u, &x, sizeof u);
+    *p = std::isnan(x) ? uint16_t(0x7FC0)
+                       : static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+  } else {
+#ifdef __F16C__
+    *p = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+  }
+}
+
+// dst[0..n) = src[0..n) * s as float32
+template <Dt E>
+static inline void load_row(const elem_t<E>* src, float* dst, int64_t n, float s = 1.0f) {
+  const __m256 vs = _mm256_set1_ps(s);
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(load8<E>(src + d), vs));
+  for (; d < n; ++d) dst[d] = load1<E>(src + d) * s;
+}
+
+// dst[0..n) = src[0..n) * s in the element type
+template <Dt E>
+static inline void store_row(const float* src, elem_t<E>* dst, int64_t n, float s = 1.0f) {
+  const __m256 vs = _mm256_set1_ps(s);
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) store8<E>(dst + d, _mm256_mul_ps(_mm256_loadu_ps(src + d), vs));
+  for (; d < n; ++d) store1<E>(dst + d, src[d] * s);
+}
 
 constexpr int MR = 6;    // rows of a micro tile
 constexpr int NR = 16;   // keys per packed K^T panel; output cols per PV tile
@@ -279,12 +387,13 @@ static inline void zero_range(float* s, int64_t a, int64_t b) {  // inclusive
   for (int64_t j = a; j <= b; ++j) s[j] = 0.0f;
 }
 
-static inline void transpose8_store(const float* const* rows, int64_t d, float* dst) {
+template <Dt E>
+static inline void transpose8_store(const elem_t<E>* const* rows, int64_t d, float* dst) {
   // rows[0..7] point to 8 key rows; stores dst[x*NR + y] = rows[y][d + x], x,y < 8
-  __m256 r0 = _mm256_loadu_ps(rows[0] + d), r1 = _mm256_loadu_ps(rows[1] + d);
-  __m256 r2 = _mm256_loadu_ps(rows[2] + d), r3 = _mm256_loadu_ps(rows[3] + d);
-  __m256 r4 = _mm256_loadu_ps(rows[4] + d), r5 = _mm256_loadu_ps(rows[5] + d);
-  __m256 r6 = _mm256_loadu_ps(rows[6] + d), r7 = _mm256_loadu_ps(rows[7] + d);
+  __m256 r0 = load8<E>(rows[0] + d), r1 = load8<E>(rows[1] + d);
+  __m256 r2 = load8<E>(rows[2] + d), r3 = load8<E>(rows[3] + d);
+  __m256 r4 = load8<E>(rows[4] + d), r5 = load8<E>(rows[5] + d);
+  __m256 r6 = load8<E>(rows[6] + d), r7 = load8<E>(rows[7] + d);
   __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
   __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
   __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
@@ -303,19 +412,31 @@ static inline void transpose8_store(const float* const* rows, int64_t d, float* 
   _mm256_store_ps(dst + 7 * NR, _mm256_permute2f128_ps(u3, u7, 0x31));
 }
 
-// panel[d*NR + jj] = k[key0 + jj][d] (zero for keys >= L), jj < NR
-static inline void pack_panel(const float* kp, int64_t key0, int64_t L, int64_t D,
+// panel[d*NR + jj] = k[key0 + jj][d] (zero for keys >= L), jj < NR, as float32; zrow: D zero
+// elements (all-zero bits, which is 0 in every element type)
+template <Dt E>
+static inline void pack_panel(const elem_t<E>* kp, int64_t key0, int64_t L, int64_t D,
                               const float* zrow, float* panel) {
-  const float* rows[NR];
+  const elem_t<E>* rows[NR];
+  const elem_t<E>* z = reinterpret_cast<const elem_t<E>*>(zrow);
   for (int jj = 0; jj < NR; ++jj)
-    rows[jj] = (key0 + jj < L) ? kp + (key0 + jj) * D : zrow;
+    rows[jj] = (key0 + jj < L) ? kp + (key0 + jj) * D : z;
   int64_t d = 0;
   for (; d + 8 <= D; d += 8) {
-    transpose8_store(rows, d, panel + d * NR);
-    transpose8_store(rows + 8, d, panel + d * NR + 8);
+    transpose8_store<E>(rows, d, panel + d * NR);
+    transpose8_store<E>(rows + 8, d, panel + d * NR + 8);
   }
   for (; d < D; ++d)
-    for (int jj = 0; jj < NR; ++jj) panel[d * NR + jj] = rows[jj][d];
+    for (int jj = 0; jj < NR; ++jj) panel[d * NR + jj] = load1<E>(rows[jj] + d);
+}
+
+// The float32 rows [j0, min(j0 + NR, S)) of x (row length D) at dst (row j at dst + (j - base)
+// * D): K or V rows that the products read in place, for a low-precision x.
+template <Dt E>
+static inline void convert_rows(const elem_t<E>* x, int64_t j0, int64_t S, int64_t D,
+                                int64_t base, float* dst) {
+  const int64_t j1 = std::min<int64_t>(j0 + NR, S);
+  if (j1 > j0) load_row<E>(x + j0 * D, dst + (j0 - base) * D, (j1 - j0) * D);
 }
 
 struct AlignedBuf {
@@ -432,14 +553,17 @@ static void run_items(const Work& w, int64_t nth, Init init, Fn fn) {
 // ---------------------------------------------------------------------------
 // Forward.
 struct FwdState {
-  GrowBuf kt;
+  GrowBuf kt, vb;  // vb: float32 V rows (low-precision inputs only)
   AlignedBuf qs, sb, ob, zrow;
   FwdState(int64_t Dk, int64_t Dv, int64_t SS)
       : qs(MB * Dk), sb(MB * SS + NR), ob(MB * Dv), zrow(std::max(Dk, Dv)) {}
 };
 
+template <Dt E>
 static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const Spans& sp, double scale, at::Tensor& out, at::Tensor& lse) {
+  using T = elem_t<E>;
+  constexpr bool LOWP = E != Dt::F32;
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dk = q.size(3);
   const int64_t Hkv = k.size(1), S = k.size(2), Dv = v.size(3);
   const int64_t g = H / Hkv;
@@ -450,16 +574,16 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const float sc = static_cast<float>(scale * 1.4426950408889634);
   const float ln2 = 0.6931471805599453f;
   const float NINF = -std::numeric_limits<float>::infinity();
-  const float* qd = q.data_ptr<float>();
-  const float* kd = k.data_ptr<float>();
-  const float* vd = v.data_ptr<float>();
-  float* od = out.data_ptr<float>();
+  const T* qd = static_cast<const T*>(q.data_ptr());
+  const T* kd = static_cast<const T*>(k.data_ptr());
+  const T* vd = static_cast<const T*>(v.data_ptr());
+  T* od = static_cast<T*>(out.data_ptr());
   float* ld = lse.data_ptr<float>();
 
   auto empty_rows = [&](int64_t b, int64_t hk, int64_t r0, int64_t n) {
     for (int64_t gi = 0; gi < g; ++gi) {
       const int64_t bh = b * H + hk * g + gi;
-      std::fill(od + (bh * L + r0) * Dv, od + (bh * L + r0 + n) * Dv, 0.0f);
+      std::fill(od + (bh * L + r0) * Dv, od + (bh * L + r0 + n) * Dv, T(0));
       std::fill(ld + bh * L + r0, ld + bh * L + r0 + n, NINF);
     }
   };
@@ -471,14 +595,25 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
     int64_t tA[MB / MR], tB[MB / MR], tlo[MB / MR], thi[MB / MR];
     const int64_t bk = item / nch, ci = item % nch;
     const int64_t b = bk / Hkv, hk = bk % Hkv, bs = sp.bstride ? b : 0;
-    const float* kp = kd + bk * S * Dk;
-    const float* vp = vd + bk * S * Dv;
+    const T* kp = kd + bk * S * Dk;
+    const T* vp = vd + bk * S * Dv;
     const int64_t c0 = ci * C, c1 = std::min(L, c0 + C);
     const int64_t kfirst = sp.l(bs, c0), klast = sp.h(bs, c1 - 1);
     if (kfirst > klast) { empty_rows(b, hk, c0, c1 - c0); return; }
     const int64_t kbase = (kfirst / NR) * NR;
-    st.kt.ensure(static_cast<size_t>((round_up(klast + 1, NR) - kbase + NR) * Dk));
+    const int64_t nk = round_up(klast + 1, NR) - kbase + NR;
+    st.kt.ensure(static_cast<size_t>(nk * Dk));
     float* kt = st.kt.p;
+    // V rows as the P V product reads them: in place (float32), or converted once per item
+    const float* vrows;  // row j at vrows + (j - vbase) * Dv
+    int64_t vbase = 0;
+    if constexpr (LOWP) {
+      st.vb.ensure(static_cast<size_t>(nk * Dv));
+      vrows = st.vb.p;
+      vbase = kbase;
+    } else {
+      vrows = vp;
+    }
     int64_t packed_end = kbase;
 
     for (int64_t i0 = c0; i0 < c1; i0 += MB) {
@@ -488,7 +623,8 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
       if (blo > bhi) { empty_rows(b, hk, i0, mr); continue; }
       const int64_t need = round_up(bhi + 1, NR);  // pack K^T panels up to bhi
       while (packed_end < need) {
-        pack_panel(kp, packed_end, S, Dk, st.zrow.p, kt + (packed_end - kbase) * Dk);
+        pack_panel<E>(kp, packed_end, S, Dk, st.zrow.p, kt + (packed_end - kbase) * Dk);
+        if constexpr (LOWP) convert_rows<E>(vp, packed_end, S, Dv, kbase, st.vb.p);
         packed_end += NR;
       }
       const int64_t ntile = (mr + MR - 1) / MR;
@@ -498,14 +634,15 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
       }
       for (int64_t gi = 0; gi < g; ++gi) {  // the group's heads share the panels
         const int64_t bh = b * H + hk * g + gi;
-        const float* qp = qd + bh * L * Dk;
-        float* op = od + bh * L * Dv;
+        const T* qp = qd + bh * L * Dk;
+        T* op = od + bh * L * Dv;
         float* lp = ld + bh * L;
         for (int64_t r = 0; r < MB; ++r) {  // scaled Q block, zero padded
           float* dst = st.qs.p + r * Dk;
           if (r < mr) {
-            const float* src = qp + (i0 + r) * Dk;
-            for (int64_t d = 0; d < Dk; ++d) dst[d] = src[d] * sc;
+            const T* src = qp + (i0 + r) * Dk;
+            if constexpr (LOWP) load_row<E>(src, dst, Dk, sc);
+            else for (int64_t d = 0; d < Dk; ++d) dst[d] = src[d] * sc;
           } else {
             std::fill(dst, dst + Dk, 0.0f);
           }
@@ -560,27 +697,31 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
           // ---- O += P V  (V rows in place)
           for (int64_t t = 0; t < ntile; ++t) {
             if (tA[t] > tB[t]) continue;
-            ax_6xD<false>(sb + t * MR * SS + (tA[t] - kc0), SS, vp + tA[t] * Dv, Dv,
+            ax_6xD<false>(sb + t * MR * SS + (tA[t] - kc0), SS, vrows + (tA[t] - vbase) * Dv, Dv,
                           tB[t] - tA[t] + 1, st.ob.p + t * MR * Dv);
           }
         }
         // ---- normalize + write out (a row that saw nothing: 0 and lse -inf)
         for (int64_t r = 0; r < mr; ++r) {
-          float* dst = op + (i0 + r) * Dv;
+          T* dst = op + (i0 + r) * Dv;
           if (!(lrow[r] > 0.0f)) {
-            std::fill(dst, dst + Dv, 0.0f);
+            std::fill(dst, dst + Dv, T(0));
             lp[i0 + r] = NINF;
             continue;
           }
           const float inv = 1.0f / lrow[r];
           const float* src = st.ob.p + r * Dv;
-          int64_t d = 0;
-          if ((reinterpret_cast<uintptr_t>(dst) & 31) == 0) {
-            const __m256 vinv = _mm256_set1_ps(inv);
-            for (; d + 8 <= Dv; d += 8)
-              _mm256_stream_ps(dst + d, _mm256_mul_ps(_mm256_loadu_ps(src + d), vinv));
+          if constexpr (LOWP) {
+            store_row<E>(src, dst, Dv, inv);
+          } else {
+            int64_t d = 0;
+            if ((reinterpret_cast<uintptr_t>(dst) & 31) == 0) {
+              const __m256 vinv = _mm256_set1_ps(inv);
+              for (; d + 8 <= Dv; d += 8)
+                _mm256_stream_ps(dst + d, _mm256_mul_ps(_mm256_loadu_ps(src + d), vinv));
+            }
+            for (; d < Dv; ++d) dst[d] = src[d] * inv;
           }
-          for (; d < Dv; ++d) dst[d] = src[d] * inv;
           lp[i0 + r] = mrow[r] * ln2 + logf(lrow[r]);
         }
       }
@@ -595,17 +736,23 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
 constexpr int64_t LOCK_KEYS = 256;
 
 struct BwdState {
-  GrowBuf kt, vt, dka, dva;
+  GrowBuf kt, vt, dka, dva, kb;  // kb: float32 K rows (low-precision inputs only)
   AlignedBuf qs, qr, gb, sb, db, ob, zrow;
   BwdState(int64_t Dk, int64_t Dv, int64_t SS)
       : qs(MB * Dk), qr(MB * Dk), gb(MB * Dv), sb(MB * SS + NR), db(MB * SS + NR),
         ob(MB * Dk), zrow(std::max(Dk, Dv)) {}
 };
 
+// dq in the element type; dk, dv float32 sums (zeros on entry). For a low-precision element
+// type, dk_low and dv_low (same shapes, element type) get dk and dv converted, one stripe of
+// keys as soon as the last item that adds to it is done (while it is still in cache).
+template <Dt E>
 static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse,
                           const Spans& sp, double scale, at::Tensor& dq, at::Tensor& dk,
-                          at::Tensor& dv) {
+                          at::Tensor& dv, at::Tensor& dk_low, at::Tensor& dv_low) {
+  using T = elem_t<E>;
+  constexpr bool LOWP = E != Dt::F32;
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dk = q.size(3);
   const int64_t Hkv = k.size(1), S = k.size(2), Dv = v.size(3);
   const int64_t g = H / Hkv;
@@ -617,22 +764,46 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
   const float log2e = 1.4426950408889634f;
   const float fscale = static_cast<float>(scale);
   const float NINF = -std::numeric_limits<float>::infinity();
-  const float* qd = q.data_ptr<float>();
-  const float* kd = k.data_ptr<float>();
-  const float* vd = v.data_ptr<float>();
-  const float* od = out.data_ptr<float>();
-  const float* gd = dout.data_ptr<float>();
+  const T* qd = static_cast<const T*>(q.data_ptr());
+  const T* kd = static_cast<const T*>(k.data_ptr());
+  const T* vd = static_cast<const T*>(v.data_ptr());
+  const T* od = static_cast<const T*>(out.data_ptr());
+  const T* gd = static_cast<const T*>(dout.data_ptr());
   const float* ld = lse.data_ptr<float>();
-  float* dqd = dq.data_ptr<float>();
+  T* dqd = static_cast<T*>(dq.data_ptr());
   float* dkd = dk.data_ptr<float>();
   float* dvd = dv.data_ptr<float>();
   const int64_t nstripe = std::max<int64_t>(1, (S + LOCK_KEYS - 1) / LOCK_KEYS);
   std::unique_ptr<std::mutex[]> locks(new std::mutex[static_cast<size_t>(B * Hkv * nstripe)]);
+  // low precision: how many items add to each stripe (read and decremented under its lock)
+  std::vector<int64_t> pending;
+  T* dkl = nullptr;
+  T* dvl = nullptr;
+  auto convert_stripe = [&](int64_t bk, int64_t stripe) {
+    const int64_t a = stripe * LOCK_KEYS, e = std::min<int64_t>(S, a + LOCK_KEYS);
+    store_row<E>(dkd + (bk * S + a) * Dk, dkl + (bk * S + a) * Dk, (e - a) * Dk);
+    store_row<E>(dvd + (bk * S + a) * Dv, dvl + (bk * S + a) * Dv, (e - a) * Dv);
+  };
+  if constexpr (LOWP) {
+    dkl = static_cast<T*>(dk_low.data_ptr());
+    dvl = static_cast<T*>(dv_low.data_ptr());
+    pending.assign(static_cast<size_t>(B * Hkv * nstripe), 0);
+    for (int64_t item = 0; item < w.nitems; ++item) {
+      const int64_t bk = item / nch, ci = item % nch, bs = sp.bstride ? bk / Hkv : 0;
+      const int64_t c0 = ci * C, c1 = std::min(L, c0 + C);
+      const int64_t kf = sp.l(bs, c0), kl = sp.h(bs, c1 - 1);
+      if (kf > kl) continue;
+      for (int64_t t = kf / LOCK_KEYS; t <= kl / LOCK_KEYS; ++t) ++pending[bk * nstripe + t];
+    }
+    for (int64_t bk = 0; bk < B * Hkv; ++bk)  // stripes no item reaches: zeros
+      for (int64_t t = 0; t < nstripe; ++t)
+        if (pending[bk * nstripe + t] == 0) convert_stripe(bk, t);
+  }
 
   auto zero_dq = [&](int64_t b, int64_t hk, int64_t r0, int64_t n) {
     for (int64_t gi = 0; gi < g; ++gi) {
       const int64_t bh = b * H + hk * g + gi;
-      std::fill(dqd + (bh * L + r0) * Dk, dqd + (bh * L + r0 + n) * Dk, 0.0f);
+      std::fill(dqd + (bh * L + r0) * Dk, dqd + (bh * L + r0 + n) * Dk, T(0));
     }
   };
 
@@ -643,8 +814,8 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
     int64_t tA[MB / MR], tB[MB / MR], tlo[MB / MR], thi[MB / MR];
     const int64_t bk = item / nch, ci = item % nch;
     const int64_t b = bk / Hkv, hk = bk % Hkv, bs = sp.bstride ? b : 0;
-    const float* kp = kd + bk * S * Dk;
-    const float* vp = vd + bk * S * Dv;
+    const T* kp = kd + bk * S * Dk;
+    const T* vp = vd + bk * S * Dv;
     const int64_t c0 = ci * C, c1 = std::min(L, c0 + C);
     const int64_t kfirst = sp.l(bs, c0), klast = sp.h(bs, c1 - 1);
     if (kfirst > klast) { zero_dq(b, hk, c0, c1 - c0); return; }
@@ -655,6 +826,16 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
     st.dka.ensure(static_cast<size_t>(nk * Dk));
     st.dva.ensure(static_cast<size_t>(nk * Dv));
     float *kt = st.kt.p, *vt = st.vt.p, *dka = st.dka.p, *dva = st.dva.p;
+    // K rows as the dS K product reads them: in place (float32), or converted once per item
+    const float* krows;  // row j at krows + (j - krbase) * Dk
+    int64_t krbase = 0;
+    if constexpr (LOWP) {
+      st.kb.ensure(static_cast<size_t>(nk * Dk));
+      krows = st.kb.p;
+      krbase = kbase;
+    } else {
+      krows = kp;
+    }
     std::fill(dka, dka + nk * Dk, 0.0f);
     std::fill(dva, dva + nk * Dv, 0.0f);
     float *sb = st.sb.p, *db = st.db.p;
@@ -667,8 +848,9 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
       if (blo > bhi) { zero_dq(b, hk, i0, mr); continue; }
       const int64_t need = round_up(bhi + 1, NR);
       while (packed_end < need) {
-        pack_panel(kp, packed_end, S, Dk, st.zrow.p, kt + (packed_end - kbase) * Dk);
-        pack_panel(vp, packed_end, S, Dv, st.zrow.p, vt + (packed_end - kbase) * Dv);
+        pack_panel<E>(kp, packed_end, S, Dk, st.zrow.p, kt + (packed_end - kbase) * Dk);
+        pack_panel<E>(vp, packed_end, S, Dv, st.zrow.p, vt + (packed_end - kbase) * Dv);
+        if constexpr (LOWP) convert_rows<E>(kp, packed_end, S, Dk, kbase, st.kb.p);
         packed_end += NR;
       }
       const int64_t ntile = (mr + MR - 1) / MR;
@@ -678,28 +860,37 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
       }
       for (int64_t gi = 0; gi < g; ++gi) {
         const int64_t bh = b * H + hk * g + gi;
-        const float* qp = qd + bh * L * Dk;
-        const float* op = od + bh * L * Dv;
-        const float* gp = gd + bh * L * Dv;
+        const T* qp = qd + bh * L * Dk;
+        const T* op = od + bh * L * Dv;
+        const T* gp = gd + bh * L * Dv;
         const float* lp = ld + bh * L;
         for (int64_t r = 0; r < MB; ++r) {
           float* d1 = st.qs.p + r * Dk;
           float* d2 = st.qr.p + r * Dk;
           float* d3 = st.gb.p + r * Dv;
           if (r < mr) {
-            const float* s1 = qp + (i0 + r) * Dk;
-            for (int64_t d = 0; d < Dk; ++d) { d1[d] = s1[d] * sc; d2[d] = s1[d]; }
-            const float* s3 = gp + (i0 + r) * Dv;
-            const float* s4 = op + (i0 + r) * Dv;
+            const T* s1 = qp + (i0 + r) * Dk;
+            if constexpr (LOWP) {
+              load_row<E>(s1, d2, Dk);
+              for (int64_t d = 0; d < Dk; ++d) d1[d] = d2[d] * sc;
+            } else {
+              for (int64_t d = 0; d < Dk; ++d) { d1[d] = s1[d] * sc; d2[d] = s1[d]; }
+            }
+            const T* s3 = gp + (i0 + r) * Dv;
+            const T* s4 = op + (i0 + r) * Dv;
             __m256 acc = _mm256_setzero_ps();
             int64_t d = 0;
             for (; d + 8 <= Dv; d += 8) {
-              const __m256 gg = _mm256_loadu_ps(s3 + d);
+              const __m256 gg = load8<E>(s3 + d);
               _mm256_storeu_ps(d3 + d, gg);
-              acc = _mm256_fmadd_ps(gg, _mm256_loadu_ps(s4 + d), acc);
+              acc = _mm256_fmadd_ps(gg, load8<E>(s4 + d), acc);
             }
             float dsum = hsum(acc);
-            for (; d < Dv; ++d) { d3[d] = s3[d]; dsum += s3[d] * s4[d]; }
+            for (; d < Dv; ++d) {
+              const float gv = load1<E>(s3 + d);
+              d3[d] = gv;
+              dsum += gv * load1<E>(s4 + d);
+            }
             drow[r] = dsum;
             mrow[r] = lp[i0 + r] * log2e;
           } else {
@@ -787,7 +978,7 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
           // ---- dQ += dS K  (K rows in place)
           for (int64_t t = 0; t < ntile; ++t) {
             if (tA[t] > tB[t]) continue;
-            ax_6xD<false>(db + t * MR * SS + (tA[t] - kc0), SS, kp + tA[t] * Dk, Dk,
+            ax_6xD<false>(db + t * MR * SS + (tA[t] - kc0), SS, krows + (tA[t] - krbase) * Dk, Dk,
                           tB[t] - tA[t] + 1, st.ob.p + t * MR * Dk);
           }
           // ---- dV += P^T dO, dK += dS^T Q over 6-key tiles, rows ra..rb: those whose
@@ -805,7 +996,8 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
                          dka + (j - kbase) * Dk);
           }
         }
-        std::copy(st.ob.p, st.ob.p + mr * Dk, dqd + (bh * L + i0) * Dk);
+        if constexpr (LOWP) store_row<E>(st.ob.p, dqd + (bh * L + i0) * Dk, mr * Dk);
+        else std::copy(st.ob.p, st.ob.p + mr * Dk, dqd + (bh * L + i0) * Dk);
       }
     }
     // ---- this item's keys [kfirst, klast] into dk, dv, one stripe at a time
@@ -819,6 +1011,8 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
       float* dvp = dvd + (bk * S + s0) * Dv;
       const float* sv = dva + (s0 - kbase) * Dv;
       for (int64_t e = 0, n = (s1 - s0) * Dv; e < n; ++e) dvp[e] += sv[e];
+      if constexpr (LOWP)
+        if (--pending[bk * nstripe + stripe] == 0) convert_stripe(bk, stripe);
       s0 = s1;
     }
   });
@@ -829,8 +1023,13 @@ static Spans check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Te
                           const at::Tensor& lo, const at::Tensor& hi) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "row-span kernel: q, k, v must be 4-D (B, H, L, D)");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
-                  v.scalar_type() == at::kFloat, "row-span kernel: q, k, v must be float32");
+  const auto dt = q.scalar_type();
+  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf) &&
+                  k.scalar_type() == dt && v.scalar_type() == dt,
+              "row-span kernel: q, k, v must be float32, bfloat16 or float16, all one dtype");
+#ifndef __F16C__
+  TORCH_CHECK(dt != at::kHalf, "row-span kernel: built without F16C, it does not read float16");
+#endif
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
               "row-span kernel: q, k, v must be contiguous");
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2);
@@ -855,7 +1054,16 @@ static Spans check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Te
 
 }  // namespace rowspan
 
-// (out (B, H, L, Dv), lse (B, H, L)) of rows attending keys lo[i]..hi[i].
+// The dtypes q, k, v may have besides float32 (float16 only where built with F16C).
+std::vector<std::string> span_low_dtypes() {
+#ifdef __F16C__
+  return {"bfloat16", "float16"};
+#else
+  return {"bfloat16"};
+#endif
+}
+
+// (out (B, H, L, Dv) in q's dtype, lse (B, H, L) float32) of rows attending keys lo[i]..hi[i].
 std::tuple<at::Tensor, at::Tensor> span_forward(at::Tensor q, at::Tensor k, at::Tensor v,
                                                 at::Tensor lo, at::Tensor hi, double scale) {
   q = q.contiguous(); k = k.contiguous(); v = v.contiguous();
@@ -863,12 +1071,22 @@ std::tuple<at::Tensor, at::Tensor> span_forward(at::Tensor q, at::Tensor k, at::
   const rowspan::Spans sp = rowspan::check_inputs(q, k, v, lo, hi);
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dv = v.size(3);
   auto out = at::empty({B, H, L, Dv}, q.options());
-  auto lse = at::empty({B, H, L}, q.options());
-  if (B * H * L > 0) rowspan::forward_impl(q, k, v, sp, scale, out, lse);
+  auto lse = at::empty({B, H, L}, q.options().dtype(at::kFloat));
+  if (B * H * L > 0) {
+    using rowspan::Dt;
+    switch (q.scalar_type()) {
+      case at::kBFloat16: rowspan::forward_impl<Dt::BF16>(q, k, v, sp, scale, out, lse); break;
+#ifdef __F16C__
+      case at::kHalf: rowspan::forward_impl<Dt::F16>(q, k, v, sp, scale, out, lse); break;
+#endif
+      default: rowspan::forward_impl<Dt::F32>(q, k, v, sp, scale, out, lse); break;
+    }
+  }
   return {out, lse};
 }
 
-// (dq, dk, dv) given the final out and lse; dk, dv summed over each kv head's query heads.
+// (dq, dk, dv) in q's dtype given the final out and lse; dk, dv summed over each kv head's
+// query heads (in float32, converted once at the end for a low-precision dtype).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
     at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out, at::Tensor dout, at::Tensor lse,
     at::Tensor lo, at::Tensor hi, double scale) {
@@ -877,21 +1095,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
   lo = lo.contiguous(); hi = hi.contiguous();
   const rowspan::Spans sp = rowspan::check_inputs(q, k, v, lo, hi);
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dv = v.size(3);
-  TORCH_CHECK(out.scalar_type() == at::kFloat && dout.scalar_type() == at::kFloat &&
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(out.scalar_type() == dt && dout.scalar_type() == dt &&
                   lse.scalar_type() == at::kFloat && out.is_contiguous() &&
                   dout.is_contiguous() && lse.is_contiguous(),
-              "row-span kernel: out, dout, lse must be contiguous float32");
+              "row-span kernel: out, dout must be contiguous in q's dtype, lse float32");
   TORCH_CHECK(out.dim() == 4 && out.size(0) == B && out.size(1) == H && out.size(2) == L &&
                   out.size(3) == Dv && dout.sizes() == out.sizes(),
               "row-span kernel: out and dout must be (B, H, L, Dv)");
   TORCH_CHECK(lse.dim() == 3 && lse.size(0) == B && lse.size(1) == H && lse.size(2) == L,
               "row-span kernel: lse must be (B, H, L)");
   auto dq = at::empty(q.sizes(), q.options());
-  auto dk = at::zeros(k.sizes(), k.options());
-  auto dv = at::zeros(v.sizes(), v.options());
-  if (B * H * L > 0 && k.size(2) > 0)
-    rowspan::backward_impl(q, k, v, out, dout, lse, sp, scale, dq, dk, dv);
-  else
+  auto f32 = k.options().dtype(at::kFloat);
+  auto dk = at::zeros(k.sizes(), f32);  // the float32 sums
+  auto dv = at::zeros(v.sizes(), f32);
+  if (!(B * H * L > 0 && k.size(2) > 0)) {
     dq.zero_();
-  return {dq, dk, dv};
+    return {dq, dk.to(dt), dv.to(dt)};
+  }
+  using rowspan::Dt;
+  at::Tensor none;
+  if (dt == at::kFloat) {
+    rowspan::backward_impl<Dt::F32>(q, k, v, out, dout, lse, sp, scale, dq, dk, dv, none, none);
+    return {dq, dk, dv};
+  }
+  auto dk_low = at::empty(k.sizes(), k.options());
+  auto dv_low = at::empty(v.sizes(), v.options());
+  if (dt == at::kBFloat16)
+    rowspan::backward_impl<Dt::BF16>(q, k, v, out, dout, lse, sp, scale, dq, dk, dv, dk_low,
+                                     dv_low);
+#ifdef __F16C__
+  else
+    rowspan::backward_impl<Dt::F16>(q, k, v, out, dout, lse, sp, scale, dq, dk, dv, dk_low,
+                                    dv_low);
+#endif
+  return {dq, dk_low, dv_low};
 }
