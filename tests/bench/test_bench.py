@@ -544,9 +544,9 @@ def test_help_time_estimates_agree_with_the_docs() -> None:
     docs = " ".join(docs.split())
     command = typer.main.get_command(app).commands["bench"]  # type: ignore[attr-defined]
     options = {p.name: " ".join((getattr(p, "help", None) or "").split()) for p in command.params}
-    default = re.search(r"(\d+ to \d+ minutes) on this 2-core machine", docs)
-    assert default is not None
-    assert f"{default.group(1)} on a 2-core machine" in " ".join(command.help.split())
+    default = re.search(r"(\d+(?: to \d+)? minutes) on this 2-core machine", docs)
+    assert default is not None, "docs/benchmarks.md no longer says how long the default run takes"
+    assert f"about {default.group(1)} on a quiet 2-core machine" in " ".join(command.help.split())
     assert "`--quick` is a one-minute smoke run" in docs
     assert options["quick"].startswith("a smoke run of about a minute")
     assert "with every peer (hours)" in docs
