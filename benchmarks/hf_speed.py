@@ -23,6 +23,12 @@ order flipped every round, median of ``--reps`` rounds, after one untimed call o
   set just before it. This sees everything the process holds, torch's allocations included
   (``tracemalloc`` would not see them); it is Linux-only.
 
+**The ceiling**: a third copy of the model, ``none``, has its attention replaced by a
+pass-through (each query position gets its own position's values, repeated over the query heads
+of a key/value head: no scores, no softmax, almost no time) and is timed in the same rounds. No
+attention implementation can make a step faster than sdpa's time over ``none``'s: that is the
+most any kernel could gain on this model, printed under the table.
+
 It checks the two models agree (the untimed calls: logits, loss, gradients), and records which
 attnkit backend and path served each attention layer: ``attnkit.trace()`` on the untimed call,
 and ``attnkit.explain`` on the exact arguments a layer passes (one more untimed forward through
@@ -56,6 +62,7 @@ import attnkit.interop
 from attnkit.bench.machine import describe_features, machine
 
 IMPLS = ("sdpa", "attnkit")
+NONE = "attnkit_none"  # the reference model with its attention taken out (the ceiling)
 MODEL = {
     "vocab_size": 1024,
     "hidden_size": 512,
@@ -84,6 +91,8 @@ def build(impl: str, max_len: int) -> torch.nn.Module:
     import transformers
 
     attnkit.interop.register_hf()
+    if impl == NONE:
+        _register_none()
     config = transformers.MistralConfig(
         **MODEL, max_position_embeddings=max(max_len, 4096), use_cache=False
     )
@@ -93,6 +102,27 @@ def build(impl: str, max_len: int) -> torch.nn.Module:
     )
     model.requires_grad_(True)
     return model  # type: ignore[no-any-return]
+
+
+def no_attention(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kw: Any
+) -> tuple[torch.Tensor, None]:
+    """An "attention" function that does none: query position ``i`` gets value ``i`` (repeated
+    over the query heads of its key/value head), ``(B, L, H, D)`` as transformers expects. The
+    model around it (projections, RoPE, MLP, norms, logits, loss) runs as usual, forward and
+    backward, so timing it gives what the model costs without attention."""
+    H, Hkv = query.shape[1], value.shape[1]
+    return value.repeat_interleave(H // Hkv, dim=1).transpose(1, 2), None
+
+
+def _register_none() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from attnkit.interop.hf_attention import hf_mask
+
+    AttentionInterface.register(NONE, no_attention)
+    AttentionMaskInterface.register(NONE, hf_mask)  # a spec: cheap, and unused
 
 
 def input_ids(L: int) -> torch.Tensor:
@@ -246,7 +276,7 @@ def interleaved(
     the seconds of each call spent inside the attention functions (forward calls only)."""
     times: dict[str, list[float]] = {name: [] for name in calls}
     inside: dict[str, list[float]] = {name: [] for name in calls}
-    spent = dict.fromkeys(IMPLS, 0.0)
+    spent = dict.fromkeys(calls, 0.0)
     names = list(calls)
     with attention_clock(spent):
         for r in range(reps):
@@ -266,6 +296,8 @@ def run(L_fwd: int, L_train: int, reps: int, memory: bool) -> dict[str, Any]:
     info["transformers"] = transformers.__version__
     models = {impl: build(impl, max(L_fwd, L_train)) for impl in IMPLS}
     models["attnkit"].load_state_dict(models["sdpa"].state_dict())
+    models[NONE] = build(NONE, max(L_fwd, L_train))
+    models[NONE].load_state_dict(models["sdpa"].state_dict())
     lengths = {"fwd": L_fwd, "train": L_train}
     result: dict[str, Any] = {
         "machine": info,
@@ -278,6 +310,7 @@ def run(L_fwd: int, L_train: int, reps: int, memory: bool) -> dict[str, Any]:
         "attnkit_path": {},
         "peak_mib": {},
         "attention_ms": {},
+        "no_attention_ms": {},
     }
     for step, L in lengths.items():
         ids = input_ids(L)
@@ -297,12 +330,14 @@ def run(L_fwd: int, L_train: int, reps: int, memory: bool) -> dict[str, Any]:
             )
         result["checks"][step] = checks
         result["attnkit_path"][step] = explain_layers(models["attnkit"], ids)
+        STEPS[step](models[NONE], ids)  # its untimed first call too
         times, inside = interleaved(
-            {i: functools.partial(STEPS[step], models[i], ids) for i in IMPLS}, reps
+            {i: functools.partial(STEPS[step], models[i], ids) for i in (*IMPLS, NONE)}, reps
         )
+        result["no_attention_ms"][step] = statistics.median(s * 1e3 for s in times.pop(NONE))
         result["times_ms"][step] = {k: [s * 1e3 for s in v] for k, v in times.items()}
         result["attention_ms"][step] = {
-            k: statistics.median(s * 1e3 for s in v) for k, v in inside.items()
+            k: statistics.median(s * 1e3 for s in v) for k, v in inside.items() if k in IMPLS
         }
         result["median_ms"][step] = {
             k: statistics.median(v) for k, v in result["times_ms"][step].items()
@@ -394,21 +429,31 @@ def report(result: dict[str, Any]) -> str:
             f"Lengths {L['fwd']} / {L['train']} are not the issue's {ISSUE_LENGTHS[0]} / "
             f"{ISSUE_LENGTHS[1]}: these verdicts do not judge it.",
         ]
-    att = result["attention_ms"].get("fwd")
-    if att:
-        med = result["median_ms"]["fwd"]
-        rest = {i: med[i] - att[i] for i in IMPLS}
-        ceiling = (att["sdpa"] + rest["sdpa"]) / rest["attnkit"]
+    none = result.get("no_attention_ms", {})
+    if none:
         lines += [
             "",
-            f"Where the forward's time goes (medians, ms): inside the attention functions sdpa "
-            f"{att['sdpa']:,.1f}, attnkit {att['attnkit']:,.1f} "
-            f"({att['sdpa'] / max(att['attnkit'], 1e-9):.1f}x); the rest of the model (embedding, "
-            f"projections, RoPE, MLP, norms, logits, transformers' mask) sdpa "
-            f"{rest['sdpa']:,.1f}, attnkit {rest['attnkit']:,.1f}. Even attention in no time at "
-            f"all would make the whole forward at most {ceiling:.2f}x faster than sdpa's "
-            "(the backward's attention time is not separated: transformers' layers call "
-            "attention forward only).",
+            "The ceiling: the same model with its attention taken out (`none`, timed in the same "
+            "rounds; see the program's docstring):",
+            "",
+        ]
+        for step in (s for s in names if s in none):
+            med, base = result["median_ms"][step], none[step]
+            ours, theirs = med["attnkit"] - base, med["sdpa"] - base
+            lines.append(
+                f"- {names[step].split(':')[0]}: {base:,.1f} ms without attention, so no "
+                f"attention implementation can make it more than {med['sdpa'] / base:.2f}x "
+                f"faster than sdpa's {med['sdpa']:,.1f} ms; attention adds {ours:,.1f} ms on "
+                f"attnkit, {theirs:,.1f} ms on sdpa ({theirs / max(ours, 1e-9):.1f}x)."
+            )
+    att = result["attention_ms"].get("fwd")
+    if att:
+        lines += [
+            "",
+            f"Inside the attention functions during the forward (medians, ms; transformers' "
+            f"layers call attention forward only, so the backward's share is in the ceiling "
+            f"line above): sdpa {att['sdpa']:,.1f}, attnkit {att['attnkit']:,.1f} "
+            f"({att['sdpa'] / max(att['attnkit'], 1e-9):.1f}x).",
         ]
     c = result["checks"]
     lines += [

@@ -84,15 +84,38 @@ def test_a_tiny_run_prints_the_table_and_both_models_agree(tmp_path: Path) -> No
         for impl in ("attnkit", "sdpa"):
             inside = result["attention_ms"][step][impl]
             assert 0 < inside < max(result["times_ms"][step][impl])
-    assert "Where the forward's time goes (medians, ms): inside the attention functions" in (
-        out.stdout
-    )
+    assert "Inside the attention functions during the forward (medians, ms;" in out.stdout
+    for step, name in (("fwd", "forward, L=300"), ("train", "training step, L=280")):
+        # the ceiling: the model without attention, timed in the same rounds; no faster than
+        # its attention-free part
+        base, sdpa = result["no_attention_ms"][step], result["median_ms"][step]["sdpa"]
+        assert base > 0
+        line = next(ln for ln in lines if ln.startswith(f"- {name}") and "without attention" in ln)
+        assert f"{base:,.1f} ms without attention" in line
+        assert f"more than {sdpa / base:.2f}x faster than sdpa's {sdpa:,.1f} ms" in line
 
     text = doc.read_text()
     assert text.startswith("# prose\n<!-- hf_speed: start -->\n**Machine:** ")
     assert text.endswith("<!-- hf_speed: end -->\ntail\n")
     assert "old" not in text
     assert "| forward, L=300 (no_grad): median ms |" in text
+
+
+def test_the_attention_free_reference_passes_values_through() -> None:
+    """The ceiling's model: query i gets value i, repeated over the query heads of its group."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import hf_speed
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    import torch
+
+    q, v = torch.randn(2, 8, 5, 4), torch.randn(2, 2, 5, 4)
+    out, weights = hf_speed.no_attention(None, q, v, v, None)
+    assert weights is None
+    assert out.shape == (2, 5, 8, 4)  # (B, L, H, D), as transformers expects
+    assert torch.equal(out[:, :, 3], v[:, 0])
+    assert torch.equal(out[:, :, 4], v[:, 1])
 
 
 @pytest.mark.parametrize(
