@@ -164,25 +164,12 @@ def explain_layers(model: torch.nn.Module, ids: torch.Tensor) -> list[str]:
 
     # the mapping from what a layer passes to attention()'s arguments: attnkit's own, so the
     # explained call is the one that runs
-    from attnkit.interop.hf_attention import _mask_and_causal, hf_attention, hf_mask
+    from attnkit.interop.hf_attention import attention_arguments, hf_attention, hf_mask
 
     seen: list[str] = []
 
     def probe(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kw: Any) -> Any:
-        mask, causal = _mask_and_causal(
-            module, attention_mask, kw.get("is_causal"), kw.get("sliding_window")
-        )
-        e = attnkit.explain(
-            query,
-            key,
-            value,
-            mask=mask,
-            causal=causal,
-            scale=kw.get("scaling"),
-            dropout_p=kw.get("dropout", 0.0),
-            softcap=kw.get("softcap"),
-            sinks=kw.get("s_aux"),
-        )
+        e = attnkit.explain(query, key, value, **attention_arguments(module, attention_mask, **kw))
         seen.append(f"{e.chosen}: {e.notes.get(e.chosen, e.rule)}")
         return hf_attention(module, query, key, value, attention_mask, **kw)
 

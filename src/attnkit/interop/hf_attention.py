@@ -46,7 +46,14 @@ from attnkit.errors import AttentionInputError
 from attnkit.functional import attention
 from attnkit.masks import MaskSpec, causal, key_mask, sliding_window
 
-__all__ = ["SPEC_MODEL_TYPES", "SUPPORTED", "hf_attention", "hf_mask", "register_hf"]
+__all__ = [
+    "SPEC_MODEL_TYPES",
+    "SUPPORTED",
+    "attention_arguments",
+    "hf_attention",
+    "hf_mask",
+    "register_hf",
+]
 
 WHERE = "attnkit.interop.register_hf"
 #: the transformers versions whose mask and attention interfaces attnkit uses (the `hf` extra)
@@ -353,6 +360,36 @@ def _mask_and_causal(
     return None, causal_flag
 
 
+def attention_arguments(
+    module: nn.Module,
+    attention_mask: MaskSpec | torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """The keyword arguments :func:`attnkit.attention` (or :func:`attnkit.explain`) gets for
+    one layer's call, as :func:`hf_attention` passes them: ``mask``, ``causal``, ``scale``,
+    ``dropout_p``, ``softcap`` and ``sinks``. Arguments as for :func:`hf_attention`; a model
+    feature attnkit does not compute raises :class:`~attnkit.AttentionInputError`.
+
+    >>> import torch.nn as nn
+    >>> attention_arguments(nn.Module(), None, is_causal=True, sliding_window=4)["causal"]
+    True
+    """
+    _refuse(module, kwargs)
+    mask, causal_flag = _mask_and_causal(module, attention_mask, is_causal, sliding_window)
+    return {
+        "mask": mask,
+        "causal": causal_flag,
+        "scale": scaling,
+        "dropout_p": dropout,
+        "softcap": kwargs.get("softcap"),
+        "sinks": kwargs.get("s_aux"),
+    }
+
+
 def hf_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -386,19 +423,12 @@ def hf_attention(
     Returns:
         ``(output (B, L, H, D) contiguous, weights (B, H, L, S) or None)``.
     """
-    _refuse(module, kwargs)
-    mask, causal_flag = _mask_and_causal(module, attention_mask, is_causal, sliding_window)
+    common = attention_arguments(
+        module, attention_mask, dropout, scaling, is_causal, sliding_window, **kwargs
+    )
     want = kwargs.get("output_attentions")
     if want is None:
         want = getattr(getattr(module, "config", None), "output_attentions", False)
-    common: dict[str, Any] = {
-        "mask": mask,
-        "causal": causal_flag,
-        "scale": scaling,
-        "dropout_p": dropout,
-        "softcap": kwargs.get("softcap"),
-        "sinks": kwargs.get("s_aux"),
-    }
     weights = None
     if want:
         out, weights = attention(query, key, value, return_weights=True, **common)
