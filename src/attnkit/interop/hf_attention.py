@@ -396,10 +396,6 @@ def hf_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: MaskSpec | torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    sliding_window: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' attention interface, on :func:`attnkit.attention`.
@@ -411,21 +407,20 @@ def hf_attention(
         attention_mask: what :func:`hf_mask` returned (a spec, or a bool mask ``(B, 1, L,
             S)``, True = may attend), a mask the caller built (bool, or float added to the
             scores), or ``None`` (then ``is_causal``, else ``module.is_causal``, decides).
-        dropout: on the weights; models pass 0 outside training.
-        scaling: multiplies ``q @ k^T`` (default ``1 / sqrt(D)``).
-        sliding_window: used only with no mask (the mask holds the window otherwise).
-        **kwargs: ``output_attentions`` (else ``module.config.output_attentions``) asks for
-            the weights; ``softcap`` (Gemma 2's logit soft-cap) and ``s_aux`` (gpt-oss's
-            attention sinks, ``(H,)``) go to :func:`attnkit.attention` as ``softcap`` and
-            ``sinks``. ``position_bias`` raises :class:`~attnkit.AttentionInputError`: attnkit
+        **kwargs: what the layer passes by keyword, read by :func:`attention_arguments`:
+            ``dropout`` (on the weights; models pass 0 outside training), ``scaling``
+            (multiplies ``q @ k^T``; default ``1 / sqrt(D)``), ``is_causal``,
+            ``sliding_window`` (used only with no mask: the mask holds the window otherwise),
+            ``softcap`` (Gemma 2's logit soft-cap) and ``s_aux`` (gpt-oss's attention sinks,
+            ``(H,)``), which go to :func:`attnkit.attention` as ``softcap`` and ``sinks``;
+            ``output_attentions`` (else ``module.config.output_attentions``) asks for the
+            weights. ``position_bias`` raises :class:`~attnkit.AttentionInputError`: attnkit
             does not compute it yet.
 
     Returns:
         ``(output (B, L, H, D) contiguous, weights (B, H, L, S) or None)``.
     """
-    common = attention_arguments(
-        module, attention_mask, dropout, scaling, is_causal, sliding_window, **kwargs
-    )
+    common = attention_arguments(module, attention_mask, **kwargs)
     want = kwargs.get("output_attentions")
     if want is None:
         want = getattr(getattr(module, "config", None), "output_attentions", False)
