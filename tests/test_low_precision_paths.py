@@ -148,8 +148,9 @@ def _spec_kinds(B: int, H: int, L: int) -> dict[str, MaskSpec]:
 
 
 KINDS = list(_spec_kinds(2, 4, 200))
-#: a mask the row-span kernel does not serve (a bias), so fp32-upcast converts (2 heads)
-CONVERTS = masks.alibi(2) & masks.causal()
+#: a mask the row-span kernel does not serve (a ``~``, which row_spans does not read), so
+#: fp32-upcast converts
+CONVERTS = masks.causal() & ~masks.sliding_window(4)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -277,12 +278,12 @@ def test_fp32_upcast_calls_the_kernel_does_not_serve_still_convert(
     conversions: list[tuple[torch.dtype, ...]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A mask that is not one run of keys per row (ALiBi's bias) goes to the tiles on float32
+    """A mask the row-span kernel does not serve (``CONVERTS``) goes to the tiles on float32
     copies, as before; so does float16 where the kernel was built without F16C, which then
     runs the kernel on the float32 copies."""
     use_path(monkeypatch, "fp32-upcast", dtype)
     q, k, v = (torch.randn(1, 2, 96, 16).to(dtype).requires_grad_(True) for _ in range(3))
-    spec = masks.alibi(2) & masks.causal()
+    spec = CONVERTS
     out = attnkit.attention(q, k, v, mask=spec, backend="blocked")
     out.backward(torch.ones_like(out))
     assert kernel_calls == []
@@ -490,7 +491,7 @@ def test_the_reused_conversion_buffer_never_leaks_between_calls(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """fp32-upcast converts into one buffer per thread (for calls the row-span kernel does not
-    read directly: ALiBi's bias here): a second call between a forward and its backward
+    read directly: ``CONVERTS`` here): a second call between a forward and its backward
     overwrites it, and neither the first output nor its gradients change."""
     use_path(monkeypatch, "fp32-upcast", torch.bfloat16)
     spec = CONVERTS & masks.sliding_window(24)

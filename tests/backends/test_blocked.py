@@ -431,8 +431,8 @@ def test_named_blocked_refuses_what_it_cannot_serve(
 
 def test_auto_takes_blocked_for_specs_and_explain_says_which_rule_fired() -> None:
     q = torch.randn(1, 2, 256, 16)
-    # a window with a score bias: not only runs of keys (those are the row-span kernel's)
-    spec = masks.sliding_window(32) & masks.alibi(2)
+    # a mask the row-span kernel does not serve (row_spans does not read ``~``): tiles
+    spec = masks.causal() & ~masks.sliding_window(4)
     report = attnkit.explain(q, q, q, mask=spec)
     assert report.chosen == "blocked"
     text = str(report)

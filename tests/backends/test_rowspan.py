@@ -22,11 +22,13 @@ from attnkit import cpu, masks
 from attnkit.backends import blocked
 from attnkit.backends.blocked import rowspan
 from attnkit.backends.blocked.tiles import merge
-from attnkit.masks import alibi, row_spans
+from attnkit.masks import alibi, alibi_slopes, row_spans, split_alibi
 from oracle import reference_attention
 from strategies import span_specs, specs
 
 NINF = -math.inf
+#: the kernel's score modifiers, none: soft-cap 0, no ALiBi slopes, d0 0
+NO_MODS = (0.0, torch.empty(0), 0)
 
 
 def _allowed(lo: torch.Tensor, hi: torch.Tensor, S: int) -> torch.Tensor:
@@ -35,12 +37,33 @@ def _allowed(lo: torch.Tensor, hi: torch.Tensor, S: int) -> torch.Tensor:
     return ((j >= lo[:, :, None]) & (j <= hi[:, :, None]))[:, None]
 
 
-def _lse(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
-    """float64 log-sum-exp ``(B, H, L)`` over the allowed keys (``-inf`` where none)."""
+def _with_alibi(allowed: torch.Tensor, slopes: torch.Tensor, d0: int) -> torch.Tensor:
+    """``allowed`` as the oracle's float64 mask ``(B', H, L, S)`` with ALiBi's bias
+    ``-slope_h |i + d0 - j|`` where allowed (``-inf`` elsewhere); as it is without slopes."""
+    if slopes.numel() == 0:
+        return allowed
+    L, S = allowed.shape[-2:]
+    i, j = torch.arange(L)[:, None], torch.arange(S)[None, :]
+    bias = -slopes.double()[:, None, None] * (i + d0 - j).abs()  # (H, L, S)
+    return torch.where(allowed, bias[None], NINF)
+
+
+def _lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """float64 log-sum-exp ``(B, H, L)`` over the allowed keys (``-inf`` where none): ``mask``
+    bool (True = allowed) or float (added to the soft-capped scores)."""
     g = q.shape[1] // k.shape[1]
     kk = k.double().repeat_interleave(g, dim=1)
     s = (q.double() @ kk.transpose(-1, -2)) * scale
-    return torch.logsumexp(s.masked_fill(~allowed, NINF), dim=-1)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s + mask if mask.is_floating_point() else s.masked_fill(~mask, NINF)
+    return torch.logsumexp(s, dim=-1)
 
 
 def _grads(
@@ -50,10 +73,11 @@ def _grads(
     allowed: torch.Tensor,
     scale: float,
     g: torch.Tensor,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The oracle's output and its float64 gradients of ``sum(out * g)``."""
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    out, _ = reference_attention(*leaves, mask=allowed, scale=scale)
+    out, _ = reference_attention(*leaves, mask=allowed, scale=scale, softcap=softcap)
     (out * g.double()).sum().backward()
     return out.detach(), [t.grad for t in leaves if t.grad is not None]
 
@@ -86,7 +110,19 @@ def _monotone_runs(draw: st.DrawFn, rows: int, L: int, S: int) -> tuple[torch.Te
     return lo, hi
 
 
-@settings(max_examples=40, deadline=None)
+@st.composite
+def _mods(draw: st.DrawFn, H: int, L: int, S: int) -> tuple[float, torch.Tensor, int]:
+    """The kernel's score modifiers ``(softcap, slopes, d0)``: no soft-cap (0) or one from 0.5
+    (most scores saturate) to 20, no ALiBi or the slopes of ``H`` heads (times 4 too, so the
+    bias matters at these lengths), and where row 0 stands among the keys."""
+    cap = draw(st.sampled_from([0.0, 0.0, 0.5, 2.0, 20.0]))
+    slopes = torch.empty(0)
+    if draw(st.booleans()):
+        slopes = (alibi_slopes(H) * draw(st.sampled_from([1.0, 4.0]))).float()
+    return cap, slopes, draw(st.integers(-L, S))
+
+
+@settings(max_examples=60, deadline=None)
 @given(
     B=st.integers(1, 2),
     Hkv=st.integers(1, 2),
@@ -109,11 +145,13 @@ def test_the_kernel_on_any_runs_equals_the_float64_oracle(
     v = torch.randn(B, Hkv, S, Dv, generator=gen)
     dout = torch.randn(B, H, L, Dv, generator=gen)
     scale = Dk**-0.5
-    out, lse = rowspan.kernel().span_forward(q, k, v, lo, hi, scale)
-    dq, dk, dv = rowspan.kernel().span_backward(q, k, v, out, dout, lse, lo, hi, scale)
-    allowed = _allowed(lo, hi, S)
-    want, grads = _grads(q, k, v, allowed, scale, dout)
-    want_lse = _lse(q, k, allowed, scale)
+    mods = data.draw(_mods(H, L, S))  # soft-cap and ALiBi, computed in the kernel
+    cap = mods[0] or None
+    out, lse = rowspan.kernel().span_forward(q, k, v, lo, hi, scale, *mods)
+    dq, dk, dv = rowspan.kernel().span_backward(q, k, v, out, dout, lse, lo, hi, scale, *mods)
+    allowed = _with_alibi(_allowed(lo, hi, S), *mods[1:])
+    want, grads = _grads(q, k, v, allowed, scale, dout, cap)
+    want_lse = _lse(q, k, allowed, scale, cap)
     assert out.shape == (B, H, L, Dv)
     assert lse.shape == (B, H, L)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
@@ -171,15 +209,17 @@ def test_the_kernel_reads_bf16_and_fp16_directly_and_equals_the_float64_oracle(
     v = torch.randn(B, Hkv, S, Dv, generator=gen).to(dtype)
     dout = torch.randn(B, H, L, Dv, generator=gen).to(dtype)
     scale = Dk**-0.5
-    out, lse = rowspan.kernel().span_forward(q, k, v, lo, hi, scale)
-    dq, dk, dv = rowspan.kernel().span_backward(q, k, v, out, dout, lse, lo, hi, scale)
+    mods = data.draw(_mods(H, L, S))
+    cap = mods[0] or None
+    out, lse = rowspan.kernel().span_forward(q, k, v, lo, hi, scale, *mods)
+    dq, dk, dv = rowspan.kernel().span_backward(q, k, v, out, dout, lse, lo, hi, scale, *mods)
     assert out.dtype == dq.dtype == dk.dtype == dv.dtype == dtype
     assert lse.dtype == torch.float32
     assert (out.shape, lse.shape) == ((B, H, L, Dv), (B, H, L))
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
-    allowed = _allowed(lo, hi, S)
-    want, grads = _grads(q, k, v, allowed, scale, dout)
-    want_lse = _lse(q, k, allowed, scale)
+    allowed = _with_alibi(_allowed(lo, hi, S), *mods[1:])
+    want, grads = _grads(q, k, v, allowed, scale, dout, cap)
+    want_lse = _lse(q, k, allowed, scale, cap)
     assert _close(out, want, RTOL[dtype])
     assert _lse_close(lse, want_lse)
     live = want_lse > NINF
@@ -189,8 +229,10 @@ def test_the_kernel_reads_bf16_and_fp16_directly_and_equals_the_float64_oracle(
         assert not bool(got.isnan().any())
         assert _close(got, ref, RTOL[dtype])
     f32 = [t.float() for t in (q, k, v)]
-    out32, lse32 = rowspan.kernel().span_forward(*f32, lo, hi, scale)
-    dq32 = rowspan.kernel().span_backward(*f32, out.float(), dout.float(), lse, lo, hi, scale)[0]
+    out32, lse32 = rowspan.kernel().span_forward(*f32, lo, hi, scale, *mods)
+    dq32 = rowspan.kernel().span_backward(
+        *f32, out.float(), dout.float(), lse, lo, hi, scale, *mods
+    )[0]
     assert torch.equal(out, out32.to(dtype))
     assert torch.equal(lse, lse32)
     assert torch.equal(dq, dq32.to(dtype))
@@ -200,10 +242,10 @@ def test_the_kernel_refuses_mixed_dtypes() -> None:
     q = torch.randn(1, 1, 4, 8)
     lo, hi = torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None]
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16, all one dtype"):
-        rowspan.kernel().span_forward(q.bfloat16(), q, q, lo, hi, 1.0)
-    out, lse = rowspan.kernel().span_forward(q, q, q, lo, hi, 1.0)
+        rowspan.kernel().span_forward(q.bfloat16(), q, q, lo, hi, 1.0, *NO_MODS)
+    out, lse = rowspan.kernel().span_forward(q, q, q, lo, hi, 1.0, *NO_MODS)
     with pytest.raises(RuntimeError, match="out, dout must be contiguous in q's dtype"):
-        rowspan.kernel().span_backward(q, q, q, out.bfloat16(), out, lse, lo, hi, 1.0)
+        rowspan.kernel().span_backward(q, q, q, out.bfloat16(), out, lse, lo, hi, 1.0, *NO_MODS)
 
 
 def test_the_plan_reads_low_precision_only_for_a_caller_that_takes_it_back() -> None:
@@ -245,23 +287,28 @@ def test_the_plan_reads_low_precision_only_for_a_caller_that_takes_it_back() -> 
 def test_every_interval_spec_runs_in_the_kernel_and_equals_the_oracle(
     B: int, Hkv: int, group: int, L: int, S: int, Dv: int, data: Any
 ) -> None:
-    spec = data.draw(span_specs(B, L, S))
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    """Every interval spec, ``&`` ALiBi or not, soft-capped or not, grouped-query heads, Dk !=
+    Dv: the kernel serves it, forward and backward, and equals the float64 oracle."""
     H = Hkv * group
+    spec = data.draw(span_specs(B, L, S))
+    if data.draw(st.booleans()):
+        spec = alibi(H) & spec if data.draw(st.booleans()) else spec & alibi(H)
+    softcap = data.draw(st.sampled_from([None, None, 1.0, 10.0]))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     q = torch.randn(B, H, L, 16, generator=gen)
     k = torch.randn(B, Hkv, S, 16, generator=gen)
     v = torch.randn(B, Hkv, S, Dv, generator=gen)
     dout = torch.randn(B, H, L, Dv, generator=gen)
-    plan = blocked.plan_blocks(q, k, v, spec)
+    plan = blocked.plan_blocks(q, k, v, spec, softcap=softcap)
     assert plan.spans.serves, (spec, plan.spans.reason)
     out, lse = blocked.forward_with_lse(q, k, v, mask=spec, scale=0.25, plan=plan)
-    allowed = spec.to_dense(L, S)
-    want, grads = _grads(q, k, v, allowed, 0.25, dout)
-    want_lse = _lse(q, k, allowed, 0.25)
+    allowed = spec.to_dense(L, S, dtype=torch.float64)
+    want, grads = _grads(q, k, v, allowed, 0.25, dout, softcap)
+    want_lse = _lse(q, k, allowed, 0.25, softcap)
     assert _close(out, want, 1e-5)
     assert _lse_close(lse, want_lse)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    got = attnkit.attention(*leaves, mask=spec, scale=0.25, backend="blocked")
+    got = attnkit.attention(*leaves, mask=spec, scale=0.25, softcap=softcap, backend="blocked")
     (got * dout).sum().backward()
     assert torch.equal(got.detach(), out)
     for leaf, ref in zip(leaves, grads, strict=True):
@@ -323,9 +370,13 @@ def test_blocks_at_global_offsets_merge_to_the_whole_attention(
     L: int, S: int, group: int, data: Any
 ) -> None:
     """Ring attention's use: a slice of queries against two slices of keys, each block at its
-    global positions, merged by log-sum-exp, then each block's backward from the merged lse."""
+    global positions, merged by log-sum-exp, then each block's backward from the merged lse;
+    with ALiBi (its distances are global) and a soft-cap too."""
     B = 2
     spec = data.draw(span_specs(B, L, S))
+    if data.draw(st.booleans()):
+        spec = alibi(2 * group) & spec
+    softcap = data.draw(st.sampled_from([None, 2.0]))
     a = data.draw(st.integers(0, L - 1))
     b = data.draw(st.integers(a + 1, L))
     c = data.draw(st.integers(1, S - 1))
@@ -337,7 +388,8 @@ def test_blocks_at_global_offsets_merge_to_the_whole_attention(
     parts = [(0, k[:, :, :c], v[:, :, :c]), (c, k[:, :, c:], v[:, :, c:])]
     at = [blocked.BlockAt(a, ks, L, S) for ks, _, _ in parts]
     plans = [
-        blocked.plan_blocks(qs, kk, vv, spec, w) for (_, kk, vv), w in zip(parts, at, strict=True)
+        blocked.plan_blocks(qs, kk, vv, spec, w, softcap)
+        for (_, kk, vv), w in zip(parts, at, strict=True)
     ]
     assert all(p.spans.serves for p in plans)
     res = [
@@ -346,8 +398,8 @@ def test_blocks_at_global_offsets_merge_to_the_whole_attention(
     ]
     out, lse = res[0]
     merge(out, lse, *res[1])  # in place, into the first block's result
-    allowed = spec.to_dense(L, S)[:, :, a:b]
-    want, grads = _grads(qs, k, v, allowed, 0.25, dout)
+    allowed = spec.to_dense(L, S, dtype=torch.float64)[:, :, a:b]
+    want, grads = _grads(qs, k, v, allowed, 0.25, dout, softcap)
     assert _close(out, want, 1e-5)
     dq = torch.zeros_like(qs)
     dks, dvs = [], []
@@ -399,7 +451,7 @@ def test_the_kernel_refuses_runs_out_of_order() -> None:
     lo = torch.tensor([[0, 2, 1, 3]])
     hi = torch.tensor([[0, 2, 2, 3]])
     with pytest.raises(RuntimeError, match="non-decreasing along the rows"):
-        rowspan.kernel().span_forward(q, q, q, lo, hi, 1.0)
+        rowspan.kernel().span_forward(q, q, q, lo, hi, 1.0, *NO_MODS)
 
 
 @pytest.mark.parametrize(
@@ -473,7 +525,7 @@ def test_calls_the_kernel_does_not_serve_go_to_torchs_kernel(
     monkeypatch.setenv("ATTNKIT_CPU_PATH", "torch")
     attnkit.attention(bf, bf, bf, mask=spec, backend="blocked")
     attnkit.attention(q, q, q, mask=masks.key_mask(holes), backend="blocked")
-    attnkit.attention(q, q, q, mask=spec & alibi(4), backend="blocked")
+    attnkit.attention(q, q, q, mask=spec & alibi(4) & alibi(4), backend="blocked")  # two biases
     got = attnkit.attention(q, q, q, mask=crossing, backend="blocked")
     assert calls == []
     want, _ = reference_attention(q, q, q, mask=crossing.to_dense(64, 64))
@@ -543,3 +595,27 @@ def test_auto_takes_the_kernel_for_plain_causal_calls_where_it_was_measured_fast
         report = attnkit.explain(half, half, half, causal=True)
         assert report.chosen == "blocked"
         assert "causal on CPU (torch.bfloat16, read directly)" in report.rule
+
+
+def test_alibi_is_split_from_its_rule_and_the_kernel_runs_both() -> None:
+    spec = masks.causal() & alibi(4) & masks.sliding_window(3)
+    parts = split_alibi(spec)
+    assert parts is not None
+    assert torch.equal(parts[0], alibi_slopes(4))
+    assert repr(parts[1]) == "causal() & sliding_window(3)"
+    assert split_alibi(alibi(2)) is not None
+    assert split_alibi(alibi(2))[1] is None  # type: ignore[index]  # every pair: one full run
+    for other in (
+        masks.causal(),
+        alibi(2) & alibi(2),
+        (alibi(4) & masks.causal()).select_heads(1, 3),
+    ):
+        assert split_alibi(other) is None
+    q = torch.randn(1, 4, 64, 16)
+    note = attnkit.explain(q, q, q, mask=alibi(4) & masks.causal(), backend="blocked")
+    assert note.notes["blocked"].startswith(
+        "row spans of alibi(4) & causal(): forward and backward run attnkit's AVX2 row-span kernel"
+    )
+    wrong = blocked.plan_blocks(q, q, q, alibi(2) & masks.causal()).spans
+    assert not wrong.serves
+    assert wrong.reason == "alibi(2) & causal() has 2 ALiBi slopes for 4 heads"

@@ -41,7 +41,7 @@ refuses, before allocating, a dense form above attnkit's memory limit (:mod:`att
 ``dense_bytes`` says what it would take).
 """
 
-from attnkit.masks.alibi import alibi, alibi_slopes
+from attnkit.masks.alibi import alibi, alibi_slopes, split_alibi
 from attnkit.masks.dense import DenseMask
 from attnkit.masks.normalize import as_spec
 from attnkit.masks.rules import (
@@ -81,5 +81,6 @@ __all__ = [
     "row_spans",
     "sequence_causal",
     "sliding_window",
+    "split_alibi",
     "tensor_key",
 ]

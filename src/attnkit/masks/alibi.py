@@ -11,9 +11,9 @@ from collections.abc import Hashable
 import torch
 
 from attnkit.errors import check_int
-from attnkit.masks.spec import MaskSpec, tensor_key
+from attnkit.masks.spec import MaskSpec, _And, tensor_key
 
-__all__ = ["alibi", "alibi_slopes"]
+__all__ = ["alibi", "alibi_slopes", "split_alibi"]
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -86,3 +86,28 @@ def alibi(num_heads: int, *, device: torch.device | str | None = None) -> MaskSp
     """
     alibi_slopes(num_heads)  # validates num_heads
     return _ALiBi(num_heads, device)
+
+
+def split_alibi(spec: MaskSpec) -> tuple[torch.Tensor, MaskSpec | None] | None:
+    """ALiBi's slopes ``(H,)`` and the rule it is ``&``-ed with, for a spec whose only score
+    bias is one :func:`alibi` joined by ``&`` (``alibi(H) & causal() & sliding_window(w)``, in
+    any order); the rule is ``None`` for ``alibi(H)`` alone (every pair allowed). Anything else
+    with a bias (two ALiBis, an ALiBi under ``|``, ``~`` or a head slice) gives ``None``.
+
+    >>> from attnkit.masks import causal
+    >>> slopes, rule = split_alibi(alibi(2) & causal())
+    >>> slopes.tolist(), rule
+    ([0.0625, 0.00390625], causal())
+    >>> split_alibi(causal()) is None
+    True
+    """
+    if isinstance(spec, _ALiBi):
+        return spec.slopes, None
+    if not isinstance(spec, _And) or spec.a.has_bias == spec.b.has_bias:
+        return None
+    biased, other = (spec.a, spec.b) if spec.a.has_bias else (spec.b, spec.a)
+    parts = split_alibi(biased)
+    if parts is None:
+        return None
+    slopes, rule = parts
+    return slopes, other if rule is None else rule & other

@@ -9,8 +9,9 @@ padding whose real keys are one run per sequence (left or right padding), and th
 per-sequence causal rule. :func:`row_spans` gives those runs as ``lo, hi`` (inclusive key
 indices), exactly, for any ``&`` of such specs (the intersection: the larger ``lo``, the smaller
 ``hi``) and for a ``|`` whose runs touch in every row (their union). Anything else, a score bias
-(ALiBi), a key mask with holes, documents whose ids come back after another document, ``~``, a
-mask tensor, gives ``None``: it is not an interval mask, and a backend keeps to block maps.
+(ALiBi; :func:`~attnkit.masks.split_alibi` separates it from its rule), a key mask with holes,
+documents whose ids come back after another document, ``~``, a mask tensor, gives ``None``: it
+is not an interval mask, and a backend keeps to block maps.
 
 attnkit's row-span kernel (:mod:`attnkit.backends.blocked.rowspan`) runs the spans.
 

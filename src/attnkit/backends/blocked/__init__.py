@@ -75,6 +75,16 @@ __all__ = [
 ]
 
 
+def _compile_refusal(call: AttentionCall) -> str | None:
+    """Why blocked cannot serve ``call`` under ``torch.compile``, or ``None``."""
+    if call.softcap is not None or call.sinks is not None:
+        return (
+            "under torch.compile its custom op has no soft-cap or sinks yet "
+            "(math serves them there)"
+        )
+    return compiled.unsupported(call)
+
+
 def _with_sinks(
     out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,12 +224,7 @@ class BlockedBackend(Backend):
         if call.q.device.type == "meta":
             return "it plans from the mask's values, and meta tensors have none"
         if torch.compiler.is_compiling():
-            if call.softcap is not None or call.sinks is not None:
-                return (
-                    "under torch.compile its custom op has no soft-cap or sinks yet "
-                    "(math serves them there)"
-                )
-            return compiled.unsupported(call)
+            return _compile_refusal(call)
         return None
 
     def rule(self, call: AttentionCall) -> tuple[bool, str]:
@@ -267,7 +272,7 @@ class BlockedBackend(Backend):
     def note(self, call: AttentionCall) -> str:
         """The plan in one line, and what changes under ``torch.compile``, for
         :func:`attnkit.explain`."""
-        reason = compiled.unsupported(call)
+        reason = _compile_refusal(call)
         under_compile = (
             f"; under torch.compile the same, as one custom op ({compiled.OP})"
             if reason is None
@@ -300,8 +305,10 @@ class BlockedBackend(Backend):
             q, k, v = _stand_in(q), _stand_in(k), _stand_in(v)
         sp = plan.spans
         if sp.serves:
+            cap = "" if call.softcap is None else f", soft-capped at {call.softcap:g}"
             return (
-                f"{sp.what}: forward and backward run {rowspan.status()} (one pass each, no tiles)"
+                f"{sp.what}{cap}: forward and backward run {rowspan.status()} (one pass each, "
+                "no tiles)"
             )
         prefix = "" if sp.lo is None else f"{sp.what} ({sp.reason}): "
         tiles = plan.tiles(q, k, v)

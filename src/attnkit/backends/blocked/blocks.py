@@ -128,8 +128,6 @@ def plan_blocks(
     decision = rowspan.plan(
         mask, q, k, v, q_start=q_start, k_start=k_start, off=off, in_dtype=in_dtype
     )
-    if softcap is not None and decision.serves:
-        decision = decision.refuse("attnkit's row-span kernel has no soft-cap")
     return BlockPlan(mask, q_start, k_start, off, decision, softcap)
 
 
@@ -181,7 +179,9 @@ def forward_with_lse(
     with torch.no_grad():
         sp = p.spans
         if sp.serves and sp.lo is not None and sp.hi is not None:  # attnkit's row-span kernel
-            return rowspan.kernel().span_forward(q, k, v, sp.lo, sp.hi, float(scale))  # type: ignore[no-any-return]
+            return rowspan.kernel().span_forward(  # type: ignore[no-any-return]
+                q, k, v, sp.lo, sp.hi, float(scale), p.softcap or 0.0, sp.slopes, sp.d0
+            )
         return tiles.forward(p.tiles(q, k, v), q, k, v, scale, p.softcap)
 
 
@@ -226,7 +226,18 @@ def backward_from_lse(
         same = q.dtype == out.dtype == dout.dtype == sp.dtype and lse.dtype == torch.float32
         if sp.serves and sp.lo is not None and sp.hi is not None and same:
             return rowspan.kernel().span_backward(  # type: ignore[no-any-return]
-                q, k, v, out, dout, lse, sp.lo, sp.hi, float(scale)
+                q,
+                k,
+                v,
+                out,
+                dout,
+                lse,
+                sp.lo,
+                sp.hi,
+                float(scale),
+                p.softcap or 0.0,
+                sp.slopes,
+                sp.d0,
             )
         tile_plan = p.tiles(q, k, v, backward=True)
         return tiles.backward(tile_plan, (q, k, v, out, lse), dout, scale, p.softcap)

@@ -6,7 +6,9 @@ S keys, Dk query/key head dim, Dv value head dim; ``lo, hi`` ``(B', L)`` the inc
 local keys row ``i`` attends (``B'`` = 1 or B), non-decreasing along the rows.
 
 :func:`attnkit.masks.row_spans` turns a spec into runs where it is one (causal, sliding windows,
-documents, prefix-LM, contiguous key padding, and their intersections, at any global offsets);
+documents, prefix-LM, contiguous key padding, and their intersections, at any global offsets;
+ALiBi ``&`` any of them: :func:`attnkit.masks.split_alibi` gives its slopes, which the kernel adds
+as it computes the scores, as it applies a logit soft-cap ``c tanh(s / c)``, derivative included);
 :func:`plan` makes the one decision per call (:class:`SpanPlan`) that the forward, the backward
 and :func:`attnkit.explain` read. torch's fused CPU flash kernel would serve such masks only as
 many tiles, where its small GEMMs and per-tile softmax reach about half of the machine's GEMM
@@ -37,16 +39,17 @@ why and the blocked backend keeps to torch's kernel: ``attnkit.explain`` shows w
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
 import torch
 
-from attnkit.masks import MaskSpec, causal_window, row_spans
+from attnkit.masks import MaskSpec, causal_window, row_spans, split_alibi
 
 __all__ = ["SpanPlan", "available", "build", "kernel", "main", "plan", "status"]
 
@@ -58,7 +61,10 @@ ENV = "ATTNKIT_SPAN_KERNEL"
 #: calls were not measured, so they keep to SDPA
 CAUSAL_MIN_PAIRS = 1024 * 1024
 #: bumped with every change to the C++ source's interface
-NAME = "attnkit_row_span_v2"
+NAME = "attnkit_row_span_v3"
+
+#: a plan's ``slopes`` where the spec has no ALiBi
+NO_SLOPES = torch.empty(0)
 
 _lock = threading.Lock()
 _module: Any = None
@@ -150,7 +156,9 @@ class SpanPlan:
     names the mask for explain; ``reason`` is ``None`` when the kernel runs the call, else why
     not (in explain's words); ``dtype`` is the dtype the kernel reads q, k, v in (float32, or
     bfloat16/float16 read directly, for a plan made with ``in_dtype=True``), and returns out,
-    dq, dk, dv in.
+    dq, dk, dv in. ``slopes`` are ALiBi's ``(H,)`` (float32, CPU) where the spec has it (else
+    an empty tensor), added as ``-slope_h * |i + d0 - j|`` for local query row ``i`` and local
+    key ``j``.
     """
 
     lo: torch.Tensor | None
@@ -158,6 +166,8 @@ class SpanPlan:
     what: str
     reason: str | None
     dtype: torch.dtype = torch.float32
+    slopes: torch.Tensor = field(default_factory=lambda: NO_SLOPES)
+    d0: int = 0
 
     @property
     def serves(self) -> bool:
@@ -165,7 +175,7 @@ class SpanPlan:
 
     def refuse(self, reason: str) -> SpanPlan:
         """The same spans, not run by the kernel, because of ``reason``."""
-        return SpanPlan(self.lo, self.hi, self.what, reason, self.dtype)
+        return dataclasses.replace(self, reason=reason)
 
 
 NOT_SPANS = SpanPlan(None, None, "", "not one run of keys per query row")
@@ -196,14 +206,28 @@ def plan(
     dtype (the kernel reads them directly and computes in float32); anything else is refused,
     and the caller's other path (torch's fused kernel, on float32 copies on ``fp32-upcast``)
     runs."""
-    if spec is None or spec.has_bias or spec.from_tensor:
+    if spec is None or spec.from_tensor:
         return NOT_SPANS
     L, S = q.shape[2], k.shape[2]
-    spans = row_spans(spec, L, S, q_start=q_start, k_start=k_start, off=off)
+    off = S - L if off is None else off
+    rule: MaskSpec | None = spec
+    slopes = NO_SLOPES
+    if spec.has_bias:  # ALiBi: its slopes, and the runs of the rule it is joined to
+        parts = split_alibi(spec)
+        if parts is None:
+            return NOT_SPANS
+        slopes, rule = parts[0].to("cpu", torch.float32), parts[1]
+    spans: tuple[torch.Tensor, torch.Tensor] | None
+    if rule is None:  # every key
+        spans = (torch.zeros(1, L, dtype=torch.long), torch.full((1, L), S - 1, dtype=torch.long))
+    else:
+        spans = row_spans(rule, L, S, q_start=q_start, k_start=k_start, off=off)
     if spans is None:
         return NOT_SPANS
     lo, hi = spans
-    p = SpanPlan(lo, hi, describe(spec), None)
+    p = SpanPlan(lo, hi, describe(spec), None, slopes=slopes, d0=q_start + off - k_start)
+    if slopes.numel() not in (0, q.shape[1]):
+        return p.refuse(f"{spec!r} has {slopes.numel()} ALiBi slopes for {q.shape[1]} heads")
     if bool((lo[:, 1:] < lo[:, :-1]).any() or (hi[:, 1:] < hi[:, :-1]).any()):
         return p.refuse("its runs of keys do not move forward along the rows")
     if q.device.type != "cpu":
@@ -219,7 +243,7 @@ def plan(
     if build() is None:
         return p.refuse(status())
     if low:
-        p = SpanPlan(lo, hi, p.what, None, q.dtype)
+        p = dataclasses.replace(p, dtype=q.dtype)
         name = str(q.dtype).removeprefix("torch.")
         if name not in _module.span_low_dtypes():
             return p.refuse(
@@ -230,8 +254,10 @@ def plan(
 
 
 def kernel() -> Any:
-    """The loaded C++ module: ``span_forward(q, k, v, lo, hi, scale) -> (out, lse)`` and
-    ``span_backward(q, k, v, out, dout, lse, lo, hi, scale) -> (dq, dk, dv)``: q
+    """The loaded C++ module: ``span_forward(q, k, v, lo, hi, scale, softcap, slopes, d0) ->
+    (out, lse)`` and ``span_backward(q, k, v, out, dout, lse, lo, hi, scale, softcap, slopes,
+    d0) -> (dq, dk, dv)``; ``softcap`` > 0 caps the scaled scores (``c tanh(s / c)``, 0: none),
+    then a non-empty ``slopes`` ``(H,)`` adds ALiBi's ``-slope_h |i + d0 - j|``: q
     ``(B, H, L, Dk)``, k ``(B, Hkv, S, Dk)``, v ``(B, Hkv, S, Dv)``, out ``(B, H, L, Dv)``, lse
     ``(B, H, L)`` (natural log, float32), ``lo``/``hi`` int64 ``(1 or B, L)``; q, k, v, out,
     dout, dq, dk, dv all float32, or all the dtype of q among ``span_low_dtypes()``

@@ -6,7 +6,8 @@
 // and out, dq, dk, dv come back in the input dtype (rounded to nearest even, as torch rounds).
 // One kernel serves every mask whose allowed keys form one run per row: causal, sliding
 // windows, documents, prefix-LM, contiguous key padding and their intersections (the Python
-// side, attnkit.masks.spans, turns a spec into lo/hi). Grouped-query heads: q (B, H, L, Dk),
+// side, attnkit.masks.spans, turns a spec into lo/hi), with a logit soft-cap and ALiBi's bias
+// applied to the scores of each row before its softmax (Mods). Grouped-query heads: q (B, H, L, Dk),
 // k (B, Hkv, S, Dk), v (B, Hkv, S, Dv), H = g * Hkv; the g query heads of a group run
 // against one packed K^T panel.
 //
@@ -187,6 +188,98 @@ static inline float hsum(__m256 v) {
   m = _mm_add_ps(m, _mm_movehl_ps(m, m));
   m = _mm_add_ss(m, _mm_movehdup_ps(m));
   return _mm_cvtss_f32(m);
+}
+
+// tanh(y), relative error ~3e-7: an odd Taylor polynomial to y^11 below |y| = 0.3, above it
+// (1 - e) / (1 + e) with e = exp(-2|y|) < 0.55 (exp2_ps), so the difference does not cancel.
+static inline __m256 tanh_ps(__m256 y) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+  const __m256 ay = _mm256_andnot_ps(sign, y);
+  const __m256 e = exp2_ps(_mm256_mul_ps(ay, _mm256_set1_ps(-2.8853900817779268f)));
+  __m256 big = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  big = _mm256_or_ps(big, _mm256_and_ps(sign, y));
+  const __m256 y2 = _mm256_mul_ps(y, y);
+  __m256 p = _mm256_set1_ps(-1382.0f / 155925.0f);
+  p = _mm256_fmadd_ps(p, y2, _mm256_set1_ps(62.0f / 2835.0f));
+  p = _mm256_fmadd_ps(p, y2, _mm256_set1_ps(-17.0f / 315.0f));
+  p = _mm256_fmadd_ps(p, y2, _mm256_set1_ps(2.0f / 15.0f));
+  p = _mm256_fmadd_ps(p, y2, _mm256_set1_ps(-1.0f / 3.0f));
+  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, y2), y, y);
+  return _mm256_blendv_ps(big, small, _mm256_cmp_ps(ay, _mm256_set1_ps(0.3f), _CMP_LT_OQ));
+}
+
+// What changes the scores before the softmax, in the kernel's units (a score is
+// scale * log2(e) * q.k): Gemma 2's soft-cap c * tanh(s / c) (cap = c * log2(e); 0: none),
+// then ALiBi's bias -slope_h * |i + d0 - j| for query row i and local key j (slopes: the H
+// slopes times log2(e); nullptr: none).
+struct Mods {
+  float cap = 0.0f;
+  const float* slopes = nullptr;
+  int64_t d0 = 0;
+};
+
+// The modified scores of 8 keys at column j of a row whose query stands at column pos; t gets
+// tanh(s / cap) (the soft-cap's derivative is 1 - t^2).
+template <bool CAP, bool BIAS>
+static inline __m256 mod8(__m256 x, float cap, float slope, int64_t pos, int64_t j, __m256& t) {
+  if constexpr (CAP) {
+    t = tanh_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.0f / cap)));
+    x = _mm256_mul_ps(_mm256_set1_ps(cap), t);
+  }
+  if constexpr (BIAS) {
+    const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 dist = _mm256_sub_ps(_mm256_set1_ps(static_cast<float>(pos - j)), lanes);
+    dist = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), dist);
+    x = _mm256_fnmadd_ps(_mm256_set1_ps(slope), dist, x);
+  }
+  return x;
+}
+
+// s[a..b] = the modified scores, in place (may write up to 7 floats past b, as row_exp does).
+template <bool CAP, bool BIAS>
+static inline void mod_row(float* s, int64_t a, int64_t b, float cap, float slope, int64_t pos) {
+  __m256 t;
+  for (int64_t j = a; j <= b; j += 8)
+    _mm256_storeu_ps(s + j, mod8<CAP, BIAS>(_mm256_loadu_ps(s + j), cap, slope, pos, j, t));
+}
+
+static inline void mod_row(float* s, int64_t a, int64_t b, const Mods& md, float slope,
+                           int64_t pos) {
+  if (md.cap > 0.0f && md.slopes) mod_row<true, true>(s, a, b, md.cap, slope, pos);
+  else if (md.cap > 0.0f) mod_row<true, false>(s, a, b, md.cap, slope, pos);
+  else if (md.slopes) mod_row<false, true>(s, a, b, md.cap, slope, pos);
+}
+
+// One row of the backward over its columns ja..jb (inclusive): s = P = 2^(S' - m) and
+// d = dS = scale * P * (dP - D) (times 1 - t^2 under a soft-cap), S' the modified scores; lanes
+// past jb get 0. Returns the first column past the last one written.
+template <bool CAP, bool BIAS>
+static inline int64_t bwd_row(float* s, float* d, int64_t ja, int64_t jb, float m, float D,
+                              float scale, float cap, float slope, int64_t pos) {
+  const __m256 vm = _mm256_set1_ps(m), vD = _mm256_set1_ps(D), vs = _mm256_set1_ps(scale);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  __m256 t = one;
+  int64_t j = ja;
+  for (; j + 8 <= jb + 1; j += 8) {
+    __m256 x = mod8<CAP, BIAS>(_mm256_loadu_ps(s + j), cap, slope, pos, j, t);
+    __m256 p = exp2_ps(_mm256_sub_ps(x, vm));
+    __m256 ds = _mm256_mul_ps(_mm256_mul_ps(p, vs), _mm256_sub_ps(_mm256_loadu_ps(d + j), vD));
+    if constexpr (CAP) ds = _mm256_mul_ps(ds, _mm256_fnmadd_ps(t, t, one));
+    _mm256_storeu_ps(s + j, p);
+    _mm256_storeu_ps(d + j, ds);
+  }
+  const int64_t rem = jb + 1 - j;
+  if (rem > 0) {
+    const __m256 msk = tail_mask((int)rem);
+    __m256 x = mod8<CAP, BIAS>(_mm256_loadu_ps(s + j), cap, slope, pos, j, t);
+    __m256 p = _mm256_and_ps(exp2_ps(_mm256_sub_ps(x, vm)), msk);
+    __m256 ds = _mm256_mul_ps(_mm256_mul_ps(p, vs), _mm256_sub_ps(_mm256_loadu_ps(d + j), vD));
+    if constexpr (CAP) ds = _mm256_mul_ps(ds, _mm256_fnmadd_ps(t, t, one));
+    _mm256_storeu_ps(s + j, p);
+    _mm256_storeu_ps(d + j, _mm256_and_ps(ds, msk));
+    j += 8;
+  }
+  return j;
 }
 
 // s[6 x 16] (row stride ss) = q[6 x D] (row stride D) * kt[D x 16]
@@ -561,7 +654,8 @@ struct FwdState {
 
 template <Dt E>
 static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                         const Spans& sp, double scale, at::Tensor& out, at::Tensor& lse) {
+                         const Spans& sp, double scale, const Mods& md, at::Tensor& out,
+                         at::Tensor& lse) {
   using T = elem_t<E>;
   constexpr bool LOWP = E != Dt::F32;
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dk = q.size(3);
@@ -574,6 +668,7 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const float sc = static_cast<float>(scale * 1.4426950408889634);
   const float ln2 = 0.6931471805599453f;
   const float NINF = -std::numeric_limits<float>::infinity();
+  const bool modded = md.cap > 0.0f || md.slopes;
   const T* qd = static_cast<const T*>(q.data_ptr());
   const T* kd = static_cast<const T*>(k.data_ptr());
   const T* vd = static_cast<const T*>(v.data_ptr());
@@ -637,6 +732,7 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
         const T* qp = qd + bh * L * Dk;
         T* op = od + bh * L * Dv;
         float* lp = ld + bh * L;
+        const float slope = md.slopes ? md.slopes[hk * g + gi] : 0.0f;
         for (int64_t r = 0; r < MB; ++r) {  // scaled Q block, zero padded
           float* dst = st.qs.p + r * Dk;
           if (r < mr) {
@@ -678,6 +774,7 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
               const int64_t a = std::max<int64_t>(rl[ri], kc0);
               const int64_t bb = std::min<int64_t>(rh[ri], kc1 - 1);
               if (a > bb) { zero_range(srow, A - kc0, Bt - kc0); continue; }
+              if (modded) mod_row(srow, a - kc0, bb - kc0, md, slope, i0 + ri + md.d0 - kc0);
               const float cm = row_max(srow, a - kc0, bb - kc0);
               const float mo = mrow[ri];
               const float mn = std::max(mo, cm);
@@ -749,8 +846,9 @@ struct BwdState {
 template <Dt E>
 static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& out, const at::Tensor& dout, const at::Tensor& lse,
-                          const Spans& sp, double scale, at::Tensor& dq, at::Tensor& dk,
-                          at::Tensor& dv, at::Tensor& dk_low, at::Tensor& dv_low) {
+                          const Spans& sp, double scale, const Mods& md, at::Tensor& dq,
+                          at::Tensor& dk, at::Tensor& dv, at::Tensor& dk_low,
+                          at::Tensor& dv_low) {
   using T = elem_t<E>;
   constexpr bool LOWP = E != Dt::F32;
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dk = q.size(3);
@@ -864,6 +962,7 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
         const T* op = od + bh * L * Dv;
         const T* gp = gd + bh * L * Dv;
         const float* lp = ld + bh * L;
+        const float slope = md.slopes ? md.slopes[hk * g + gi] : 0.0f;
         for (int64_t r = 0; r < MB; ++r) {
           float* d1 = st.qs.p + r * Dk;
           float* d2 = st.qr.p + r * Dk;
@@ -947,29 +1046,17 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
             const int64_t ja = a - kc0, jb = bb - kc0;  // inclusive columns
             std::fill(srow, srow + ja, 0.0f);
             std::fill(drw, drw + ja, 0.0f);
-            const __m256 vm = _mm256_set1_ps(mrow[ri]);
-            const __m256 vD = _mm256_set1_ps(drow[ri]);
-            const __m256 vs = _mm256_set1_ps(fscale);
-            int64_t j = ja;
-            for (; j + 8 <= jb + 1; j += 8) {
-              __m256 p = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(srow + j), vm));
-              __m256 ds = _mm256_mul_ps(_mm256_mul_ps(p, vs),
-                                        _mm256_sub_ps(_mm256_loadu_ps(drw + j), vD));
-              _mm256_storeu_ps(srow + j, p);
-              _mm256_storeu_ps(drw + j, ds);
-            }
-            const int64_t rem = jb + 1 - j;
-            if (rem > 0) {
-              const __m256 msk = tail_mask((int)rem);
-              __m256 p = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(srow + j), vm));
-              p = _mm256_and_ps(p, msk);
-              __m256 ds = _mm256_mul_ps(_mm256_mul_ps(p, vs),
-                                        _mm256_sub_ps(_mm256_loadu_ps(drw + j), vD));
-              ds = _mm256_and_ps(ds, msk);
-              _mm256_storeu_ps(srow + j, p);
-              _mm256_storeu_ps(drw + j, ds);
-              j += 8;
-            }
+            const int64_t pos = i0 + ri + md.d0 - kc0;
+            const float m = mrow[ri], D = drow[ri];
+            int64_t j;
+            if (md.cap > 0.0f && md.slopes)
+              j = bwd_row<true, true>(srow, drw, ja, jb, m, D, fscale, md.cap, slope, pos);
+            else if (md.cap > 0.0f)
+              j = bwd_row<true, false>(srow, drw, ja, jb, m, D, fscale, md.cap, slope, pos);
+            else if (md.slopes)
+              j = bwd_row<false, true>(srow, drw, ja, jb, m, D, fscale, md.cap, slope, pos);
+            else
+              j = bwd_row<false, false>(srow, drw, ja, jb, m, D, fscale, md.cap, slope, pos);
             if (j < Z) {
               std::fill(srow + j, srow + Z, 0.0f);
               std::fill(drw + j, drw + Z, 0.0f);
@@ -1052,6 +1139,24 @@ static Spans check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Te
   return Spans{lp, hp, lo.size(0) == 1 ? 0 : L, k.size(2)};
 }
 
+// The score modifiers of a call (see Mods); slopes_log2 keeps the scaled slopes alive.
+static Mods check_mods(const at::Tensor& q, double softcap, const at::Tensor& slopes,
+                       int64_t d0, at::Tensor& slopes_log2) {
+  constexpr double LOG2E = 1.4426950408889634;
+  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap),
+              "row-span kernel: softcap must be finite and >= 0 (0: none)");
+  Mods md;
+  md.cap = static_cast<float>(softcap * LOG2E);
+  md.d0 = d0;
+  if (slopes.numel() > 0) {
+    TORCH_CHECK(slopes.dim() == 1 && slopes.size(0) == q.size(1) && slopes.device().is_cpu(),
+                "row-span kernel: ALiBi slopes must be a CPU tensor (H,), one per query head");
+    slopes_log2 = (slopes.to(at::kDouble) * LOG2E).to(at::kFloat).contiguous();
+    md.slopes = slopes_log2.data_ptr<float>();
+  }
+  return md;
+}
+
 }  // namespace rowspan
 
 // The dtypes q, k, v may have besides float32 (float16 only where built with F16C).
@@ -1064,22 +1169,27 @@ std::vector<std::string> span_low_dtypes() {
 }
 
 // (out (B, H, L, Dv) in q's dtype, lse (B, H, L) float32) of rows attending keys lo[i]..hi[i].
+// Scores are modified before the softmax: softcap > 0 caps them (c tanh(s / c)), and a
+// non-empty slopes (H,) adds ALiBi's -slope_h |i + d0 - j| (query row i, local key j).
 std::tuple<at::Tensor, at::Tensor> span_forward(at::Tensor q, at::Tensor k, at::Tensor v,
-                                                at::Tensor lo, at::Tensor hi, double scale) {
+                                                at::Tensor lo, at::Tensor hi, double scale,
+                                                double softcap, at::Tensor slopes, int64_t d0) {
   q = q.contiguous(); k = k.contiguous(); v = v.contiguous();
   lo = lo.contiguous(); hi = hi.contiguous();
   const rowspan::Spans sp = rowspan::check_inputs(q, k, v, lo, hi);
+  at::Tensor keep;
+  const rowspan::Mods md = rowspan::check_mods(q, softcap, slopes, d0, keep);
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dv = v.size(3);
   auto out = at::empty({B, H, L, Dv}, q.options());
   auto lse = at::empty({B, H, L}, q.options().dtype(at::kFloat));
   if (B * H * L > 0) {
     using rowspan::Dt;
     switch (q.scalar_type()) {
-      case at::kBFloat16: rowspan::forward_impl<Dt::BF16>(q, k, v, sp, scale, out, lse); break;
+      case at::kBFloat16: rowspan::forward_impl<Dt::BF16>(q, k, v, sp, scale, md, out, lse); break;
 #ifdef __F16C__
-      case at::kHalf: rowspan::forward_impl<Dt::F16>(q, k, v, sp, scale, out, lse); break;
+      case at::kHalf: rowspan::forward_impl<Dt::F16>(q, k, v, sp, scale, md, out, lse); break;
 #endif
-      default: rowspan::forward_impl<Dt::F32>(q, k, v, sp, scale, out, lse); break;
+      default: rowspan::forward_impl<Dt::F32>(q, k, v, sp, scale, md, out, lse); break;
     }
   }
   return {out, lse};
@@ -1089,11 +1199,13 @@ std::tuple<at::Tensor, at::Tensor> span_forward(at::Tensor q, at::Tensor k, at::
 // query heads (in float32, converted once at the end for a low-precision dtype).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
     at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out, at::Tensor dout, at::Tensor lse,
-    at::Tensor lo, at::Tensor hi, double scale) {
+    at::Tensor lo, at::Tensor hi, double scale, double softcap, at::Tensor slopes, int64_t d0) {
   q = q.contiguous(); k = k.contiguous(); v = v.contiguous();
   out = out.contiguous(); dout = dout.contiguous(); lse = lse.contiguous();
   lo = lo.contiguous(); hi = hi.contiguous();
   const rowspan::Spans sp = rowspan::check_inputs(q, k, v, lo, hi);
+  at::Tensor keep;
+  const rowspan::Mods md = rowspan::check_mods(q, softcap, slopes, d0, keep);
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dv = v.size(3);
   const auto dt = q.scalar_type();
   TORCH_CHECK(out.scalar_type() == dt && dout.scalar_type() == dt &&
@@ -1116,18 +1228,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
   using rowspan::Dt;
   at::Tensor none;
   if (dt == at::kFloat) {
-    rowspan::backward_impl<Dt::F32>(q, k, v, out, dout, lse, sp, scale, dq, dk, dv, none, none);
+    rowspan::backward_impl<Dt::F32>(q, k, v, out, dout, lse, sp, scale, md, dq, dk, dv, none,
+                                    none);
     return {dq, dk, dv};
   }
   auto dk_low = at::empty(k.sizes(), k.options());
   auto dv_low = at::empty(v.sizes(), v.options());
   if (dt == at::kBFloat16)
-    rowspan::backward_impl<Dt::BF16>(q, k, v, out, dout, lse, sp, scale, dq, dk, dv, dk_low,
-                                     dv_low);
+    rowspan::backward_impl<Dt::BF16>(q, k, v, out, dout, lse, sp, scale, md, dq, dk, dv,
+                                     dk_low, dv_low);
 #ifdef __F16C__
   else
-    rowspan::backward_impl<Dt::F16>(q, k, v, out, dout, lse, sp, scale, dq, dk, dv, dk_low,
-                                    dv_low);
+    rowspan::backward_impl<Dt::F16>(q, k, v, out, dout, lse, sp, scale, md, dq, dk, dv,
+                                    dk_low, dv_low);
 #endif
   return {dq, dk_low, dv_low};
 }
