@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -37,6 +38,23 @@ __all__ = ["PEERS", "Peer", "peer_names"]
 GiB = 1 << 30
 
 Fn = Callable[[], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One case a peer may skip: a workload at length ``L`` in ``dtype``, forward or forward +
+    backward, under a memory cap of ``cap`` bytes for the dense tensors a peer would make."""
+
+    wl: Workload
+    L: int
+    dtype: torch.dtype
+    backward: bool
+    cap: float
+
+    @property
+    def sizes(self) -> tuple[int, int]:
+        """``(Lq, S)`` of the workload at ``L``."""
+        return self.wl.sizes(self.L)
 
 
 def _dense(inputs: Inputs, L: int, S: int) -> torch.Tensor | None:
@@ -67,11 +85,9 @@ class Peer:
     ) -> str | None:
         if wl.module != self.module:
             return "module rows compare modules" if wl.module else "module rows only"
-        return self.skip_case(wl, L, dtype, backward, cap)
+        return self.skip_case(Case(wl, L, dtype, backward, cap))
 
-    def skip_case(
-        self, wl: Workload, L: int, dtype: torch.dtype, backward: bool, cap: float
-    ) -> str | None:
+    def skip_case(self, case: Case) -> str | None:
         return None
 
     def setup(self, wl: Workload, inputs: Inputs) -> Fn:
@@ -79,13 +95,19 @@ class Peer:
 
 
 class _Naive(Peer):
-    def skip_case(
-        self, wl: Workload, L: int, dtype: torch.dtype, backward: bool, cap: float
-    ) -> str | None:
-        Lq, S = wl.sizes(L)
-        need = wl.B * wl.H * Lq * S * (4 if dtype == torch.float32 else 2) * (5 if backward else 3)
-        if need > cap:
-            return f"needs ~{need / GiB:.0f} GiB for its (B, H, L, S) scores (cap {cap / GiB:.0f})"
+    def skip_case(self, case: Case) -> str | None:
+        Lq, S = case.sizes
+        need = (
+            case.wl.B
+            * case.wl.H
+            * Lq
+            * S
+            * (4 if case.dtype == torch.float32 else 2)
+            * (5 if case.backward else 3)
+        )
+        if need > case.cap:
+            cap = case.cap / GiB
+            return f"needs ~{need / GiB:.0f} GiB for its (B, H, L, S) scores (cap {cap:.0f})"
         return None
 
     def setup(self, wl: Workload, inputs: Inputs) -> Fn:
@@ -106,15 +128,13 @@ class _Naive(Peer):
 
 
 class _Sdpa(Peer):
-    def skip_case(
-        self, wl: Workload, L: int, dtype: torch.dtype, backward: bool, cap: float
-    ) -> str | None:
-        Lq, S = wl.sizes(L)
-        spec, causal = wl.spec(Lq, S)
+    def skip_case(self, case: Case) -> str | None:
+        Lq, S = case.sizes
+        spec, causal = case.wl.spec(Lq, S)
         if spec is not None and not causal:
             need = Lq * S * (1 if spec.batch is None else spec.batch) * (1 + 2 * 4)
-            if need > cap:
-                return f"its dense mask needs ~{need / GiB:.0f} GiB (cap {cap / GiB:.0f})"
+            if need > case.cap:
+                return f"its dense mask needs ~{need / GiB:.0f} GiB (cap {case.cap / GiB:.0f})"
         return None
 
     def setup(self, wl: Workload, inputs: Inputs) -> Fn:
@@ -134,21 +154,19 @@ class _Sdpa(Peer):
 
 
 class _Flex(Peer):
-    def skip_case(
-        self, wl: Workload, L: int, dtype: torch.dtype, backward: bool, cap: float
-    ) -> str | None:
+    def skip_case(self, case: Case) -> str | None:
         from attnkit.backends import flex
 
         if flex.unavailable():
             return str(flex.unavailable())
-        if backward:
+        if case.backward:
             return f"flex_attention has no backward on CPU in torch {torch.__version__}"
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return f"flex_attention on CPU has no {dtype}"
-        Lq, S = wl.sizes(L)
+        if case.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"flex_attention on CPU has no {case.dtype}"
+        Lq, S = case.sizes
         if Lq <= 128 and S <= 128:
             return "one 128 x 128 block: nothing for flex to skip"
-        if wl.B * Lq * S * 8 > cap:
+        if case.wl.B * Lq * S * 8 > case.cap:
             return "create_block_mask evaluates the whole L x S mask"
         return None
 
@@ -217,22 +235,20 @@ class _Attnkit(Peer):
         super().__init__(name, description)
         self.backend = backend
 
-    def skip_case(
-        self, wl: Workload, L: int, dtype: torch.dtype, backward: bool, cap: float
-    ) -> str | None:
+    def skip_case(self, case: Case) -> str | None:
         backend = self.backend
         if backend == "math":
-            Lq, S = wl.sizes(L)
-            need = wl.B * wl.H * Lq * S * 4 * (5 if backward else 3)
-            if need > cap:
+            Lq, S = case.sizes
+            need = case.wl.B * case.wl.H * Lq * S * 4 * (5 if case.backward else 3)
+            if need > case.cap:
                 return f"needs ~{need / GiB:.0f} GiB for its (B, H, L, S) weights"
         if backend == "sdpa":
-            Lq, S = wl.sizes(L)
-            spec, causal = wl.spec(Lq, S)
-            if spec is not None and not causal and Lq * S * 9 > cap:
+            Lq, S = case.sizes
+            spec, causal = case.wl.spec(Lq, S)
+            if spec is not None and not causal and Lq * S * 9 > case.cap:
                 return "the spec materialised as a dense mask exceeds the cap"
         if backend == "flex":
-            return _Flex("flex", "").skip_case(wl, L, dtype, backward, cap)
+            return _Flex("flex", "").skip_case(case)
         return None
 
     def setup(self, wl: Workload, inputs: Inputs) -> Fn:
@@ -252,10 +268,8 @@ class _Attnkit(Peer):
 class _AttnkitFp32(Peer):
     """``attnkit.attention`` (``auto``) on float32 copies of a low-precision row's inputs."""
 
-    def skip_case(
-        self, wl: Workload, L: int, dtype: torch.dtype, backward: bool, cap: float
-    ) -> str | None:
-        if dtype == torch.float32:
+    def skip_case(self, case: Case) -> str | None:
+        if case.dtype == torch.float32:
             return "the row is float32: attnkit-fp32 would be the attnkit peer again"
         return None
 
