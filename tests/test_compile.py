@@ -179,7 +179,7 @@ def test_the_op_passes_torchs_op_checks() -> None:
     torch.library.opcheck(torch.ops.attnkit.blocked_attention.default, args, test_utils=checks)
     out, lse = torch.ops.attnkit.blocked_attention(*args)
     dout = torch.randn_like(out)
-    back = (q, k, v, out.detach(), dout, lse, tensors, ints, floats, structure, 0.25)
+    back = ([q, k, v, out.detach(), lse], dout, tensors, ints, floats, structure, 0.25)
     backward = torch.ops.attnkit.blocked_attention_backward.default
     torch.library.opcheck(backward, back, test_utils=("test_schema", "test_faketensor"))
 

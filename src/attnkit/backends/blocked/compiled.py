@@ -211,25 +211,20 @@ def _forward_fake(
 @torch.library.custom_op(
     "attnkit::blocked_attention_backward",
     mutates_args=(),
-    schema=(
-        "(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, "
-        f"{_SPEC_ARGS}) -> (Tensor, Tensor, Tensor)"
-    ),
+    schema=f"(Tensor[] saved, Tensor dout, {_SPEC_ARGS}) -> (Tensor, Tensor, Tensor)",
 )
 def _backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
+    saved: list[torch.Tensor],
     dout: torch.Tensor,
-    lse: torch.Tensor,
     tensors: list[torch.Tensor],
     ints: list[int],
     floats: list[float],
     structure: str,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``dq, dk, dv`` in the dtypes of q, k, v, contiguous."""
+    """``dq, dk, dv`` in the dtypes of q, k, v, contiguous, from what the forward saved
+    (``saved``: q, k, v, out, lse) and ``dout``."""
+    q, k, v, out, lse = saved
     spec = rebuild(tensors, ints, floats, structure)
     (qc, kc, vc, oc, doc), plan = _kernel_inputs(spec, q, k, v, out, dout)
     dq, dk, dv = backward_from_lse(qc, kc, vc, oc, doc, lse, mask=spec, scale=scale, plan=plan)
@@ -242,9 +237,10 @@ def _backward(
 
 @_backward.register_fake
 def _backward_fake(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *saved_and_spec: object
+    saved: list[torch.Tensor], *dout_and_spec: object
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients have the shapes of q, k, v (``saved_and_spec``: out, dout, lse, the spec)."""
+    """Gradients have the shapes of q, k, v (the first three of ``saved``)."""
+    q, k, v = saved[:3]
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -268,7 +264,7 @@ def _autograd_backward(ctx: Any, dout: torch.Tensor, _dlse: Any) -> tuple[Any, .
     q, k, v, out, lse, *tensors = ctx.saved_tensors
     ints, floats, structure, scale = ctx.spec_args
     dq, dk, dv = torch.ops.attnkit.blocked_attention_backward(
-        q, k, v, out, dout, lse, tensors, ints, floats, structure, scale
+        [q, k, v, out, lse], dout, tensors, ints, floats, structure, scale
     )
     return (dq, dk, dv, *ctx.no_grads)
 
