@@ -88,6 +88,43 @@ def test_a_window_compiles_with_inductor_and_keeps_the_blocked_kernels(
     torch.testing.assert_close(got[0].double(), reference_attention(q, k, v, mask=dense)[0], **TOL)
 
 
+def capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    spec = masks.alibi(4) & masks.causal() & masks.sliding_window(48)
+    return attnkit.attention(q, k, v, mask=spec, softcap=5.0, sinks=sinks)
+
+
+def test_soft_cap_sinks_and_alibi_compile_as_the_op_with_the_sinks_gradient(
+    op_calls: list[str],
+) -> None:
+    """Gemma 2's soft-cap, gpt-oss's sinks and ALiBi under torch.compile: the blocked op serves
+    them (the row-span kernel inside), forward and backward, the sinks' gradient included; the
+    same numbers as eager and the float64 oracle."""
+    qkv = _qkv(192, seed=5)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(6)).requires_grad_()
+    spec = masks.alibi(4) & masks.causal() & masks.sliding_window(48)
+    report = attnkit.explain(*qkv, mask=spec, softcap=5.0, sinks=sinks, backend="blocked")
+    assert report.notes["blocked"] == (
+        "row spans of alibi(4) & causal() & sliding_window(48), soft-capped at 5: forward and "
+        "backward run attnkit's AVX2 row-span kernel (one pass each, no tiles); under "
+        "torch.compile the same, as one custom op (attnkit::blocked_attention)"
+    )
+    fn = torch.compile(capped, fullgraph=True, backend="aot_eager")
+    got = _run(fn, qkv, sinks)
+    got_dsinks, sinks.grad = sinks.grad, None
+    assert op_calls == ["forward_with_lse", "backward_from_lse"]
+    _assert_all_close(got, _run(capped, qkv, sinks))
+    torch.testing.assert_close(got_dsinks, sinks.grad, **TOL)
+    leaves = [t.detach().double().requires_grad_() for t in (*qkv, sinks)]
+    want, _ = reference_attention(
+        *leaves[:3], mask=spec.to_dense(192, 192, dtype=torch.float64), softcap=5.0, sinks=leaves[3]
+    )
+    w = torch.randn(want.shape, generator=torch.Generator().manual_seed(1)).double()  # as _run
+    (want * w).sum().backward()
+    torch.testing.assert_close(got[0].double(), want.detach(), **TOL)
+    for a, leaf in zip((*got[1:], got_dsinks), leaves, strict=True):
+        torch.testing.assert_close(a.double(), leaf.grad, atol=1e-4, rtol=1e-4)
+
+
 def documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return attnkit.attention(q, k, v, mask=masks.document(ids) & masks.causal())
 
@@ -175,11 +212,11 @@ def test_the_op_passes_torchs_op_checks() -> None:
     ids = torch.arange(160) // 70
     tensors, ints, floats, structure = compiled.flatten(masks.document(ids) & masks.causal())
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    args = (q, k, v, tensors, ints, floats, structure, 0.25)
+    args = (q, k, v, None, tensors, ints, floats, structure, 0.25, 0.0)
     torch.library.opcheck(torch.ops.attnkit.blocked_attention.default, args, test_utils=checks)
     out, lse = torch.ops.attnkit.blocked_attention(*args)
     dout = torch.randn_like(out)
-    back = ([q, k, v, out.detach(), lse], dout, tensors, ints, floats, structure, 0.25)
+    back = ([q, k, v, out.detach(), lse], dout, tensors, ints, floats, structure, 0.25, 0.0)
     backward = torch.ops.attnkit.blocked_attention_backward.default
     torch.library.opcheck(backward, back, test_utils=("test_schema", "test_faketensor"))
 

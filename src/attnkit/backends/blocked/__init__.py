@@ -54,6 +54,8 @@ from attnkit.backends.blocked.blocks import (
     clear_plans,
     forward_with_lse,
     plan_blocks,
+    sinks_grad,
+    with_sinks,
 )
 from attnkit.backends.blocked.config import BlockedConfig, configure, current
 from attnkit.backends.blocked.tiles import fused, merge
@@ -73,28 +75,6 @@ __all__ = [
     "merge",
     "plan_blocks",
 ]
-
-
-def _compile_refusal(call: AttentionCall) -> str | None:
-    """Why blocked cannot serve ``call`` under ``torch.compile``, or ``None``."""
-    if call.softcap is not None or call.sinks is not None:
-        return (
-            "under torch.compile its custom op has no soft-cap or sinks yet "
-            "(math serves them there)"
-        )
-    return compiled.unsupported(call)
-
-
-def _with_sinks(
-    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Join one logit per head to every row's softmax denominator: ``lse`` becomes
-    ``logaddexp(lse, sink_h)`` and ``out`` shrinks by ``exp(lse - new)`` (a sink adds no value;
-    a row that saw no key stays 0)."""
-    if sinks is None:
-        return out, lse
-    new = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))  # (B, H, L)
-    return out * torch.exp(lse - new).unsqueeze(-1), new
 
 
 def _float32(
@@ -156,7 +136,7 @@ class _BlockedAttention(torch.autograd.Function):
         qc, kc, vc = _float32(q, k, v, upcast)
         out, lse = forward_with_lse(qc, kc, vc, mask=plan.mask, scale=scale, plan=plan)
         del qc, kc, vc
-        out, lse = _with_sinks(out, lse, sinks)
+        out, lse = with_sinks(out, lse, sinks)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.plan, ctx.scale, ctx.upcast = plan, scale, upcast
@@ -174,9 +154,7 @@ class _BlockedAttention(torch.autograd.Function):
         del qc, kc, vc, oc, doc
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
-            D = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (B, H, L)
-            p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
-            dsinks = -(p_sink * D).sum(dim=(0, 2)).to(sinks.dtype)
+            dsinks = sinks_grad(sinks, out, dout, lse)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None
 
 
@@ -212,7 +190,7 @@ class BlockedBackend(Backend):
             return out, None
         qc, kc, vc = _float32(q, k, v, upcast)
         out, lse = forward_with_lse(qc, kc, vc, mask=call.mask, scale=call.scale, plan=plan)
-        return _with_sinks(out, lse, sinks)[0].to(q.dtype), None
+        return with_sinks(out, lse, sinks)[0].to(q.dtype), None
 
     def check(self, call: AttentionCall) -> str | None:
         if call.return_weights:
@@ -224,7 +202,7 @@ class BlockedBackend(Backend):
         if call.q.device.type == "meta":
             return "it plans from the mask's values, and meta tensors have none"
         if torch.compiler.is_compiling():
-            return _compile_refusal(call)
+            return compiled.unsupported(call)
         return None
 
     def rule(self, call: AttentionCall) -> tuple[bool, str]:
@@ -272,7 +250,7 @@ class BlockedBackend(Backend):
     def note(self, call: AttentionCall) -> str:
         """The plan in one line, and what changes under ``torch.compile``, for
         :func:`attnkit.explain`."""
-        reason = _compile_refusal(call)
+        reason = compiled.unsupported(call)
         under_compile = (
             f"; under torch.compile the same, as one custom op ({compiled.OP})"
             if reason is None

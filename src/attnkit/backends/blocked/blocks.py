@@ -241,3 +241,26 @@ def backward_from_lse(
             )
         tile_plan = p.tiles(q, k, v, backward=True)
         return tiles.backward(tile_plan, (q, k, v, out, lse), dout, scale, p.softcap)
+
+
+def with_sinks(
+    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Join one logit per head (``sinks (H,)``) to every row's softmax denominator: ``lse``
+    becomes ``logaddexp(lse, sink_h)`` and ``out`` shrinks by ``exp(lse - new)`` (a sink adds no
+    value; a row that saw no key stays 0). The blocks' backward from the new ``lse`` is then the
+    backward with the sinks; their own gradient is :func:`sinks_grad`."""
+    if sinks is None:
+        return out, lse
+    new = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))  # (B, H, L)
+    return out * torch.exp(lse - new).unsqueeze(-1), new
+
+
+def sinks_grad(
+    sinks: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor
+) -> torch.Tensor:
+    """The sinks' gradient ``(H,)``: ``-sum over rows of P_sink * D``, ``P_sink = exp(sink_h -
+    lse)``, ``D = rowsum(dout * out)`` (``out``, ``lse`` as :func:`with_sinks` returned them)."""
+    D = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (B, H, L)
+    p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
+    return -(p_sink * D).sum(dim=(0, 2)).to(sinks.dtype)

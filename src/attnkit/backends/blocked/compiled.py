@@ -38,6 +38,8 @@ from attnkit.backends.blocked.blocks import (
     backward_from_lse,
     forward_with_lse,
     plan_blocks,
+    sinks_grad,
+    with_sinks,
 )
 from attnkit.call import AttentionCall
 from attnkit.cpu import path_for, to_float32, upcasts
@@ -48,7 +50,11 @@ __all__ = ["OP", "flatten", "rebuild", "run", "unsupported"]
 #: the op's name, as ``torch.ops.attnkit.blocked_attention``
 OP = "attnkit::blocked_attention"
 
-_SPEC_ARGS = "Tensor[] tensors, SymInt[] ints, float[] floats, str structure, float scale"
+#: the arguments both ops take after their tensors: the flattened spec, the scale and the
+#: logit soft-cap (0: none)
+_SPEC_ARGS = (
+    "Tensor[] tensors, SymInt[] ints, float[] floats, str structure, float scale, float softcap"
+)
 
 
 def _flatten_node(
@@ -160,42 +166,44 @@ def _lse_dtype(q: torch.Tensor) -> torch.dtype:
 
 
 def _kernel_inputs(
-    spec: MaskSpec | None, *ts: torch.Tensor
+    spec: MaskSpec | None, softcap: float | None, *ts: torch.Tensor
 ) -> tuple[tuple[torch.Tensor, ...], BlockPlan]:
     """The op's tensors (q, k, v first) as the kernels take them, and their plan: on the CPU's
     ``fp32-upcast`` path (:mod:`attnkit.cpu`; the op runs eagerly, so the path is read here) the
     tensors as given where the row-span kernel reads their dtype directly, else float32 copies;
     as given on every other path."""
     if upcasts(path_for(ts[0], OP)):
-        plan = plan_blocks(ts[0], ts[1], ts[2], spec, in_dtype=True)
+        plan = plan_blocks(ts[0], ts[1], ts[2], spec, softcap=softcap, in_dtype=True)
         if plan.spans.serves:
             return ts, plan
         ts = to_float32(*ts)
         if plan.spans.lo is None:  # no runs of keys: the tiles' plan reads shapes only
             return ts, plan
-    return ts, plan_blocks(ts[0], ts[1], ts[2], spec)
+    return ts, plan_blocks(ts[0], ts[1], ts[2], spec, softcap=softcap)
 
 
 @torch.library.custom_op(
     OP,
     mutates_args=(),
-    schema=f"(Tensor q, Tensor k, Tensor v, {_SPEC_ARGS}) -> (Tensor, Tensor)",
+    schema=f"(Tensor q, Tensor k, Tensor v, Tensor? sinks, {_SPEC_ARGS}) -> (Tensor, Tensor)",
 )
 def _forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    sinks: torch.Tensor | None,
     tensors: list[torch.Tensor],
     ints: list[int],
     floats: list[float],
     structure: str,
     scale: float,
+    softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``out (B, H, L, Dv)`` in q's dtype and ``lse (B, H, L)`` (float32; float64 for float64
-    q), both contiguous, as the fake implementation promises."""
+    q; the sinks joined to it), both contiguous, as the fake implementation promises."""
     spec = rebuild(tensors, ints, floats, structure)
-    (qc, kc, vc), plan = _kernel_inputs(spec, q, k, v)
-    out, lse = forward_with_lse(qc, kc, vc, mask=spec, scale=scale, plan=plan)
+    (qc, kc, vc), plan = _kernel_inputs(spec, softcap or None, q, k, v)
+    out, lse = with_sinks(*forward_with_lse(qc, kc, vc, mask=spec, scale=scale, plan=plan), sinks)
     return out.to(q.dtype).contiguous(), lse.to(_lse_dtype(q)).contiguous()
 
 
@@ -221,12 +229,13 @@ def _backward(
     floats: list[float],
     structure: str,
     scale: float,
+    softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv`` in the dtypes of q, k, v, contiguous, from what the forward saved
     (``saved``: q, k, v, out, lse) and ``dout``."""
     q, k, v, out, lse = saved
     spec = rebuild(tensors, ints, floats, structure)
-    (qc, kc, vc, oc, doc), plan = _kernel_inputs(spec, q, k, v, out, dout)
+    (qc, kc, vc, oc, doc), plan = _kernel_inputs(spec, softcap or None, q, k, v, out, dout)
     dq, dk, dv = backward_from_lse(qc, kc, vc, oc, doc, lse, mask=spec, scale=scale, plan=plan)
     return (
         dq.to(q.dtype).contiguous(),
@@ -245,10 +254,10 @@ def _backward_fake(
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
-    q, k, v, tensors, ints, floats, structure, scale = inputs
+    q, k, v, sinks, tensors, ints, floats, structure, scale, softcap = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, *tensors)
-    ctx.spec_args = (ints, floats, structure, scale)
+    ctx.save_for_backward(q, k, v, out, lse, sinks, *tensors)
+    ctx.spec_args = (ints, floats, structure, scale, softcap)
     ctx.mark_non_differentiable(lse)
     # no gradient for the spec's arguments; torch wants a list of them for a list that holds
     # only tensors (an empty one included)
@@ -256,17 +265,18 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -
         [None] * len(x)
         if isinstance(x, list) and all(isinstance(t, torch.Tensor) for t in x)
         else None
-        for x in inputs[3:]
+        for x in inputs[4:]
     )
 
 
 def _autograd_backward(ctx: Any, dout: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
-    q, k, v, out, lse, *tensors = ctx.saved_tensors
-    ints, floats, structure, scale = ctx.spec_args
+    q, k, v, out, lse, sinks, *tensors = ctx.saved_tensors
+    ints, floats, structure, scale, softcap = ctx.spec_args
     dq, dk, dv = torch.ops.attnkit.blocked_attention_backward(
-        [q, k, v, out, lse], dout, tensors, ints, floats, structure, scale
+        [q, k, v, out, lse], dout, tensors, ints, floats, structure, scale, softcap
     )
-    return (dq, dk, dv, *ctx.no_grads)
+    dsinks = sinks_grad(sinks, out, dout, lse) if ctx.needs_input_grad[3] else None
+    return (dq, dk, dv, dsinks, *ctx.no_grads)
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -278,7 +288,8 @@ def run(call: AttentionCall) -> torch.Tensor:
     if isinstance(flat, str):  # check() refused it (unsupported)
         raise TypeError(flat)
     tensors, ints, floats, structure = flat
+    softcap = 0.0 if call.softcap is None else call.softcap
     out, _ = torch.ops.attnkit.blocked_attention(
-        call.q, call.k, call.v, tensors, ints, floats, structure, call.scale
+        call.q, call.k, call.v, call.sinks, tensors, ints, floats, structure, call.scale, softcap
     )
     return out  # type: ignore[no-any-return]
