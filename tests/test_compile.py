@@ -212,11 +212,11 @@ def test_the_op_passes_torchs_op_checks() -> None:
     ids = torch.arange(160) // 70
     tensors, ints, floats, structure = compiled.flatten(masks.document(ids) & masks.causal())
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    args = (q, k, v, None, tensors, ints, floats, structure, 0.25, 0.0)
+    args = (q, k, v, None, tensors, ints, floats, structure, [0.25, 0.0])
     torch.library.opcheck(torch.ops.attnkit.blocked_attention.default, args, test_utils=checks)
     out, lse = torch.ops.attnkit.blocked_attention(*args)
     dout = torch.randn_like(out)
-    back = ([q, k, v, out.detach(), lse], dout, tensors, ints, floats, structure, 0.25, 0.0)
+    back = ([q, k, v, out.detach(), lse], dout, tensors, ints, floats, structure, [0.25, 0.0])
     backward = torch.ops.attnkit.blocked_attention_backward.default
     torch.library.opcheck(backward, back, test_utils=("test_schema", "test_faketensor"))
 

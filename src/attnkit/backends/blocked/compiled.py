@@ -50,11 +50,9 @@ __all__ = ["OP", "flatten", "rebuild", "run", "unsupported"]
 #: the op's name, as ``torch.ops.attnkit.blocked_attention``
 OP = "attnkit::blocked_attention"
 
-#: the arguments both ops take after their tensors: the flattened spec, the scale and the
-#: logit soft-cap (0: none)
-_SPEC_ARGS = (
-    "Tensor[] tensors, SymInt[] ints, float[] floats, str structure, float scale, float softcap"
-)
+#: the arguments both ops take after their tensors: the flattened spec, and the call's
+#: ``[scale, soft-cap]`` (soft-cap 0: none)
+_SPEC_ARGS = "Tensor[] tensors, SymInt[] ints, float[] floats, str structure, float[] scale_cap"
 
 
 def _flatten_node(
@@ -196,12 +194,12 @@ def _forward(
     ints: list[int],
     floats: list[float],
     structure: str,
-    scale: float,
-    softcap: float,
+    scale_cap: list[float],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``out (B, H, L, Dv)`` in q's dtype and ``lse (B, H, L)`` (float32; float64 for float64
     q; the sinks joined to it), both contiguous, as the fake implementation promises."""
     spec = rebuild(tensors, ints, floats, structure)
+    scale, softcap = scale_cap
     (qc, kc, vc), plan = _kernel_inputs(spec, softcap or None, q, k, v)
     out, lse = with_sinks(*forward_with_lse(qc, kc, vc, mask=spec, scale=scale, plan=plan), sinks)
     return out.to(q.dtype).contiguous(), lse.to(_lse_dtype(q)).contiguous()
@@ -228,13 +226,13 @@ def _backward(
     ints: list[int],
     floats: list[float],
     structure: str,
-    scale: float,
-    softcap: float,
+    scale_cap: list[float],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv`` in the dtypes of q, k, v, contiguous, from what the forward saved
     (``saved``: q, k, v, out, lse) and ``dout``."""
     q, k, v, out, lse = saved
     spec = rebuild(tensors, ints, floats, structure)
+    scale, softcap = scale_cap
     (qc, kc, vc, oc, doc), plan = _kernel_inputs(spec, softcap or None, q, k, v, out, dout)
     dq, dk, dv = backward_from_lse(qc, kc, vc, oc, doc, lse, mask=spec, scale=scale, plan=plan)
     return (
@@ -254,10 +252,10 @@ def _backward_fake(
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -> None:
-    q, k, v, sinks, tensors, ints, floats, structure, scale, softcap = inputs
+    q, k, v, sinks, tensors, ints, floats, structure, scale_cap = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, sinks, *tensors)
-    ctx.spec_args = (ints, floats, structure, scale, softcap)
+    ctx.spec_args = (ints, floats, structure, scale_cap)
     ctx.mark_non_differentiable(lse)
     # no gradient for the spec's arguments; torch wants a list of them for a list that holds
     # only tensors (an empty one included)
@@ -271,9 +269,9 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -
 
 def _autograd_backward(ctx: Any, dout: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
     q, k, v, out, lse, sinks, *tensors = ctx.saved_tensors
-    ints, floats, structure, scale, softcap = ctx.spec_args
+    ints, floats, structure, scale_cap = ctx.spec_args
     dq, dk, dv = torch.ops.attnkit.blocked_attention_backward(
-        [q, k, v, out, lse], dout, tensors, ints, floats, structure, scale, softcap
+        [q, k, v, out, lse], dout, tensors, ints, floats, structure, scale_cap
     )
     dsinks = sinks_grad(sinks, out, dout, lse) if ctx.needs_input_grad[3] else None
     return (dq, dk, dv, dsinks, *ctx.no_grads)
@@ -288,8 +286,8 @@ def run(call: AttentionCall) -> torch.Tensor:
     if isinstance(flat, str):  # check() refused it (unsupported)
         raise TypeError(flat)
     tensors, ints, floats, structure = flat
-    softcap = 0.0 if call.softcap is None else call.softcap
+    scale_cap = [call.scale, 0.0 if call.softcap is None else call.softcap]
     out, _ = torch.ops.attnkit.blocked_attention(
-        call.q, call.k, call.v, call.sinks, tensors, ints, floats, structure, call.scale, softcap
+        call.q, call.k, call.v, call.sinks, tensors, ints, floats, structure, scale_cap
     )
     return out  # type: ignore[no-any-return]
