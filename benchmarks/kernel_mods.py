@@ -1,4 +1,5 @@
-"""The row-span kernel's score modifiers (logit soft-cap, ALiBi), timed interleaved.
+"""The row-span kernel's score modifiers (logit soft-cap, ALiBi, holes in a key mask), timed
+interleaved.
 
 The new rows run in the kernel and on torch's tiles, which ran them before; with
 ``--base-source`` (the ``csrc/row_span.cpp`` of a commit before the modifiers, whose module is
@@ -26,9 +27,10 @@ from attnkit import masks
 from attnkit.backends import blocked
 from attnkit.backends.blocked import rowspan
 
-NO_MODS = (0.0, torch.empty(0), 0)
+NO_MODS = (0.0, torch.empty(0), 0, torch.empty(0))
 SCALE = 0.125
 WINDOW = masks.causal() & masks.sliding_window(256)
+HOLES = torch.rand(1, 4096, generator=torch.Generator().manual_seed(0)) > 0.1
 
 
 def load_base(path: str) -> Any:
@@ -93,6 +95,7 @@ def modifier_rows(reps: int) -> None:
         ("soft-cap 30, causal window 256, 16k", 16384, WINDOW, 30.0),
         ("ALiBi & causal, 4k", 4096, masks.alibi(8) & masks.causal(), None),
         ("ALiBi & causal window 256, 16k", 16384, masks.alibi(8) & WINDOW, None),
+        ("causal 4k, key mask with 10% holes", 4096, masks.causal() & masks.key_mask(HOLES), None),
     ]
     for name, L, spec, cap in rows:
         q, k, v = (torch.randn(1, 8, L, 64) for _ in range(3))

@@ -27,8 +27,8 @@ from oracle import reference_attention
 from strategies import span_specs, specs
 
 NINF = -math.inf
-#: the kernel's score modifiers, none: soft-cap 0, no ALiBi slopes, d0 0
-NO_MODS = (0.0, torch.empty(0), 0)
+#: the kernel's score modifiers, none: soft-cap 0, no ALiBi slopes, d0 0, no holes in the keys
+NO_MODS = (0.0, torch.empty(0), 0, torch.empty(0))
 
 
 def _allowed(lo: torch.Tensor, hi: torch.Tensor, S: int) -> torch.Tensor:
@@ -37,9 +37,14 @@ def _allowed(lo: torch.Tensor, hi: torch.Tensor, S: int) -> torch.Tensor:
     return ((j >= lo[:, :, None]) & (j <= hi[:, :, None]))[:, None]
 
 
-def _with_alibi(allowed: torch.Tensor, slopes: torch.Tensor, d0: int) -> torch.Tensor:
-    """``allowed`` as the oracle's float64 mask ``(B', H, L, S)`` with ALiBi's bias
-    ``-slope_h |i + d0 - j|`` where allowed (``-inf`` elsewhere); as it is without slopes."""
+def _with_alibi(
+    allowed: torch.Tensor, slopes: torch.Tensor, d0: int, keys: torch.Tensor
+) -> torch.Tensor:
+    """``allowed`` and the kernel's ``keys`` (0 or -inf per key), as the oracle's mask: with
+    ALiBi's bias ``-slope_h |i + d0 - j|`` where allowed (``-inf`` elsewhere), float64
+    ``(B', H, L, S)``; bool without slopes."""
+    if keys.numel() > 0:
+        allowed = allowed & (keys[:, None, None, : allowed.shape[-1]] == 0)
     if slopes.numel() == 0:
         return allowed
     L, S = allowed.shape[-2:]
@@ -111,15 +116,25 @@ def _monotone_runs(draw: st.DrawFn, rows: int, L: int, S: int) -> tuple[torch.Te
 
 
 @st.composite
-def _mods(draw: st.DrawFn, H: int, L: int, S: int) -> tuple[float, torch.Tensor, int]:
-    """The kernel's score modifiers ``(softcap, slopes, d0)``: no soft-cap (0) or one from 0.5
-    (most scores saturate) to 20, no ALiBi or the slopes of ``H`` heads (times 4 too, so the
-    bias matters at these lengths), and where row 0 stands among the keys."""
+def _mods(
+    draw: st.DrawFn, B: int, H: int, L: int, S: int
+) -> tuple[float, torch.Tensor, int, torch.Tensor]:
+    """The kernel's score modifiers ``(softcap, slopes, d0, keys)``: no soft-cap (0) or one from
+    0.5 (most scores saturate) to 20; no ALiBi or the slopes of ``H`` heads (times 4 too, so the
+    bias matters at these lengths); where row 0 stands among the keys; no holes in the keys, or
+    0 / -inf per key ``(1 or B, S + 8)`` with a fraction of them holes (all, at times)."""
     cap = draw(st.sampled_from([0.0, 0.0, 0.5, 2.0, 20.0]))
     slopes = torch.empty(0)
     if draw(st.booleans()):
         slopes = (alibi_slopes(H) * draw(st.sampled_from([1.0, 4.0]))).float()
-    return cap, slopes, draw(st.integers(-L, S))
+    keys = torch.empty(0)
+    if draw(st.booleans()):
+        gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+        rows = draw(st.sampled_from([1, B]))
+        holes = torch.rand(rows, S, generator=gen) < draw(st.sampled_from([0.2, 0.7, 1.0]))
+        keys = torch.full((rows, S + 8), NINF)
+        keys[:, :S].masked_fill_(~holes, 0.0)
+    return cap, slopes, draw(st.integers(-L, S)), keys
 
 
 @settings(max_examples=60, deadline=None)
@@ -145,7 +160,7 @@ def test_the_kernel_on_any_runs_equals_the_float64_oracle(
     v = torch.randn(B, Hkv, S, Dv, generator=gen)
     dout = torch.randn(B, H, L, Dv, generator=gen)
     scale = Dk**-0.5
-    mods = data.draw(_mods(H, L, S))  # soft-cap and ALiBi, computed in the kernel
+    mods = data.draw(_mods(B, H, L, S))  # soft-cap, ALiBi and holes, computed in the kernel
     cap = mods[0] or None
     out, lse = rowspan.kernel().span_forward(q, k, v, lo, hi, scale, *mods)
     dq, dk, dv = rowspan.kernel().span_backward(q, k, v, out, dout, lse, lo, hi, scale, *mods)
@@ -163,6 +178,10 @@ def test_the_kernel_on_any_runs_equals_the_float64_oracle(
     for got, ref in zip((dq, dk, dv), grads, strict=True):
         assert not bool(got.isnan().any())
         assert _close(got, ref, 1e-4)
+    if mods[3].numel() > 0:  # a hole gets exactly no gradient
+        hole = (mods[3][:, :S] == NINF)[:, None, :, None]  # (B', 1, S, 1)
+        assert bool((dk.masked_select(hole) == 0).all())
+        assert bool((dv.masked_select(hole) == 0).all())
 
 
 #: relative max error of the kernel on bfloat16/float16 inputs against the float64 oracle on the
@@ -209,7 +228,7 @@ def test_the_kernel_reads_bf16_and_fp16_directly_and_equals_the_float64_oracle(
     v = torch.randn(B, Hkv, S, Dv, generator=gen).to(dtype)
     dout = torch.randn(B, H, L, Dv, generator=gen).to(dtype)
     scale = Dk**-0.5
-    mods = data.draw(_mods(H, L, S))
+    mods = data.draw(_mods(B, H, L, S))
     cap = mods[0] or None
     out, lse = rowspan.kernel().span_forward(q, k, v, lo, hi, scale, *mods)
     dq, dk, dv = rowspan.kernel().span_backward(q, k, v, out, dout, lse, lo, hi, scale, *mods)
@@ -287,10 +306,14 @@ def test_the_plan_reads_low_precision_only_for_a_caller_that_takes_it_back() -> 
 def test_every_interval_spec_runs_in_the_kernel_and_equals_the_oracle(
     B: int, Hkv: int, group: int, L: int, S: int, Dv: int, data: Any
 ) -> None:
-    """Every interval spec, ``&`` ALiBi or not, soft-capped or not, grouped-query heads, Dk !=
-    Dv: the kernel serves it, forward and backward, and equals the float64 oracle."""
+    """Every interval spec, ``&`` a key mask with holes or not, ``&`` ALiBi or not, soft-capped
+    or not, grouped-query heads, Dk != Dv: the kernel serves it, forward and backward, and
+    equals the float64 oracle."""
     H = Hkv * group
     spec = data.draw(span_specs(B, L, S))
+    if data.draw(st.booleans()):  # a key mask with holes (padding in the middle, dropped keys)
+        gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+        spec = spec & masks.key_mask(torch.rand(B, S, generator=gen) > 0.3)
     if data.draw(st.booleans()):
         spec = alibi(H) & spec if data.draw(st.booleans()) else spec & alibi(H)
     softcap = data.draw(st.sampled_from([None, None, 1.0, 10.0]))
@@ -515,8 +538,7 @@ def test_calls_the_kernel_does_not_serve_go_to_torchs_kernel(
     spec = masks.causal() & masks.sliding_window(8)
     q = torch.randn(1, 4, 64, 16)
     bf = q.bfloat16()
-    holes = torch.ones(1, 64, dtype=torch.bool)
-    holes[0, 10] = False
+    holes = masks.causal() & ~masks.sliding_window(4)  # row_spans does not read ~
     crossing = masks.padding(torch.tensor([64]), torch.tensor([10])) | (
         masks.causal() & masks.sliding_window(1)
     )  # rows 0-9 see every key, later rows only themselves: the runs move back
@@ -524,7 +546,7 @@ def test_calls_the_kernel_does_not_serve_go_to_torchs_kernel(
     # tests/test_low_precision_paths.py)
     monkeypatch.setenv("ATTNKIT_CPU_PATH", "torch")
     attnkit.attention(bf, bf, bf, mask=spec, backend="blocked")
-    attnkit.attention(q, q, q, mask=masks.key_mask(holes), backend="blocked")
+    attnkit.attention(q, q, q, mask=holes, backend="blocked")
     attnkit.attention(q, q, q, mask=spec & alibi(4) & alibi(4), backend="blocked")  # two biases
     got = attnkit.attention(q, q, q, mask=crossing, backend="blocked")
     assert calls == []

@@ -36,7 +36,7 @@ from attnkit.masks.rules import (
 from attnkit.masks.sequence import _SequenceCausal
 from attnkit.masks.spec import MaskSpec, _And, _HeadSlice, _Or
 
-__all__ = ["row_spans"]
+__all__ = ["key_holes", "row_runs", "row_spans"]
 
 #: "no bound" on the left and the right, far outside any key index
 LOW, HIGH = -(2**40), 2**40
@@ -75,6 +75,61 @@ def row_spans(
     lo = (lo - k_start).clamp(0, S)
     hi = (hi - k_start).clamp(-1, S - 1)
     return lo.contiguous(), hi.contiguous()
+
+
+def key_holes(spec: MaskSpec) -> tuple[MaskSpec, torch.Tensor | None]:
+    """``spec`` with every key mask that has holes, among the parts joined by ``&``, replaced by
+    its hull (its real keys from the first to the last), and those key masks joined, ``(B', S')``
+    bool (``None`` where there are none): the spec is its hull's rule ``&`` the keys.
+
+    >>> from attnkit.masks import causal, key_mask
+    >>> keep = torch.tensor([[True, False, True, True, False]])
+    >>> rule, keys = key_holes(causal() & key_mask(keep))
+    >>> rule.b.keep.tolist(), torch.equal(keys, keep)
+    ([[True, True, True, True, False]], True)
+    """
+    if type(spec) is _KeyMask and spec.keep.shape[1] > 0:
+        keep = spec.keep.detach().to("cpu")
+        idx = torch.arange(keep.shape[1])
+        first = torch.where(keep, idx, keep.shape[1]).amin(dim=1, keepdim=True)
+        last = torch.where(keep, idx, -1).amax(dim=1, keepdim=True)
+        hull = (idx >= first) & (idx <= last)
+        return (spec, None) if torch.equal(hull, keep) else (_KeyMask(hull), keep)
+    if type(spec) is _And:
+        a, keys_a = key_holes(spec.a)
+        b, keys_b = key_holes(spec.b)
+        if keys_a is None and keys_b is None:
+            return spec, None
+        keys = keys_a if keys_b is None else keys_b if keys_a is None else _and_keys(keys_a, keys_b)
+        return a & b, keys
+    return spec, None
+
+
+def _and_keys(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    S = min(a.shape[1], b.shape[1])  # keys past a mask's length are not allowed by it
+    return a[:, :S] & b[:, :S]
+
+
+def row_runs(
+    spec: MaskSpec,
+    L: int,
+    S: int,
+    *,
+    q_start: int = 0,
+    k_start: int = 0,
+    off: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """:func:`row_spans`, also for key masks with holes: ``lo, hi`` of the spec with each such
+    key mask's hull (:func:`key_holes`), and the keys ``(B', S)`` bool (local, True = may be
+    attended; ``None`` where nothing has holes) that the runs must also obey."""
+    rule, keys = key_holes(spec)
+    spans = row_spans(rule, L, S, q_start=q_start, k_start=k_start, off=off)
+    if spans is None or keys is None:
+        return None if spans is None else (*spans, None)
+    local = torch.zeros(keys.shape[0], S, dtype=torch.bool)
+    there = keys[:, k_start : k_start + S]
+    local[:, : there.shape[1]] = there
+    return (*spans, local)
 
 
 def _full(pos: torch.Tensor, value: int) -> torch.Tensor:

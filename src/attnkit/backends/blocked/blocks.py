@@ -180,7 +180,7 @@ def forward_with_lse(
         sp = p.spans
         if sp.serves and sp.lo is not None and sp.hi is not None:  # attnkit's row-span kernel
             return rowspan.kernel().span_forward(  # type: ignore[no-any-return]
-                q, k, v, sp.lo, sp.hi, float(scale), p.softcap or 0.0, sp.slopes, sp.d0
+                q, k, v, sp.lo, sp.hi, float(scale), p.softcap or 0.0, sp.slopes, sp.d0, sp.keys
             )
         return tiles.forward(p.tiles(q, k, v), q, k, v, scale, p.softcap)
 
@@ -238,6 +238,7 @@ def backward_from_lse(
                 p.softcap or 0.0,
                 sp.slopes,
                 sp.d0,
+                sp.keys,
             )
         tile_plan = p.tiles(q, k, v, backward=True)
         return tiles.backward(tile_plan, (q, k, v, out, lse), dout, scale, p.softcap)

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from attnkit.masks import MaskSpec, causal_window, row_spans, split_alibi
+from attnkit.masks import MaskSpec, causal_window, row_runs, split_alibi
 
 __all__ = ["SpanPlan", "available", "build", "kernel", "main", "plan", "status"]
 
@@ -61,9 +61,9 @@ ENV = "ATTNKIT_SPAN_KERNEL"
 #: calls were not measured, so they keep to SDPA
 CAUSAL_MIN_PAIRS = 1024 * 1024
 #: bumped with every change to the C++ source's interface
-NAME = "attnkit_row_span_v3"
+NAME = "attnkit_row_span_v4"
 
-#: a plan's ``slopes`` where the spec has no ALiBi
+#: a plan's ``slopes`` where the spec has no ALiBi (and its ``keys`` where they have no holes)
 NO_SLOPES = torch.empty(0)
 
 _lock = threading.Lock()
@@ -158,7 +158,8 @@ class SpanPlan:
     bfloat16/float16 read directly, for a plan made with ``in_dtype=True``), and returns out,
     dq, dk, dv in. ``slopes`` are ALiBi's ``(H,)`` (float32, CPU) where the spec has it (else
     an empty tensor), added as ``-slope_h * |i + d0 - j|`` for local query row ``i`` and local
-    key ``j``.
+    key ``j``; ``keys`` the holes a key mask leaves inside the runs (float32 ``(B', S + 8)``, 0
+    or ``-inf``; empty where there are none; :func:`attnkit.masks.row_runs`).
     """
 
     lo: torch.Tensor | None
@@ -168,6 +169,7 @@ class SpanPlan:
     dtype: torch.dtype = torch.float32
     slopes: torch.Tensor = field(default_factory=lambda: NO_SLOPES)
     d0: int = 0
+    keys: torch.Tensor = field(default_factory=lambda: NO_SLOPES)
 
     @property
     def serves(self) -> bool:
@@ -217,15 +219,21 @@ def plan(
         if parts is None:
             return NOT_SPANS
         slopes, rule = parts[0].to("cpu", torch.float32), parts[1]
-    spans: tuple[torch.Tensor, torch.Tensor] | None
+    runs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None
     if rule is None:  # every key
-        spans = (torch.zeros(1, L, dtype=torch.long), torch.full((1, L), S - 1, dtype=torch.long))
+        every = (torch.zeros(1, L, dtype=torch.long), torch.full((1, L), S - 1, dtype=torch.long))
+        runs = (*every, None)
     else:
-        spans = row_spans(rule, L, S, q_start=q_start, k_start=k_start, off=off)
-    if spans is None:
+        runs = row_runs(rule, L, S, q_start=q_start, k_start=k_start, off=off)
+    if runs is None:
         return NOT_SPANS
-    lo, hi = spans
-    p = SpanPlan(lo, hi, describe(spec), None, slopes=slopes, d0=q_start + off - k_start)
+    lo, hi, holes = runs
+    keys, what = NO_SLOPES, describe(spec)
+    if holes is not None:  # 0 where a key may be attended, -inf at holes and past S
+        keys = torch.full((holes.shape[0], S + 8), float("-inf"))
+        keys[:, :S].masked_fill_(holes, 0.0)
+        what += " (holes in the keys masked per key)"
+    p = SpanPlan(lo, hi, what, None, slopes=slopes, d0=q_start + off - k_start, keys=keys)
     if slopes.numel() not in (0, q.shape[1]):
         return p.refuse(f"{spec!r} has {slopes.numel()} ALiBi slopes for {q.shape[1]} heads")
     if bool((lo[:, 1:] < lo[:, :-1]).any() or (hi[:, 1:] < hi[:, :-1]).any()):
@@ -256,8 +264,9 @@ def plan(
 def kernel() -> Any:
     """The loaded C++ module: ``span_forward(q, k, v, lo, hi, scale, softcap, slopes, d0) ->
     (out, lse)`` and ``span_backward(q, k, v, out, dout, lse, lo, hi, scale, softcap, slopes,
-    d0) -> (dq, dk, dv)``; ``softcap`` > 0 caps the scaled scores (``c tanh(s / c)``, 0: none),
-    then a non-empty ``slopes`` ``(H,)`` adds ALiBi's ``-slope_h |i + d0 - j|``: q
+    d0, keys) -> (dq, dk, dv)``; ``softcap`` > 0 caps the scaled scores (``c tanh(s / c)``, 0:
+    none), a non-empty ``slopes`` ``(H,)`` adds ALiBi's ``-slope_h |i + d0 - j|`` and a
+    non-empty ``keys`` ``(1 or B, >= S + 8)`` each key's 0 or ``-inf``: q
     ``(B, H, L, Dk)``, k ``(B, Hkv, S, Dk)``, v ``(B, Hkv, S, Dv)``, out ``(B, H, L, Dv)``, lse
     ``(B, H, L)`` (natural log, float32), ``lo``/``hi`` int64 ``(1 or B, L)``; q, k, v, out,
     dout, dq, dk, dv all float32, or all the dtype of q among ``span_low_dtypes()``

@@ -211,17 +211,42 @@ static inline __m256 tanh_ps(__m256 y) {
 // What changes the scores before the softmax, in the kernel's units (a score is
 // scale * log2(e) * q.k): Gemma 2's soft-cap c * tanh(s / c) (cap = c * log2(e); 0: none),
 // then ALiBi's bias -slope_h * |i + d0 - j| for query row i and local key j (slopes: the H
-// slopes times log2(e); nullptr: none).
+// slopes times log2(e); nullptr: none), then the keys' own mask (keys: 0 for a key that may be
+// attended, -inf for a hole in a run; one row of S + 8 floats per batch row, keys_bstride apart
+// (0: one row for the batch); nullptr: none).
 struct Mods {
   float cap = 0.0f;
   const float* slopes = nullptr;
   int64_t d0 = 0;
+  const float* keys = nullptr;
+  int64_t keys_bstride = 0;
+  bool any() const { return cap > 0.0f || slopes || keys; }
+  // the keys' mask from key k0 on, for batch row b (nullptr: none)
+  const float* keys_at(int64_t b, int64_t k0) const {
+    return keys ? keys + b * keys_bstride + k0 : nullptr;
+  }
 };
 
-// The modified scores of 8 keys at column j of a row whose query stands at column pos; t gets
-// tanh(s / cap) (the soft-cap's derivative is 1 - t^2).
-template <bool CAP, bool BIAS>
-static inline __m256 mod8(__m256 x, float cap, float slope, int64_t pos, int64_t j, __m256& t) {
+// f(CAP, BIAS, KEYS) with the modifiers of md as compile-time flags (std::bool_constant).
+template <bool C, bool B, typename F>
+static inline auto with_keys(const Mods& md, F&& f) {
+  return md.keys ? f(std::bool_constant<C>{}, std::bool_constant<B>{}, std::true_type{})
+                 : f(std::bool_constant<C>{}, std::bool_constant<B>{}, std::false_type{});
+}
+template <bool C, typename F>
+static inline auto with_bias(const Mods& md, F&& f) {
+  return md.slopes ? with_keys<C, true>(md, f) : with_keys<C, false>(md, f);
+}
+template <typename F>
+static inline auto with_mods(const Mods& md, F&& f) {
+  return md.cap > 0.0f ? with_bias<true>(md, f) : with_bias<false>(md, f);
+}
+
+// The modified scores of 8 keys at column j of a row whose query stands at column pos (kb: the
+// keys' mask at column 0); t gets tanh(s / cap) (the soft-cap's derivative is 1 - t^2).
+template <bool CAP, bool BIAS, bool KEYS>
+static inline __m256 mod8(__m256 x, float cap, float slope, int64_t pos, int64_t j,
+                          const float* kb, __m256& t) {
   if constexpr (CAP) {
     t = tanh_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.0f / cap)));
     x = _mm256_mul_ps(_mm256_set1_ps(cap), t);
@@ -232,37 +257,35 @@ static inline __m256 mod8(__m256 x, float cap, float slope, int64_t pos, int64_t
     dist = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), dist);
     x = _mm256_fnmadd_ps(_mm256_set1_ps(slope), dist, x);
   }
+  if constexpr (KEYS) x = _mm256_add_ps(x, _mm256_loadu_ps(kb + j));
   return x;
 }
 
 // s[a..b] = the modified scores, in place (may write up to 7 floats past b, as row_exp does).
-template <bool CAP, bool BIAS>
-static inline void mod_row(float* s, int64_t a, int64_t b, float cap, float slope, int64_t pos) {
+template <bool CAP, bool BIAS, bool KEYS>
+static inline void mod_row(float* s, int64_t a, int64_t b, float cap, float slope, int64_t pos,
+                           const float* kb) {
   __m256 t;
   for (int64_t j = a; j <= b; j += 8)
-    _mm256_storeu_ps(s + j, mod8<CAP, BIAS>(_mm256_loadu_ps(s + j), cap, slope, pos, j, t));
-}
-
-static inline void mod_row(float* s, int64_t a, int64_t b, const Mods& md, float slope,
-                           int64_t pos) {
-  if (md.cap > 0.0f && md.slopes) mod_row<true, true>(s, a, b, md.cap, slope, pos);
-  else if (md.cap > 0.0f) mod_row<true, false>(s, a, b, md.cap, slope, pos);
-  else if (md.slopes) mod_row<false, true>(s, a, b, md.cap, slope, pos);
+    _mm256_storeu_ps(s + j,
+                     mod8<CAP, BIAS, KEYS>(_mm256_loadu_ps(s + j), cap, slope, pos, j, kb, t));
 }
 
 // One row of the backward over its columns ja..jb (inclusive): s = P = 2^(S' - m) and
 // d = dS = scale * P * (dP - D) (times 1 - t^2 under a soft-cap), S' the modified scores; lanes
-// past jb get 0. Returns the first column past the last one written.
-template <bool CAP, bool BIAS>
+// past jb and holes in the keys' mask get 0. Returns the first column past the last one written.
+template <bool CAP, bool BIAS, bool KEYS>
 static inline int64_t bwd_row(float* s, float* d, int64_t ja, int64_t jb, float m, float D,
-                              float scale, float cap, float slope, int64_t pos) {
+                              float scale, float cap, float slope, int64_t pos, const float* kb) {
   const __m256 vm = _mm256_set1_ps(m), vD = _mm256_set1_ps(D), vs = _mm256_set1_ps(scale);
   const __m256 one = _mm256_set1_ps(1.0f);
   __m256 t = one;
   int64_t j = ja;
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (; j + 8 <= jb + 1; j += 8) {
-    __m256 x = mod8<CAP, BIAS>(_mm256_loadu_ps(s + j), cap, slope, pos, j, t);
+    __m256 x = mod8<CAP, BIAS, KEYS>(_mm256_loadu_ps(s + j), cap, slope, pos, j, kb, t);
     __m256 p = exp2_ps(_mm256_sub_ps(x, vm));
+    if constexpr (KEYS) p = _mm256_and_ps(p, _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ));
     __m256 ds = _mm256_mul_ps(_mm256_mul_ps(p, vs), _mm256_sub_ps(_mm256_loadu_ps(d + j), vD));
     if constexpr (CAP) ds = _mm256_mul_ps(ds, _mm256_fnmadd_ps(t, t, one));
     _mm256_storeu_ps(s + j, p);
@@ -270,8 +293,9 @@ static inline int64_t bwd_row(float* s, float* d, int64_t ja, int64_t jb, float 
   }
   const int64_t rem = jb + 1 - j;
   if (rem > 0) {
-    const __m256 msk = tail_mask((int)rem);
-    __m256 x = mod8<CAP, BIAS>(_mm256_loadu_ps(s + j), cap, slope, pos, j, t);
+    __m256 msk = tail_mask((int)rem);
+    __m256 x = mod8<CAP, BIAS, KEYS>(_mm256_loadu_ps(s + j), cap, slope, pos, j, kb, t);
+    if constexpr (KEYS) msk = _mm256_and_ps(msk, _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ));
     __m256 p = _mm256_and_ps(exp2_ps(_mm256_sub_ps(x, vm)), msk);
     __m256 ds = _mm256_mul_ps(_mm256_mul_ps(p, vs), _mm256_sub_ps(_mm256_loadu_ps(d + j), vD));
     if constexpr (CAP) ds = _mm256_mul_ps(ds, _mm256_fnmadd_ps(t, t, one));
@@ -668,7 +692,7 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const float sc = static_cast<float>(scale * 1.4426950408889634);
   const float ln2 = 0.6931471805599453f;
   const float NINF = -std::numeric_limits<float>::infinity();
-  const bool modded = md.cap > 0.0f || md.slopes;
+  const bool modded = md.any(), holes = md.keys != nullptr;  // holes: a chunk may have none
   const T* qd = static_cast<const T*>(q.data_ptr());
   const T* kd = static_cast<const T*>(k.data_ptr());
   const T* vd = static_cast<const T*>(v.data_ptr());
@@ -774,8 +798,15 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
               const int64_t a = std::max<int64_t>(rl[ri], kc0);
               const int64_t bb = std::min<int64_t>(rh[ri], kc1 - 1);
               if (a > bb) { zero_range(srow, A - kc0, Bt - kc0); continue; }
-              if (modded) mod_row(srow, a - kc0, bb - kc0, md, slope, i0 + ri + md.d0 - kc0);
+              if (modded) {
+                const float* kb = md.keys_at(b, kc0);
+                const int64_t pos = i0 + ri + md.d0 - kc0;
+                with_mods(md, [&](auto C, auto Bi, auto K) {
+                  mod_row<C, Bi, K>(srow, a - kc0, bb - kc0, md.cap, slope, pos, kb);
+                });
+              }
               const float cm = row_max(srow, a - kc0, bb - kc0);
+              if (holes && cm == NINF) { zero_range(srow, A - kc0, Bt - kc0); continue; }
               const float mo = mrow[ri];
               const float mn = std::max(mo, cm);
               float alpha = 1.0f;
@@ -1048,15 +1079,10 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
             std::fill(drw, drw + ja, 0.0f);
             const int64_t pos = i0 + ri + md.d0 - kc0;
             const float m = mrow[ri], D = drow[ri];
-            int64_t j;
-            if (md.cap > 0.0f && md.slopes)
-              j = bwd_row<true, true>(srow, drw, ja, jb, m, D, fscale, md.cap, slope, pos);
-            else if (md.cap > 0.0f)
-              j = bwd_row<true, false>(srow, drw, ja, jb, m, D, fscale, md.cap, slope, pos);
-            else if (md.slopes)
-              j = bwd_row<false, true>(srow, drw, ja, jb, m, D, fscale, md.cap, slope, pos);
-            else
-              j = bwd_row<false, false>(srow, drw, ja, jb, m, D, fscale, md.cap, slope, pos);
+            const float* kb = md.keys_at(b, kc0);
+            const int64_t j = with_mods(md, [&](auto C, auto Bi, auto K) {
+              return bwd_row<C, Bi, K>(srow, drw, ja, jb, m, D, fscale, md.cap, slope, pos, kb);
+            });
             if (j < Z) {
               std::fill(srow + j, srow + Z, 0.0f);
               std::fill(drw + j, drw + Z, 0.0f);
@@ -1140,8 +1166,9 @@ static Spans check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Te
 }
 
 // The score modifiers of a call (see Mods); slopes_log2 keeps the scaled slopes alive.
-static Mods check_mods(const at::Tensor& q, double softcap, const at::Tensor& slopes,
-                       int64_t d0, at::Tensor& slopes_log2) {
+static Mods check_mods(const at::Tensor& q, const at::Tensor& k, double softcap,
+                       const at::Tensor& slopes, int64_t d0, const at::Tensor& keys,
+                       at::Tensor& slopes_log2) {
   constexpr double LOG2E = 1.4426950408889634;
   TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap),
               "row-span kernel: softcap must be finite and >= 0 (0: none)");
@@ -1153,6 +1180,14 @@ static Mods check_mods(const at::Tensor& q, double softcap, const at::Tensor& sl
                 "row-span kernel: ALiBi slopes must be a CPU tensor (H,), one per query head");
     slopes_log2 = (slopes.to(at::kDouble) * LOG2E).to(at::kFloat).contiguous();
     md.slopes = slopes_log2.data_ptr<float>();
+  }
+  if (keys.numel() > 0) {
+    TORCH_CHECK(keys.scalar_type() == at::kFloat && keys.is_contiguous() && keys.dim() == 2 &&
+                    (keys.size(0) == 1 || keys.size(0) == q.size(0)) &&
+                    keys.size(1) >= k.size(2) + 8 && keys.device().is_cpu(),
+                "row-span kernel: keys must be contiguous float32 (1 or B, >= S + 8), 0 or -inf");
+    md.keys = keys.data_ptr<float>();
+    md.keys_bstride = keys.size(0) == 1 ? 0 : keys.size(1);
   }
   return md;
 }
@@ -1169,16 +1204,18 @@ std::vector<std::string> span_low_dtypes() {
 }
 
 // (out (B, H, L, Dv) in q's dtype, lse (B, H, L) float32) of rows attending keys lo[i]..hi[i].
-// Scores are modified before the softmax: softcap > 0 caps them (c tanh(s / c)), and a
-// non-empty slopes (H,) adds ALiBi's -slope_h |i + d0 - j| (query row i, local key j).
+// Scores are modified before the softmax: softcap > 0 caps them (c tanh(s / c)), a non-empty
+// slopes (H,) adds ALiBi's -slope_h |i + d0 - j| (query row i, local key j), and a non-empty
+// keys (1 or B, >= S + 8) adds each key's 0 or -inf (holes in the runs; see Mods).
 std::tuple<at::Tensor, at::Tensor> span_forward(at::Tensor q, at::Tensor k, at::Tensor v,
                                                 at::Tensor lo, at::Tensor hi, double scale,
-                                                double softcap, at::Tensor slopes, int64_t d0) {
+                                                double softcap, at::Tensor slopes, int64_t d0,
+                                                at::Tensor keys) {
   q = q.contiguous(); k = k.contiguous(); v = v.contiguous();
   lo = lo.contiguous(); hi = hi.contiguous();
   const rowspan::Spans sp = rowspan::check_inputs(q, k, v, lo, hi);
   at::Tensor keep;
-  const rowspan::Mods md = rowspan::check_mods(q, softcap, slopes, d0, keep);
+  const rowspan::Mods md = rowspan::check_mods(q, k, softcap, slopes, d0, keys, keep);
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dv = v.size(3);
   auto out = at::empty({B, H, L, Dv}, q.options());
   auto lse = at::empty({B, H, L}, q.options().dtype(at::kFloat));
@@ -1199,13 +1236,14 @@ std::tuple<at::Tensor, at::Tensor> span_forward(at::Tensor q, at::Tensor k, at::
 // query heads (in float32, converted once at the end for a low-precision dtype).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
     at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out, at::Tensor dout, at::Tensor lse,
-    at::Tensor lo, at::Tensor hi, double scale, double softcap, at::Tensor slopes, int64_t d0) {
+    at::Tensor lo, at::Tensor hi, double scale, double softcap, at::Tensor slopes, int64_t d0,
+    at::Tensor keys) {
   q = q.contiguous(); k = k.contiguous(); v = v.contiguous();
   out = out.contiguous(); dout = dout.contiguous(); lse = lse.contiguous();
   lo = lo.contiguous(); hi = hi.contiguous();
   const rowspan::Spans sp = rowspan::check_inputs(q, k, v, lo, hi);
   at::Tensor keep;
-  const rowspan::Mods md = rowspan::check_mods(q, softcap, slopes, d0, keep);
+  const rowspan::Mods md = rowspan::check_mods(q, k, softcap, slopes, d0, keys, keep);
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dv = v.size(3);
   const auto dt = q.scalar_type();
   TORCH_CHECK(out.scalar_type() == dt && dout.scalar_type() == dt &&
