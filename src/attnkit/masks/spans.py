@@ -9,7 +9,8 @@ padding whose real keys are one run per sequence (left or right padding), and th
 per-sequence causal rule. :func:`row_spans` gives those runs as ``lo, hi`` (inclusive key
 indices), exactly, for any ``&`` of such specs (the intersection: the larger ``lo``, the smaller
 ``hi``) and for a ``|`` whose runs touch in every row (their union). Anything else, a score bias
-(ALiBi; :func:`~attnkit.masks.split_alibi` separates it from its rule), a key mask with holes,
+(ALiBi; :func:`~attnkit.masks.split_alibi` separates it from its rule), a key mask with holes
+(:func:`row_runs` gives the runs of its hull and the holes apart),
 documents whose ids come back after another document, ``~``, a mask tensor, gives ``None``: it
 is not an interval mask, and a backend keeps to block maps.
 
