@@ -56,7 +56,7 @@ from attnkit.masks.rules import (
     sliding_window,
 )
 from attnkit.masks.sequence import sequence_causal
-from attnkit.masks.spans import key_holes, row_runs, row_spans
+from attnkit.masks.spans import key_holes, local_keys, row_spans
 from attnkit.masks.spec import EMPTY, FULL, PARTIAL, BlockMap, MaskSpec, block_states, tensor_key
 
 __all__ = [
@@ -77,9 +77,9 @@ __all__ = [
     "is_causal",
     "key_holes",
     "key_mask",
+    "local_keys",
     "padding",
     "prefix_lm",
-    "row_runs",
     "row_spans",
     "sequence_causal",
     "sliding_window",

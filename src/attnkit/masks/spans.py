@@ -10,7 +10,7 @@ per-sequence causal rule. :func:`row_spans` gives those runs as ``lo, hi`` (incl
 indices), exactly, for any ``&`` of such specs (the intersection: the larger ``lo``, the smaller
 ``hi``) and for a ``|`` whose runs touch in every row (their union). Anything else, a score bias
 (ALiBi; :func:`~attnkit.masks.split_alibi` separates it from its rule), a key mask with holes
-(:func:`row_runs` gives the runs of its hull and the holes apart),
+(:func:`key_holes` splits it into its hull, which has runs, and the holes),
 documents whose ids come back after another document, ``~``, a mask tensor, gives ``None``: it
 is not an interval mask, and a backend keeps to block maps.
 
@@ -37,7 +37,7 @@ from attnkit.masks.rules import (
 from attnkit.masks.sequence import _SequenceCausal
 from attnkit.masks.spec import MaskSpec, _And, _HeadSlice, _Or
 
-__all__ = ["key_holes", "row_runs", "row_spans"]
+__all__ = ["key_holes", "local_keys", "row_spans"]
 
 #: "no bound" on the left and the right, far outside any key index
 LOW, HIGH = -(2**40), 2**40
@@ -111,26 +111,13 @@ def _and_keys(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a[:, :S] & b[:, :S]
 
 
-def row_runs(
-    spec: MaskSpec,
-    L: int,
-    S: int,
-    *,
-    q_start: int = 0,
-    k_start: int = 0,
-    off: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """:func:`row_spans`, also for key masks with holes: ``lo, hi`` of the spec with each such
-    key mask's hull (:func:`key_holes`), and the keys ``(B', S)`` bool (local, True = may be
-    attended; ``None`` where nothing has holes) that the runs must also obey."""
-    rule, keys = key_holes(spec)
-    spans = row_spans(rule, L, S, q_start=q_start, k_start=k_start, off=off)
-    if spans is None or keys is None:
-        return None if spans is None else (*spans, None)
+def local_keys(keys: torch.Tensor, k_start: int, S: int) -> torch.Tensor:
+    """The keys ``k_start .. k_start + S - 1`` of :func:`key_holes`'s ``(B', S')`` mask (keys past
+    its end are not allowed), ``(B', S)`` bool."""
     local = torch.zeros(keys.shape[0], S, dtype=torch.bool)
     there = keys[:, k_start : k_start + S]
     local[:, : there.shape[1]] = there
-    return (*spans, local)
+    return local
 
 
 def _full(pos: torch.Tensor, value: int) -> torch.Tensor:

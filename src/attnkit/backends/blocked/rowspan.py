@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from attnkit.masks import MaskSpec, causal_window, row_runs, split_alibi
+from attnkit.masks import MaskSpec, causal_window, key_holes, local_keys, row_spans, split_alibi
 
 __all__ = ["SpanPlan", "available", "build", "kernel", "main", "plan", "status"]
 
@@ -159,7 +159,7 @@ class SpanPlan:
     dq, dk, dv in. ``slopes`` are ALiBi's ``(H,)`` (float32, CPU) where the spec has it (else
     an empty tensor), added as ``-slope_h * |i + d0 - j|`` for local query row ``i`` and local
     key ``j``; ``keys`` the holes a key mask leaves inside the runs (float32 ``(B', S + 8)``, 0
-    or ``-inf``; empty where there are none; :func:`attnkit.masks.row_runs`).
+    or ``-inf``; empty where there are none; :func:`attnkit.masks.key_holes`).
     """
 
     lo: torch.Tensor | None
@@ -219,19 +219,20 @@ def plan(
         if parts is None:
             return NOT_SPANS
         slopes, rule = parts[0].to("cpu", torch.float32), parts[1]
-    runs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None
+    spans: tuple[torch.Tensor, torch.Tensor] | None
+    holes = None  # a key mask with holes: the runs of its hull, the holes masked per key
     if rule is None:  # every key
-        every = (torch.zeros(1, L, dtype=torch.long), torch.full((1, L), S - 1, dtype=torch.long))
-        runs = (*every, None)
+        spans = (torch.zeros(1, L, dtype=torch.long), torch.full((1, L), S - 1, dtype=torch.long))
     else:
-        runs = row_runs(rule, L, S, q_start=q_start, k_start=k_start, off=off)
-    if runs is None:
+        rule, holes = key_holes(rule)
+        spans = row_spans(rule, L, S, q_start=q_start, k_start=k_start, off=off)
+    if spans is None:
         return NOT_SPANS
-    lo, hi, holes = runs
+    lo, hi = spans
     keys, what = NO_SLOPES, describe(spec)
     if holes is not None:  # 0 where a key may be attended, -inf at holes and past S
         keys = torch.full((holes.shape[0], S + 8), float("-inf"))
-        keys[:, :S].masked_fill_(holes, 0.0)
+        keys[:, :S].masked_fill_(local_keys(holes, k_start, S), 0.0)
         what += " (holes in the keys masked per key)"
     p = SpanPlan(lo, hi, what, None, slopes=slopes, d0=q_start + off - k_start, keys=keys)
     if slopes.numel() not in (0, q.shape[1]):
