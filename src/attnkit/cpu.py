@@ -8,8 +8,12 @@ GEMM (measured on an AVX2 CPU: about 13x slower for a 512^3 matmul, and
 CPU call in bfloat16 or float16 takes one of three paths, chosen once per process and dtype:
 
 ``native``
-    the CPU has the type's dot-product instructions: the tensors stay in their dtype and go to
-    torch's kernels, which accumulate and take the softmax in float32.
+    the CPU has the type's dot-product instructions: the tensors stay in their dtype. bfloat16
+    calls whose mask is one run of keys per row (causal, windows, documents, ...) go to
+    attnkit's row-span kernel built for AVX512-BF16, whose forward multiplies with the CPU's
+    bf16 dot products (``vdpbf16ps``; P rounded to bfloat16 for ``P V``, as GPU flash kernels
+    do) and whose backward computes in float32; everything else goes to torch's kernels, which
+    accumulate and take the softmax in float32.
 ``fp32-upcast``
     x86 with AVX2 and FMA (AVX-512F included) but no such instructions: q, k and v are
     converted to float32 once, attnkit's float32 code runs, and the output and the gradients are
@@ -63,7 +67,17 @@ ENV = "ATTNKIT_CPU_PATH"
 #: the paths, fastest first (the order ``auto`` tries them in)
 PATHS = ("native", "fp32-upcast", "torch")
 #: the /proc/cpuinfo flags the choice reads (and ``attnkit doctor`` shows)
-FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16")
+FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_bf16",
+    "amx_fp16",
+)
 #: which flags give a dtype its own dot products (any one of them)
 _NATIVE = {
     torch.bfloat16: ("avx512_bf16", "amx_bf16"),
@@ -73,7 +87,9 @@ LOW = tuple(_NATIVE)  #: the dtypes a path applies to
 _X86 = ("x86_64", "amd64", "i386", "i686", "x86")
 
 _WHAT = {
-    "native": "{dtype} tensors go to torch's kernels as they are, which accumulate in float32",
+    "native": "{dtype} tensors stay as they are: attnkit's AVX512-BF16 row-span kernel (bf16 "
+    "dot products) takes bfloat16 where it serves the mask, torch's kernels (float32 "
+    "accumulation) the rest",
     "fp32-upcast": "q, k, v are converted to float32 once (or read as they are by attnkit's "
     "row-span kernel), attnkit's float32 code runs, and the output and gradients come back in "
     "{dtype}",

@@ -257,6 +257,99 @@ def test_the_kernel_reads_bf16_and_fp16_directly_and_equals_the_float64_oracle(
     assert torch.equal(dq, dq32.to(dtype))
 
 
+def _dot_kernel() -> Any:
+    """The AVX512-BF16 build, or a skip saying why this machine cannot run it."""
+    if rowspan.build_dot() is None:
+        pytest.skip(f"this machine cannot run it: {rowspan.dot_status()}")
+    return rowspan.kernel(rowspan.DOT)
+
+
+#: the AVX512-BF16 forward also rounds P to bfloat16 for ``P V`` (relative 2**-9 per weight,
+#: as GPU flash kernels do): its output stays within the same bfloat16 rule as above
+DOT_RTOL = RTOL[torch.bfloat16]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    B=st.integers(1, 2),
+    Hkv=st.integers(1, 2),
+    group=st.sampled_from([1, 2, 4]),
+    L=st.integers(1, 150),
+    S=st.integers(1, 200),
+    Dk=st.sampled_from([1, 7, 8, 20, 33, 64, 128]),
+    Dv=st.sampled_from([1, 8, 24, 40, 64, 80]),
+    per_batch=st.booleans(),
+    data=st.data(),
+)
+def test_the_bf16_dot_product_build_equals_the_float64_oracle(
+    B: int, Hkv: int, group: int, L: int, S: int, Dk: int, Dv: int, per_batch: bool, data: Any
+) -> None:
+    """The AVX512-BF16 build's forward (bf16 dot products for ``Q K^T`` and ``P V``) on any
+    runs, GQA, odd and unequal head dims, soft-cap, ALiBi and holes: out in bfloat16 within
+    the bfloat16 rule of the float64 oracle on the rounded inputs; lse float32 within 1e-4 (the
+    products of bfloat16 pairs are exact in float32); rows that see nothing: out 0, lse -inf.
+    Its backward (float32 inside, the AVX2 build's code) gives the AVX2 build's gradients."""
+    dot = _dot_kernel()
+    lo, hi = data.draw(_monotone_runs(B if per_batch else 1, L, S))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    H, bf = Hkv * group, torch.bfloat16
+    q = torch.randn(B, H, L, Dk, generator=gen).to(bf)
+    k = torch.randn(B, Hkv, S, Dk, generator=gen).to(bf)
+    v = torch.randn(B, Hkv, S, Dv, generator=gen).to(bf)
+    dout = torch.randn(B, H, L, Dv, generator=gen).to(bf)
+    scale = Dk**-0.5
+    mods = data.draw(_mods(B, H, L, S))
+    out, lse = dot.span_forward(q, k, v, lo, hi, scale, *mods)
+    assert out.dtype == bf
+    assert lse.dtype == torch.float32
+    assert (out.shape, lse.shape) == ((B, H, L, Dv), (B, H, L))
+    allowed = _with_alibi(_allowed(lo, hi, S), *mods[1:])
+    want, grads = _grads(q, k, v, allowed, scale, dout, mods[0] or None)
+    want_lse = _lse(q, k, allowed, scale, mods[0] or None)
+    assert _close(out, want, DOT_RTOL)
+    assert _lse_close(lse, want_lse)
+    assert bool((out[~(want_lse > NINF)] == 0).all())
+    got = dot.span_backward(q, k, v, out, dout, lse, lo, hi, scale, *mods)
+    same = rowspan.kernel().span_backward(q, k, v, out, dout, lse, lo, hi, scale, *mods)
+    for g_dot, g_avx2, ref in zip(got, same, grads, strict=True):
+        assert g_dot.dtype == bf
+        assert _close(g_dot, ref, DOT_RTOL)
+        assert _close(g_dot.float(), g_avx2.double(), 2**-7)  # the same sums, other roundings
+
+
+def test_the_bf16_dot_product_build_refuses_what_the_avx2_one_refuses() -> None:
+    dot = _dot_kernel()
+    q = torch.randn(1, 1, 4, 8)
+    lo, hi = torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None]
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16, all one dtype"):
+        dot.span_forward(q.bfloat16(), q, q, lo, hi, 1.0, *NO_MODS)
+    with pytest.raises(RuntimeError, match="non-decreasing along the rows"):
+        dot.span_forward(q.bfloat16(), q.bfloat16(), q.bfloat16(), lo, hi.flip(1), 1.0, *NO_MODS)
+
+
+def test_the_native_path_plans_bf16_for_the_dot_product_build_only() -> None:
+    """``dot=True`` (the native CPU path): bfloat16 to the AVX512-BF16 build where it runs,
+    float16 refused (torch's kernels take it as it is), and the AVX2 build's float32 code for
+    float32."""
+    spec = masks.causal() & masks.sliding_window(8)
+    q = torch.randn(1, 2, 40, 16)
+    half = rowspan.plan(spec, q.half(), q.half(), q.half(), in_dtype=True, dot=True)
+    assert half.reason == (
+        "on the native CPU path attnkit's row-span kernel takes bfloat16 only (q is "
+        "torch.float16): torch's kernels run on it as it is"
+    )
+    f32 = rowspan.plan(spec, q, q, q, in_dtype=True, dot=True)
+    assert f32.serves
+    assert f32.isa == "avx2"
+    bf = rowspan.plan(spec, q.bfloat16(), q.bfloat16(), q.bfloat16(), in_dtype=True, dot=True)
+    if rowspan.build_dot() is None:
+        assert bf.reason == f"{rowspan.dot_status()}: torch's kernels run on bfloat16 as it is"
+    else:
+        assert bf.serves
+        assert bf.isa == rowspan.DOT
+        assert bf.dtype == torch.bfloat16
+
+
 def test_the_kernel_refuses_mixed_dtypes() -> None:
     q = torch.randn(1, 1, 4, 8)
     lo, hi = torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None]
@@ -498,16 +591,19 @@ def test_the_causal_window_is_recognised_exactly(
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, ...]]:
     seen: list[tuple[object, ...]] = []
-    real = rowspan.kernel()
+    builds = rowspan.kernel
 
     class Spy:
+        def __init__(self, isa: str = "avx2") -> None:
+            self.real = builds(isa)
+
         def span_forward(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
             seen.append((*args[0].shape, args[1].shape[1]))
-            return real.span_forward(*args)  # type: ignore[no-any-return]
+            return self.real.span_forward(*args)  # type: ignore[no-any-return]
 
         def span_backward(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             seen.append(("backward", *args[0].shape))
-            return real.span_backward(*args)  # type: ignore[no-any-return]
+            return self.real.span_backward(*args)  # type: ignore[no-any-return]
 
     monkeypatch.setattr(rowspan, "kernel", Spy)
     return seen

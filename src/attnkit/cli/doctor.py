@@ -95,7 +95,10 @@ def _span_kernel() -> str:
     line = rowspan.status()
     if rowspan.build_seconds is not None:
         line += f" (loaded in {rowspan.build_seconds:.1f} s; compiled once, then cached)"
-    return line
+    dot = rowspan.dot_status()
+    if rowspan.dot_build_seconds is not None:
+        dot += f" (loaded in {rowspan.dot_build_seconds:.1f} s)"
+    return f"{line}; for bfloat16 on the native path: {dot}"
 
 
 @command()

@@ -97,11 +97,14 @@ def _stand_in(t: torch.Tensor) -> torch.Tensor:
 def _plan(call: AttentionCall) -> BlockPlan:
     """The call's plan. On ``fp32-upcast``: the row-span kernel on the input-dtype tensors where
     it serves them, else the plan for the float32 copies that the call then converts to (the
-    same plan where the mask has no runs of keys: tiles are planned from shapes only)."""
+    same plan where the mask has no runs of keys: tiles are planned from shapes only). On
+    ``native``: the kernel's AVX512-BF16 build on bfloat16 where it serves, else torch's
+    kernels on the tensors as they are (the plan says why not)."""
     q, k, v = call.q, call.k, call.v
-    if call.upcast:
-        direct = plan_blocks(q, k, v, call.mask, softcap=call.softcap, in_dtype=True)
-        if direct.spans.serves or direct.spans.lo is None:
+    if call.upcast or call.cpu_path == "native":
+        native = not call.upcast
+        direct = plan_blocks(q, k, v, call.mask, softcap=call.softcap, in_dtype=True, dot=native)
+        if native or direct.spans.serves or direct.spans.lo is None:
             return direct
         q, k, v = _stand_in(q), _stand_in(k), _stand_in(v)
     return plan_blocks(q, k, v, call.mask, softcap=call.softcap)
@@ -284,6 +287,11 @@ class BlockedBackend(Backend):
         sp = plan.spans
         if sp.serves:
             cap = "" if call.softcap is None else f", soft-capped at {call.softcap:g}"
+            if sp.isa == rowspan.DOT:
+                return (
+                    f"{sp.what}{cap}: the forward runs {rowspan.dot_status()}, the backward "
+                    f"{rowspan.status()} (float32 inside; one pass each, no tiles)"
+                )
             return (
                 f"{sp.what}{cap}: forward and backward run {rowspan.status()} (one pass each, "
                 "no tiles)"

@@ -115,18 +115,21 @@ def plan_blocks(
     at: BlockAt = WHOLE,
     softcap: float | None = None,
     in_dtype: bool = False,
+    dot: bool = False,
 ) -> BlockPlan:
     """Decide how the block of ``q`` against ``k``/``v`` at ``at`` runs (see the module
     docstring).
 
     ``in_dtype=True`` lets the row-span kernel read bfloat16/float16 tensors directly, and the
     forward and backward then return out, dq, dk, dv in that dtype (see
-    :func:`~attnkit.backends.blocked.rowspan.plan`); by default such tensors go to the tiles."""
+    :func:`~attnkit.backends.blocked.rowspan.plan`); by default such tensors go to the tiles.
+    ``dot=True`` (the ``native`` CPU path) lets it take bfloat16 only where its AVX512-BF16
+    build multiplies it with the CPU's bf16 dot products."""
     L, S = q.shape[2], k.shape[2]
     q_start, k_start = at.q_start, at.k_start
     off = (S if at.S_total is None else at.S_total) - (L if at.L_total is None else at.L_total)
     decision = rowspan.plan(
-        mask, q, k, v, q_start=q_start, k_start=k_start, off=off, in_dtype=in_dtype
+        mask, q, k, v, q_start=q_start, k_start=k_start, off=off, in_dtype=in_dtype, dot=dot
     )
     return BlockPlan(mask, q_start, k_start, off, decision, softcap)
 
@@ -179,7 +182,7 @@ def forward_with_lse(
     with torch.no_grad():
         sp = p.spans
         if sp.serves and sp.lo is not None and sp.hi is not None:  # attnkit's row-span kernel
-            return rowspan.kernel().span_forward(  # type: ignore[no-any-return]
+            return rowspan.kernel(sp.isa).span_forward(  # type: ignore[no-any-return]
                 q, k, v, sp.lo, sp.hi, float(scale), p.softcap or 0.0, sp.slopes, sp.d0, sp.keys
             )
         return tiles.forward(p.tiles(q, k, v), q, k, v, scale, p.softcap)
@@ -225,7 +228,7 @@ def backward_from_lse(
         sp = p.spans
         same = q.dtype == out.dtype == dout.dtype == sp.dtype and lse.dtype == torch.float32
         if sp.serves and sp.lo is not None and sp.hi is not None and same:
-            return rowspan.kernel().span_backward(  # type: ignore[no-any-return]
+            return rowspan.kernel(sp.isa).span_backward(  # type: ignore[no-any-return]
                 q,
                 k,
                 v,

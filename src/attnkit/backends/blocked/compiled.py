@@ -169,10 +169,13 @@ def _kernel_inputs(
     """The op's tensors (q, k, v first) as the kernels take them, and their plan: on the CPU's
     ``fp32-upcast`` path (:mod:`attnkit.cpu`; the op runs eagerly, so the path is read here) the
     tensors as given where the row-span kernel reads their dtype directly, else float32 copies;
-    as given on every other path."""
-    if upcasts(path_for(ts[0], OP)):
-        plan = plan_blocks(ts[0], ts[1], ts[2], spec, softcap=softcap, in_dtype=True)
-        if plan.spans.serves:
+    as given on every other path (on ``native``, bfloat16 goes to the kernel's AVX512-BF16 build
+    where it serves)."""
+    path = path_for(ts[0], OP)
+    if upcasts(path) or path == "native":
+        native = path == "native"
+        plan = plan_blocks(ts[0], ts[1], ts[2], spec, softcap=softcap, in_dtype=True, dot=native)
+        if plan.spans.serves or native:
             return ts, plan
         ts = to_float32(*ts)
         if plan.spans.lo is None:  # no runs of keys: the tiles' plan reads shapes only

@@ -51,7 +51,18 @@ import torch
 
 from attnkit.masks import MaskSpec, causal_window, key_holes, local_keys, row_spans, split_alibi
 
-__all__ = ["SpanPlan", "available", "build", "kernel", "main", "plan", "status"]
+__all__ = [
+    "DOT",
+    "SpanPlan",
+    "available",
+    "build",
+    "build_dot",
+    "dot_status",
+    "kernel",
+    "main",
+    "plan",
+    "status",
+]
 
 #: set to "0" to keep the blocked backend on torch's kernel for row spans
 ENV = "ATTNKIT_SPAN_KERNEL"
@@ -66,11 +77,20 @@ NAME = "attnkit_row_span_v4"
 #: a plan's ``slopes`` where the spec has no ALiBi (and its ``keys`` where they have no holes)
 NO_SLOPES = torch.empty(0)
 
+#: the instruction set of the kernel's second build, for bfloat16 on the ``native`` CPU path
+DOT = "avx512-bf16"
+#: the /proc/cpuinfo flags that build needs (dot products, and AVX-512's masked loads/stores)
+DOT_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+
 _lock = threading.Lock()
 _module: Any = None
 _reason: str | None = None  # why the kernel is unavailable (None: not tried yet, or loaded)
 _tried = False
 build_seconds: float | None = None
+_dot_module: Any = None
+_dot_reason: str | None = None
+_dot_tried = False
+dot_build_seconds: float | None = None
 
 
 def _cpu_reason() -> str | None:
@@ -82,17 +102,47 @@ def _cpu_reason() -> str | None:
     return None
 
 
-def _has_f16c() -> bool:
-    """Whether /proc/cpuinfo lists F16C (float16 <-> float32 conversions): the kernel is built
-    with ``-mf16c`` and reads float16 only then."""
+def _cpu_flags() -> frozenset[str]:
+    """The flags /proc/cpuinfo lists (empty off Linux): what the builds may use. Read here, not
+    from :func:`attnkit.cpu.features` (which tests replace), so that a build never uses an
+    instruction the CPU lacks."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return "f16c" in line.partition(":")[2].split()
-    except OSError:  # not Linux: build without it (bfloat16 needs nothing more than AVX2)
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:  # not Linux: build without F16C (bfloat16 needs nothing more than AVX2)
         pass
-    return False
+    return frozenset()
+
+
+def _has_f16c() -> bool:
+    """Whether the CPU has F16C (float16 <-> float32 conversions): the kernel is built with
+    ``-mf16c`` and reads float16 only then."""
+    return "f16c" in _cpu_flags()
+
+
+def _compile(name: str, flags: list[str]) -> tuple[Any, str | None, float | None]:
+    """``(module, None, seconds)``, or ``(None, why, None)`` where it cannot be built."""
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        source = resources.files("attnkit.backends.blocked").joinpath("csrc/row_span.cpp")
+        t0 = time.perf_counter()
+        module = load_inline(  # type: ignore[no-untyped-call]
+            name=name,
+            cpp_sources=[source.read_text()],
+            functions=["span_forward", "span_backward", "span_low_dtypes"],
+            extra_cflags=["-O3", "-mavx2", "-mfma", *flags, "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            no_implicit_headers=True,
+            with_pytorch_error_handling=False,
+            verbose=False,
+        )
+        return module, None, time.perf_counter() - t0
+    except Exception as e:  # no compiler, no ninja, a failed build: say so, run without
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return None, f"it could not be built ({type(e).__name__}: {first[:200]})", None
 
 
 def build() -> Any:
@@ -103,35 +153,33 @@ def build() -> Any:
             return _module
         _tried = True
         _reason = _cpu_reason()
-        if _reason is not None:
-            return None
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            source = resources.files("attnkit.backends.blocked").joinpath("csrc/row_span.cpp")
-            t0 = time.perf_counter()
-            _module = load_inline(  # type: ignore[no-untyped-call]
-                name=NAME,
-                cpp_sources=[source.read_text()],
-                functions=["span_forward", "span_backward", "span_low_dtypes"],
-                extra_cflags=[
-                    "-O3",
-                    "-mavx2",
-                    "-mfma",
-                    *(["-mf16c"] if _has_f16c() else []),
-                    "-fopenmp",
-                ],
-                extra_ldflags=["-fopenmp"],
-                no_implicit_headers=True,
-                with_pytorch_error_handling=False,
-                verbose=False,
-            )
-            build_seconds = time.perf_counter() - t0
-        except Exception as e:  # no compiler, no ninja, a failed build: say so, run without
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            _reason = f"it could not be built ({type(e).__name__}: {first[:200]})"
-            _module = None
+        if _reason is None:
+            f16c = ["-mf16c"] if _has_f16c() else []
+            _module, _reason, build_seconds = _compile(NAME, f16c)
         return _module
+
+
+def build_dot() -> Any:
+    """Compile (or load) the kernel's AVX512-BF16 build, whose forward multiplies bfloat16
+    q, k, v (and P) with the CPU's bf16 dot products (``vdpbf16ps``); ``None`` where the CPU
+    lacks :data:`DOT_FLAGS` or the build fails (:func:`dot_status` says why). Everything else
+    in it is the AVX2 kernel's code."""
+    global _dot_module, _dot_reason, _dot_tried, dot_build_seconds
+    if build() is None:  # the same switches and requirements as the AVX2 build first
+        return None
+    with _lock:
+        if _dot_tried:
+            return _dot_module
+        _dot_tried = True
+        missing = [f for f in DOT_FLAGS if f not in _cpu_flags()]
+        if missing:
+            _dot_reason = f"this CPU has no {', '.join(missing)}"
+            return None
+        flags = ["-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+        _dot_module, _dot_reason, dot_build_seconds = _compile(
+            NAME + "_bf16dot", [*flags, "-DRS_BF16DOT"]
+        )
+        return _dot_module
 
 
 def available() -> bool:
@@ -144,6 +192,15 @@ def status() -> str:
     if build() is not None:
         return "attnkit's AVX2 row-span kernel"
     return f"torch's fused kernel (attnkit's row-span kernel is off: {_reason})"
+
+
+def dot_status() -> str:
+    """One line: the AVX512-BF16 build is in use for bfloat16 on the ``native`` path, or why
+    not."""
+    if build_dot() is not None:
+        return "attnkit's AVX512-BF16 row-span kernel (bf16 dot products)"
+    why = _dot_reason if build() is not None else status()
+    return f"no AVX512-BF16 row-span kernel ({why})"
 
 
 @dataclass(frozen=True)
@@ -159,7 +216,8 @@ class SpanPlan:
     dq, dk, dv in. ``slopes`` are ALiBi's ``(H,)`` (float32, CPU) where the spec has it (else
     an empty tensor), added as ``-slope_h * |i + d0 - j|`` for local query row ``i`` and local
     key ``j``; ``keys`` the holes a key mask leaves inside the runs (float32 ``(B', S + 8)``, 0
-    or ``-inf``; empty where there are none; :func:`attnkit.masks.key_holes`).
+    or ``-inf``; empty where there are none; :func:`attnkit.masks.key_holes`); ``isa`` the
+    build that runs it: ``"avx2"``, or :data:`DOT` (bfloat16 with the CPU's dot products).
     """
 
     lo: torch.Tensor | None
@@ -170,6 +228,7 @@ class SpanPlan:
     slopes: torch.Tensor = field(default_factory=lambda: NO_SLOPES)
     d0: int = 0
     keys: torch.Tensor = field(default_factory=lambda: NO_SLOPES)
+    isa: str = "avx2"
 
     @property
     def serves(self) -> bool:
@@ -199,6 +258,7 @@ def plan(
     k_start: int = 0,
     off: int | None = None,
     in_dtype: bool = False,
+    dot: bool = False,
 ) -> SpanPlan:
     """The kernel decision for the block of ``q`` against ``k``/``v`` (global positions and
     offset as in :func:`attnkit.masks.row_spans`).
@@ -207,7 +267,11 @@ def plan(
     built with F16C) with ``in_dtype=True``, for a caller that takes out, dq, dk, dv in that
     dtype (the kernel reads them directly and computes in float32); anything else is refused,
     and the caller's other path (torch's fused kernel, on float32 copies on ``fp32-upcast``)
-    runs."""
+    runs. ``dot=True`` (with ``in_dtype=True``: the ``native`` CPU path, where the CPU has
+    bfloat16 dot products) takes bfloat16 only, and only where the AVX512-BF16 build runs
+    (:func:`build_dot`): its forward multiplies in bfloat16 (P too, rounded to nearest even, as
+    GPU flash kernels do) and sums in float32; elsewhere torch's kernels take the tensors as
+    they are."""
     if spec is None or spec.from_tensor:
         return NOT_SPANS
     L, S = q.shape[2], k.shape[2]
@@ -251,6 +315,15 @@ def plan(
         return p.refuse("an empty dimension: nothing for the kernel to do")
     if build() is None:
         return p.refuse(status())
+    if low and dot:
+        if q.dtype != torch.bfloat16:
+            return p.refuse(
+                f"on the native CPU path attnkit's row-span kernel takes bfloat16 only (q is "
+                f"{q.dtype}): torch's kernels run on it as it is"
+            )
+        if build_dot() is None:
+            return p.refuse(f"{dot_status()}: torch's kernels run on bfloat16 as it is")
+        return dataclasses.replace(p, dtype=q.dtype, isa=DOT)
     if low:
         p = dataclasses.replace(p, dtype=q.dtype)
         name = str(q.dtype).removeprefix("torch.")
@@ -262,7 +335,7 @@ def plan(
     return p
 
 
-def kernel() -> Any:
+def kernel(isa: str = "avx2") -> Any:
     """The loaded C++ module: ``span_forward(q, k, v, lo, hi, scale, softcap, slopes, d0) ->
     (out, lse)`` and ``span_backward(q, k, v, out, dout, lse, lo, hi, scale, softcap, slopes,
     d0, keys) -> (dq, dk, dv)``; ``softcap`` > 0 caps the scaled scores (``c tanh(s / c)``, 0:
@@ -273,7 +346,11 @@ def kernel() -> Any:
     dout, dq, dk, dv all float32, or all the dtype of q among ``span_low_dtypes()``
     (``["bfloat16", "float16"]``, without float16 where built without F16C). Call it only where
     :func:`plan` says the kernel serves; the C++ checks what its memory safety needs (shapes,
-    dtypes, spans in order)."""
+    dtypes, spans in order). ``isa``: a plan's (:data:`DOT`: the AVX512-BF16 build)."""
+    if isa == DOT:
+        if _dot_module is None:
+            raise RuntimeError(f"the row-span kernel's bf16 build is not loaded: {dot_status()}")
+        return _dot_module
     if _module is None:
         raise RuntimeError(f"the row-span kernel is not loaded: {status()}")
     return _module
@@ -283,3 +360,6 @@ def main() -> None:
     """Build ahead and say so (``make setup`` runs this)."""
     t0 = time.perf_counter()
     print(f"attnkit row-span kernel: {status()} ({time.perf_counter() - t0:.1f} s)")
+    t0 = time.perf_counter()
+    line = dot_status()
+    print(f"attnkit row-span kernel for bfloat16: {line} ({time.perf_counter() - t0:.1f} s)")

@@ -11,6 +11,11 @@
 // k (B, Hkv, S, Dk), v (B, Hkv, S, Dv), H = g * Hkv; the g query heads of a group run
 // against one packed K^T panel.
 //
+// Two builds of this file (rowspan.py): the AVX2 one, and, where the CPU has AVX512-BF16, one
+// with -DRS_BF16DOT whose bfloat16 forward multiplies with vdpbf16ps (Q K^T on bf16 pairs of
+// q and k; P rounded to bf16 for P V, as GPU flash kernels do; sums, softmax and lse in
+// float32). Its backward, and everything for float32/float16, is the AVX2 code.
+//
 // Structure (work item = (b, kv head, chunk of C <= 2048 query rows); threads pull items,
 // the most expensive first, from a shared counter):
 //   * K^T is packed incrementally (8x8 AVX transposes) into panels of 16 keys ([D][16])
@@ -453,6 +458,173 @@ static inline void ax_6xD(const float* p, int64_t ps, const float* x, int64_t D,
   if (c < D) ax_6xr<TRANS>(p, ps, x + c, D, n, o + c, D, D - c);
 }
 
+// ---------------------------------------------------------------------------
+// bfloat16 dot products (AVX512-BF16's vdpbf16ps: pairs of bf16 multiplied exactly and summed
+// into float32 lanes), used by the forward on bfloat16 inputs in the build made with
+// -DRS_BF16DOT (rowspan.py builds it only where the CPU has avx512_bf16). Operands are pairs
+// of bf16 along the reduction, one uint32 each:
+//   * K panels [Dk/2][16 keys] of (k[key][2p], k[key][2p + 1]) pairs, 16 keys a zmm;
+//   * V [key pairs][Dvp] of (v[2j][c], v[2j + 1][c]) pairs, 16 columns a zmm (Dvp: Dv
+//     rounded up to 16, zeros past Dv and past S);
+//   * rows of Q (Dk rounded up to even, zero padded) and of P (converted from the float32
+//     softmax, rounded to nearest even) broadcast one pair at a time.
+#ifdef RS_BF16DOT
+constexpr bool kDot = true;
+static inline __m512 dot2(__m512 acc, uint32_t a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(a)), (__m512bh)b);
+}
+
+// s[6 x 16] (row stride ss) = sc * q[6 x 2 D2] k^T, q rows of D2 pairs (row stride qs pairs)
+static inline void qk_dot_6x16(const uint32_t* __restrict q, int64_t qs, int64_t D2,
+                               const uint32_t* __restrict kp, float* __restrict s, int64_t ss,
+                               float sc) {
+  __m512 a[MR], b[MR];  // two sums per row (even / odd pairs) to hide the latency
+  for (int r = 0; r < MR; ++r) { a[r] = _mm512_setzero_ps(); b[r] = _mm512_setzero_ps(); }
+  int64_t p = 0;
+  for (; p + 2 <= D2; p += 2) {
+    const __m512i k0 = _mm512_loadu_si512(kp + p * NR);
+    const __m512i k1 = _mm512_loadu_si512(kp + (p + 1) * NR);
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      a[r] = dot2(a[r], q[r * qs + p], k0);
+      b[r] = dot2(b[r], q[r * qs + p + 1], k1);
+    }
+  }
+  if (p < D2) {
+    const __m512i k0 = _mm512_loadu_si512(kp + p * NR);
+    for (int r = 0; r < MR; ++r) a[r] = dot2(a[r], q[r * qs + p], k0);
+  }
+  const __m512 vs = _mm512_set1_ps(sc);
+  for (int r = 0; r < MR; ++r)
+    _mm512_storeu_ps(s + r * ss, _mm512_mul_ps(_mm512_add_ps(a[r], b[r]), vs));
+}
+
+// o[6 x 16 NC] (row stride os) += P[6 x 2 np] V, P rows of pairs (row stride ps pairs), V
+// np rows of pairs (row stride vs pairs)
+template <int NC>
+static inline void pv_dot_6(const uint32_t* __restrict p, int64_t ps,
+                            const uint32_t* __restrict v, int64_t vs, int64_t np,
+                            float* __restrict o, int64_t os) {
+  __m512 c[MR][NC];
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r)
+    for (int x = 0; x < NC; ++x) c[r][x] = _mm512_loadu_ps(o + r * os + 16 * x);
+  for (int64_t j = 0; j < np; ++j) {
+    __m512i vv[NC];
+    for (int x = 0; x < NC; ++x) vv[x] = _mm512_loadu_si512(v + j * vs + 16 * x);
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      const uint32_t pr = p[r * ps + j];
+      for (int x = 0; x < NC; ++x) c[r][x] = dot2(c[r][x], pr, vv[x]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r)
+    for (int x = 0; x < NC; ++x) _mm512_storeu_ps(o + r * os + 16 * x, c[r][x]);
+}
+
+// o[6 x Dvp] += P V over all column tiles (Dvp a multiple of 16)
+static inline void pv_dot(const uint32_t* p, int64_t ps, const uint32_t* v, int64_t Dvp,
+                          int64_t np, float* o) {
+  int64_t c = 0;
+  for (; c + 64 <= Dvp; c += 64) pv_dot_6<4>(p, ps, v + c, Dvp, np, o + c, Dvp);
+  switch ((Dvp - c) / 16) {
+    case 3: pv_dot_6<3>(p, ps, v + c, Dvp, np, o + c, Dvp); break;
+    case 2: pv_dot_6<2>(p, ps, v + c, Dvp, np, o + c, Dvp); break;
+    case 1: pv_dot_6<1>(p, ps, v + c, Dvp, np, o + c, Dvp); break;
+    default: break;
+  }
+}
+
+// bf16 pairs of the float32 s[a..e) (a, e even) at dst[a/2..e/2), rounded to nearest even
+static inline void to_pairs(const float* s, int64_t a, int64_t e, uint16_t* dst) {
+  int64_t j = a;
+  for (; j + 16 <= e; j += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + j)));
+  if (j < e) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (e - j)) - 1);
+    const __m256i x = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, s + j));
+    _mm256_mask_storeu_epi16(dst + j, m, x);
+  }
+}
+
+// a row of D bf16 as D2 = ceil(D / 2) pairs (odd D: the last is (x, 0))
+static inline void q_pairs(const uint16_t* src, int64_t D, uint32_t* dst) {
+  std::memcpy(dst, src, static_cast<size_t>(D) * sizeof(uint16_t));
+  if (D & 1) dst[D / 2] = src[D - 1];
+}
+
+// O[6 x Dvp] += P V for one tile over its keys A..B (inclusive, relative to the chunk): the
+// tile's float32 P rows (stride ss) become bf16 pairs over the even-aligned [A & ~1, B | 1]
+// (the column beside an odd end is set to 0 first), pb the pairs' rows (stride ss), v the V
+// pairs from the chunk's first key on
+static inline void pv_dot_tile(float* s, uint16_t* pb, int64_t ss, int64_t A, int64_t B,
+                               const uint32_t* v, int64_t Dvp, float* o) {
+  const int64_t a2 = A & ~int64_t(1), e2 = (B | 1) + 1;
+  for (int r = 0; r < MR; ++r) {
+    float* row = s + r * ss;
+    if (A & 1) row[a2] = 0.0f;
+    if (!(B & 1)) row[e2 - 1] = 0.0f;
+    to_pairs(row, a2, e2, pb + r * ss);
+  }
+  pv_dot(reinterpret_cast<const uint32_t*>(pb + a2), ss / 2, v + (a2 / 2) * Dvp, Dvp,
+         (e2 - a2) / 2, o);
+}
+
+// K panel of the 16 keys from key0 (zeros past S): dst[p * 16 + jj] = pair p of key key0 + jj
+static inline void pack_k_pairs(const uint16_t* k, int64_t key0, int64_t S, int64_t D,
+                                uint32_t* dst) {
+  const int64_t D2 = (D + 1) / 2;
+  for (int jj = 0; jj < NR; ++jj) {
+    const int64_t key = key0 + jj;
+    if (key >= S) {
+      for (int64_t p = 0; p < D2; ++p) dst[p * NR + jj] = 0;
+      continue;
+    }
+    const uint16_t* row = k + key * D;
+    int64_t p = 0;
+    for (; 2 * p + 1 < D; ++p) {
+      uint32_t u;
+      std::memcpy(&u, row + 2 * p, sizeof u);
+      dst[p * NR + jj] = u;
+    }
+    if (p < D2) dst[p * NR + jj] = row[2 * p];  // odd D: the last pair is (k, 0)
+  }
+}
+
+// V pairs of the 16 keys from key0 (key0 even; zeros past S and past Dv): dst[jp * Dvp + c]
+static inline void pack_v_pairs(const uint16_t* v, int64_t key0, int64_t S, int64_t Dv,
+                                int64_t Dvp, uint32_t* dst) {
+  const __m256i zero = _mm256_setzero_si256();
+  for (int jp = 0; jp < NR / 2; ++jp) {
+    const int64_t j = key0 + 2 * jp;
+    const uint16_t* r0 = j < S ? v + j * Dv : nullptr;
+    const uint16_t* r1 = j + 1 < S ? v + (j + 1) * Dv : nullptr;
+    uint32_t* out = dst + jp * Dvp;
+    for (int64_t c = 0; c < Dvp; c += 16) {
+      const int64_t n = std::min<int64_t>(16, Dv - c);
+      const __mmask16 m = n >= 16 ? __mmask16(0xFFFF) : n > 0 ? __mmask16((1u << n) - 1) : 0;
+      const __m256i x0 = r0 ? _mm256_maskz_loadu_epi16(m, r0 + c) : zero;
+      const __m256i x1 = r1 ? _mm256_maskz_loadu_epi16(m, r1 + c) : zero;
+      const __m512i lo = _mm512_cvtepu16_epi32(x0);
+      const __m512i hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32(x1), 16);
+      _mm512_storeu_si512(out + c, _mm512_or_si512(lo, hi));
+    }
+  }
+}
+#else  // the AVX2 build: never called (kDot gates every use), declared for if constexpr
+constexpr bool kDot = false;
+static inline void qk_dot_6x16(const uint32_t*, int64_t, int64_t, const uint32_t*, float*,
+                               int64_t, float) {}
+static inline void pv_dot_tile(float*, uint16_t*, int64_t, int64_t, int64_t, const uint32_t*,
+                               int64_t, float*) {}
+static inline void q_pairs(const uint16_t*, int64_t, uint32_t*) {}
+static inline void pack_k_pairs(const uint16_t*, int64_t, int64_t, int64_t, uint32_t*) {}
+static inline void pack_v_pairs(const uint16_t*, int64_t, int64_t, int64_t, int64_t,
+                                uint32_t*) {}
+#endif
+
 // max of s[a..b] (inclusive); may read up to 7 floats past b.
 static inline float row_max(const float* s, int64_t a, int64_t b) {
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -670,10 +842,11 @@ static void run_items(const Work& w, int64_t nth, Init init, Fn fn) {
 // ---------------------------------------------------------------------------
 // Forward.
 struct FwdState {
-  GrowBuf kt, vb;  // vb: float32 V rows (low-precision inputs only)
-  AlignedBuf qs, sb, ob, zrow;
-  FwdState(int64_t Dk, int64_t Dv, int64_t SS)
-      : qs(MB * Dk), sb(MB * SS + NR), ob(MB * Dv), zrow(std::max(Dk, Dv)) {}
+  GrowBuf kt, vb;  // vb: float32 V rows (low-precision inputs only), or V pairs (dot)
+  AlignedBuf qs, sb, ob, zrow, pb;  // pb: P as bf16 pairs (dot)
+  FwdState(int64_t Dk, int64_t Dv, int64_t SS, bool dot)
+      : qs(MB * Dk), sb(MB * SS + NR), ob(MB * Dv), zrow(std::max(Dk, Dv)),
+        pb(dot ? MB * SS / 2 + NR : 1) {}
 };
 
 template <Dt E>
@@ -693,6 +866,10 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const float ln2 = 0.6931471805599453f;
   const float NINF = -std::numeric_limits<float>::infinity();
   const bool modded = md.any(), holes = md.keys != nullptr;  // holes: a chunk may have none
+  // bfloat16 dot products (the -DRS_BF16DOT build): Q, K, V and P as bf16 pairs
+  constexpr bool DOT = kDot && E == Dt::BF16;
+  const int64_t Dk2 = (Dk + 1) / 2, Dvp = round_up(Dv, 16);
+  const int64_t OS = DOT ? Dvp : Dv;  // row stride of the output accumulators
   const T* qd = static_cast<const T*>(q.data_ptr());
   const T* kd = static_cast<const T*>(k.data_ptr());
   const T* vd = static_cast<const T*>(v.data_ptr());
@@ -707,7 +884,7 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
     }
   };
 
-  run_items(w, nth, [&] { return std::make_unique<FwdState>(Dk, Dv, SS); },
+  run_items(w, nth, [&] { return std::make_unique<FwdState>(Dk, OS, SS, DOT); },
             [&](FwdState& st, int64_t item) {
     float mrow[MB], lrow[MB];
     int64_t rl[MB], rh[MB];
@@ -727,7 +904,7 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
     const float* vrows;  // row j at vrows + (j - vbase) * Dv
     int64_t vbase = 0;
     if constexpr (LOWP) {
-      st.vb.ensure(static_cast<size_t>(nk * Dv));
+      st.vb.ensure(static_cast<size_t>(nk * (DOT ? Dvp / 2 : Dv)));
       vrows = st.vb.p;
       vbase = kbase;
     } else {
@@ -742,8 +919,15 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
       if (blo > bhi) { empty_rows(b, hk, i0, mr); continue; }
       const int64_t need = round_up(bhi + 1, NR);  // pack K^T panels up to bhi
       while (packed_end < need) {
-        pack_panel<E>(kp, packed_end, S, Dk, st.zrow.p, kt + (packed_end - kbase) * Dk);
-        if constexpr (LOWP) convert_rows<E>(vp, packed_end, S, Dv, kbase, st.vb.p);
+        if constexpr (DOT) {
+          const int64_t at = packed_end - kbase;
+          pack_k_pairs(kp, packed_end, S, Dk, reinterpret_cast<uint32_t*>(kt) + at * Dk2);
+          pack_v_pairs(vp, packed_end, S, Dv, Dvp,
+                       reinterpret_cast<uint32_t*>(st.vb.p) + (at / 2) * Dvp);
+        } else {
+          pack_panel<E>(kp, packed_end, S, Dk, st.zrow.p, kt + (packed_end - kbase) * Dk);
+          if constexpr (LOWP) convert_rows<E>(vp, packed_end, S, Dv, kbase, st.vb.p);
+        }
         packed_end += NR;
       }
       const int64_t ntile = (mr + MR - 1) / MR;
@@ -758,6 +942,12 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
         float* lp = ld + bh * L;
         const float slope = md.slopes ? md.slopes[hk * g + gi] : 0.0f;
         for (int64_t r = 0; r < MB; ++r) {  // scaled Q block, zero padded
+          if constexpr (DOT) {  // unscaled bf16 pairs (the scores are scaled as stored)
+            uint32_t* dst = reinterpret_cast<uint32_t*>(st.qs.p) + r * Dk2;
+            if (r < mr) q_pairs(qp + (i0 + r) * Dk, Dk, dst);
+            else std::fill(dst, dst + Dk2, 0u);
+            continue;
+          }
           float* dst = st.qs.p + r * Dk;
           if (r < mr) {
             const T* src = qp + (i0 + r) * Dk;
@@ -767,7 +957,7 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
             std::fill(dst, dst + Dk, 0.0f);
           }
         }
-        std::fill(st.ob.p, st.ob.p + MB * Dv, 0.0f);
+        std::fill(st.ob.p, st.ob.p + MB * OS, 0.0f);
         for (int r = 0; r < MB; ++r) { mrow[r] = NINF; lrow[r] = 0.0f; }
         float* sb = st.sb.p;
 
@@ -779,6 +969,12 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
             for (int64_t t = 0; t < ntile; ++t) {
               if (j0 + NR - 1 < tlo[t] || j0 > thi[t]) continue;
               float* sdst = sb + t * MR * SS + (j0 - kc0);
+              if constexpr (DOT) {
+                qk_dot_6x16(reinterpret_cast<const uint32_t*>(st.qs.p) + t * MR * Dk2, Dk2, Dk2,
+                            reinterpret_cast<const uint32_t*>(kt) + (j0 - kbase) * Dk2, sdst, SS,
+                            sc);
+                continue;
+              }
               const float* qt = st.qs.p + t * MR * Dk;
               if (tlo[t] >= j0 + 8) qk_6x8(qt, Dk, panel + 8, sdst + 8, SS);
               else if (thi[t] < j0 + 8) qk_6x8(qt, Dk, panel, sdst, SS);
@@ -812,7 +1008,7 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
               float alpha = 1.0f;
               if (mo != mn) {
                 alpha = (mo == NINF) ? 0.0f : std::exp2(mo - mn);
-                float* orow = st.ob.p + ri * Dv;
+                float* orow = st.ob.p + ri * OS;
                 for (int64_t d = 0; d < Dv; ++d) orow[d] *= alpha;
               }
               const float sum = row_exp(srow, a - kc0, bb - kc0, mn);
@@ -822,9 +1018,16 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
               zero_range(srow, bb - kc0 + 1, Bt - kc0);
             }
           }
-          // ---- O += P V  (V rows in place)
+          // ---- O += P V  (V rows in place; or P and V as bf16 pairs)
           for (int64_t t = 0; t < ntile; ++t) {
             if (tA[t] > tB[t]) continue;
+            if constexpr (DOT) {
+              pv_dot_tile(sb + t * MR * SS, reinterpret_cast<uint16_t*>(st.pb.p) + t * MR * SS,
+                          SS, tA[t] - kc0, tB[t] - kc0,
+                          reinterpret_cast<const uint32_t*>(st.vb.p) + ((kc0 - kbase) / 2) * Dvp,
+                          Dvp, st.ob.p + t * MR * Dvp);
+              continue;
+            }
             ax_6xD<false>(sb + t * MR * SS + (tA[t] - kc0), SS, vrows + (tA[t] - vbase) * Dv, Dv,
                           tB[t] - tA[t] + 1, st.ob.p + t * MR * Dv);
           }
@@ -838,7 +1041,7 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
             continue;
           }
           const float inv = 1.0f / lrow[r];
-          const float* src = st.ob.p + r * Dv;
+          const float* src = st.ob.p + r * OS;
           if constexpr (LOWP) {
             store_row<E>(src, dst, Dv, inv);
           } else {
