@@ -10,10 +10,10 @@ CPU call in bfloat16 or float16 takes one of three paths, chosen once per proces
 ``native``
     the CPU has the type's dot-product instructions: the tensors stay in their dtype. bfloat16
     calls whose mask is one run of keys per row (causal, windows, documents, ...) go to
-    attnkit's row-span kernel built for AVX512-BF16, whose forward multiplies with the CPU's
-    bf16 dot products (``vdpbf16ps``; P rounded to bfloat16 for ``P V``, as GPU flash kernels
-    do) and whose backward computes in float32; everything else goes to torch's kernels, which
-    accumulate and take the softmax in float32.
+    attnkit's row-span kernel built for AVX512-BF16, which multiplies with the CPU's bf16 dot
+    products (``vdpbf16ps``), forward and backward (P and dS rounded to bfloat16 for their
+    products, as GPU flash kernels do; sums and softmax in float32); everything else goes to
+    torch's kernels, which accumulate and take the softmax in float32.
 ``fp32-upcast``
     x86 with AVX2 and FMA (AVX-512F included) but no such instructions: q, k and v are
     converted to float32 once, attnkit's float32 code runs, and the output and the gradients are

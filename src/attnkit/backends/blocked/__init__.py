@@ -287,15 +287,8 @@ class BlockedBackend(Backend):
         sp = plan.spans
         if sp.serves:
             cap = "" if call.softcap is None else f", soft-capped at {call.softcap:g}"
-            if sp.isa == rowspan.DOT:
-                return (
-                    f"{sp.what}{cap}: the forward runs {rowspan.dot_status()}, the backward "
-                    f"{rowspan.status()} (float32 inside; one pass each, no tiles)"
-                )
-            return (
-                f"{sp.what}{cap}: forward and backward run {rowspan.status()} (one pass each, "
-                "no tiles)"
-            )
+            which = rowspan.dot_status() if sp.isa == rowspan.DOT else rowspan.status()
+            return f"{sp.what}{cap}: forward and backward run {which} (one pass each, no tiles)"
         prefix = "" if sp.lo is None else f"{sp.what} ({sp.reason}): "
         tiles = plan.tiles(q, k, v)
         L, S = call.dims.L, call.dims.S

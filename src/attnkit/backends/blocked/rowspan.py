@@ -160,10 +160,10 @@ def build() -> Any:
 
 
 def build_dot() -> Any:
-    """Compile (or load) the kernel's AVX512-BF16 build, whose forward multiplies bfloat16
-    q, k, v (and P) with the CPU's bf16 dot products (``vdpbf16ps``); ``None`` where the CPU
-    lacks :data:`DOT_FLAGS` or the build fails (:func:`dot_status` says why). Everything else
-    in it is the AVX2 kernel's code."""
+    """Compile (or load) the kernel's AVX512-BF16 build, which multiplies bfloat16 q, k, v,
+    dout (and P, dS) with the CPU's bf16 dot products (``vdpbf16ps``), forward and backward;
+    ``None`` where the CPU lacks :data:`DOT_FLAGS` or the build fails (:func:`dot_status` says
+    why). Its float32 and float16 code is the AVX2 kernel's."""
     global _dot_module, _dot_reason, _dot_tried, dot_build_seconds
     if build() is None:  # the same switches and requirements as the AVX2 build first
         return None
@@ -269,9 +269,9 @@ def plan(
     and the caller's other path (torch's fused kernel, on float32 copies on ``fp32-upcast``)
     runs. ``dot=True`` (with ``in_dtype=True``: the ``native`` CPU path, where the CPU has
     bfloat16 dot products) takes bfloat16 only, and only where the AVX512-BF16 build runs
-    (:func:`build_dot`): its forward multiplies in bfloat16 (P too, rounded to nearest even, as
-    GPU flash kernels do) and sums in float32; elsewhere torch's kernels take the tensors as
-    they are."""
+    (:func:`build_dot`): it multiplies in bfloat16, forward and backward (P and dS too, rounded
+    to nearest even, as GPU flash kernels do) and sums in float32; elsewhere torch's kernels
+    take the tensors as they are."""
     if spec is None or spec.from_tensor:
         return NOT_SPANS
     L, S = q.shape[2], k.shape[2]

@@ -12,9 +12,9 @@
 // against one packed K^T panel.
 //
 // Two builds of this file (rowspan.py): the AVX2 one, and, where the CPU has AVX512-BF16, one
-// with -DRS_BF16DOT whose bfloat16 forward multiplies with vdpbf16ps (Q K^T on bf16 pairs of
-// q and k; P rounded to bf16 for P V, as GPU flash kernels do; sums, softmax and lse in
-// float32). Its backward, and everything for float32/float16, is the AVX2 code.
+// with -DRS_BF16DOT whose bfloat16 forward and backward multiply with vdpbf16ps (operands as
+// bf16 pairs; P and dS rounded to bf16 for their products, as GPU flash kernels do; sums,
+// softmax and lse in float32). Everything for float32/float16 is the AVX2 code.
 //
 // Structure (work item = (b, kv head, chunk of C <= 2048 query rows); threads pull items,
 // the most expensive first, from a shared counter):
@@ -460,7 +460,7 @@ static inline void ax_6xD(const float* p, int64_t ps, const float* x, int64_t D,
 
 // ---------------------------------------------------------------------------
 // bfloat16 dot products (AVX512-BF16's vdpbf16ps: pairs of bf16 multiplied exactly and summed
-// into float32 lanes), used by the forward on bfloat16 inputs in the build made with
+// into float32 lanes), used forward and backward on bfloat16 inputs in the build made with
 // -DRS_BF16DOT (rowspan.py builds it only where the CPU has avx512_bf16). Operands are pairs
 // of bf16 along the reduction, one uint32 each:
 //   * K panels [Dk/2][16 keys] of (k[key][2p], k[key][2p + 1]) pairs, 16 keys a zmm;
@@ -499,10 +499,11 @@ static inline void qk_dot_6x16(const uint32_t* __restrict q, int64_t qs, int64_t
     _mm512_storeu_ps(s + r * ss, _mm512_mul_ps(_mm512_add_ps(a[r], b[r]), vs));
 }
 
-// o[6 x 16 NC] (row stride os) += P[6 x 2 np] V, P rows of pairs (row stride ps pairs), V
-// np rows of pairs (row stride vs pairs)
+// o[6 x 16 NC] (row stride os) += A[6 x 2 np] V, A(r, j) the pair p[r * si + j * sj] (rows of
+// P: si the row stride, sj = 1; or, transposed, 6 keys of row pairs: si = 1, sj the stride of a
+// row pair), V np rows of pairs (row stride vs pairs)
 template <int NC>
-static inline void pv_dot_6(const uint32_t* __restrict p, int64_t ps,
+static inline void pv_dot_6(const uint32_t* __restrict p, int64_t si, int64_t sj,
                             const uint32_t* __restrict v, int64_t vs, int64_t np,
                             float* __restrict o, int64_t os) {
   __m512 c[MR][NC];
@@ -514,7 +515,7 @@ static inline void pv_dot_6(const uint32_t* __restrict p, int64_t ps,
     for (int x = 0; x < NC; ++x) vv[x] = _mm512_loadu_si512(v + j * vs + 16 * x);
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) {
-      const uint32_t pr = p[r * ps + j];
+      const uint32_t pr = p[r * si + j * sj];
       for (int x = 0; x < NC; ++x) c[r][x] = dot2(c[r][x], pr, vv[x]);
     }
   }
@@ -523,16 +524,33 @@ static inline void pv_dot_6(const uint32_t* __restrict p, int64_t ps,
     for (int x = 0; x < NC; ++x) _mm512_storeu_ps(o + r * os + 16 * x, c[r][x]);
 }
 
-// o[6 x Dvp] += P V over all column tiles (Dvp a multiple of 16)
-static inline void pv_dot(const uint32_t* p, int64_t ps, const uint32_t* v, int64_t Dvp,
-                          int64_t np, float* o) {
+// o[6 x Dvp] += A V over all column tiles (Dvp a multiple of 16; A as in pv_dot_6)
+static inline void pv_dot(const uint32_t* p, int64_t si, int64_t sj, const uint32_t* v,
+                          int64_t Dvp, int64_t np, float* o) {
   int64_t c = 0;
-  for (; c + 64 <= Dvp; c += 64) pv_dot_6<4>(p, ps, v + c, Dvp, np, o + c, Dvp);
+  for (; c + 64 <= Dvp; c += 64) pv_dot_6<4>(p, si, sj, v + c, Dvp, np, o + c, Dvp);
   switch ((Dvp - c) / 16) {
-    case 3: pv_dot_6<3>(p, ps, v + c, Dvp, np, o + c, Dvp); break;
-    case 2: pv_dot_6<2>(p, ps, v + c, Dvp, np, o + c, Dvp); break;
-    case 1: pv_dot_6<1>(p, ps, v + c, Dvp, np, o + c, Dvp); break;
+    case 3: pv_dot_6<3>(p, si, sj, v + c, Dvp, np, o + c, Dvp); break;
+    case 2: pv_dot_6<2>(p, si, sj, v + c, Dvp, np, o + c, Dvp); break;
+    case 1: pv_dot_6<1>(p, si, sj, v + c, Dvp, np, o + c, Dvp); break;
     default: break;
+  }
+}
+
+// Row pairs of the float32 rows x (row stride xs) interleaved: dst[rp * ds + c] = (x[2 rp][c],
+// x[2 rp + 1][c]) as bf16, for rp < np and c < n (n a multiple of 16; rows past nrows read 0)
+static inline void row_pairs(const float* x, int64_t xs, int64_t nrows, int64_t np, int64_t n,
+                             uint32_t* dst, int64_t ds) {
+  for (int64_t rp = 0; rp < np; ++rp) {
+    const float* r0 = x + 2 * rp * xs;
+    const float* r1 = 2 * rp + 1 < nrows ? r0 + xs : nullptr;
+    for (int64_t c = 0; c < n; c += 16) {
+      const __m512i a = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(r0 + c)));
+      const __m512i b = r1 ? _mm512_cvtepu16_epi32(
+                                 (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(r1 + c)))
+                           : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + rp * ds + c, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+    }
   }
 }
 
@@ -568,7 +586,7 @@ static inline void pv_dot_tile(float* s, uint16_t* pb, int64_t ss, int64_t A, in
     if (!(B & 1)) row[e2 - 1] = 0.0f;
     to_pairs(row, a2, e2, pb + r * ss);
   }
-  pv_dot(reinterpret_cast<const uint32_t*>(pb + a2), ss / 2, v + (a2 / 2) * Dvp, Dvp,
+  pv_dot(reinterpret_cast<const uint32_t*>(pb + a2), ss / 2, 1, v + (a2 / 2) * Dvp, Dvp,
          (e2 - a2) / 2, o);
 }
 
@@ -623,6 +641,10 @@ static inline void q_pairs(const uint16_t*, int64_t, uint32_t*) {}
 static inline void pack_k_pairs(const uint16_t*, int64_t, int64_t, int64_t, uint32_t*) {}
 static inline void pack_v_pairs(const uint16_t*, int64_t, int64_t, int64_t, int64_t,
                                 uint32_t*) {}
+static inline void pv_dot(const uint32_t*, int64_t, int64_t, const uint32_t*, int64_t, int64_t,
+                          float*) {}
+static inline void row_pairs(const float*, int64_t, int64_t, int64_t, int64_t, uint32_t*,
+                             int64_t) {}
 #endif
 
 // max of s[a..b] (inclusive); may read up to 7 floats past b.
@@ -1067,11 +1089,14 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
 constexpr int64_t LOCK_KEYS = 256;
 
 struct BwdState {
-  GrowBuf kt, vt, dka, dva, kb;  // kb: float32 K rows (low-precision inputs only)
+  GrowBuf kt, vt, dka, dva, kb;  // kb: float32 K rows (low-precision inputs only), or pairs
   AlignedBuf qs, qr, gb, sb, db, ob, zrow;
-  BwdState(int64_t Dk, int64_t Dv, int64_t SS)
+  AlignedBuf gi, pb, pt, dt;  // dot only: dO row pairs, dS pairs, P^T and dS^T row pairs
+  BwdState(int64_t Dk, int64_t Dv, int64_t SS, bool dot)
       : qs(MB * Dk), qr(MB * Dk), gb(MB * Dv), sb(MB * SS + NR), db(MB * SS + NR),
-        ob(MB * Dk), zrow(std::max(Dk, Dv)) {}
+        ob(MB * Dk), zrow(std::max(Dk, Dv)), gi(dot ? MB * Dv / 2 + NR : 1),
+        pb(dot ? MB * SS / 2 + NR : 1), pt(dot ? MB * SS / 2 + NR : 1),
+        dt(dot ? MB * SS / 2 + NR : 1) {}
 };
 
 // dq in the element type; dk, dv float32 sums (zeros on entry). For a low-precision element
@@ -1094,6 +1119,12 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
   const int64_t SS = KC + 2 * NR;
   const float sc = static_cast<float>(scale * 1.4426950408889634);
   const float log2e = 1.4426950408889634f;
+  // bfloat16 dot products (the -DRS_BF16DOT build): every product on bf16 pairs (P and dS
+  // rounded to bf16), sums in float32; accumulators of dQ, dK, dV padded to 16 columns
+  constexpr bool DOT = kDot && E == Dt::BF16;
+  const int64_t Dk2 = (Dk + 1) / 2, Dv2 = (Dv + 1) / 2;
+  const int64_t Dkp = round_up(Dk, 16), Dvp = round_up(Dv, 16);
+  const int64_t KS = DOT ? Dkp : Dk, VS = DOT ? Dvp : Dv;  // accumulator row strides
   const float fscale = static_cast<float>(scale);
   const float NINF = -std::numeric_limits<float>::infinity();
   const T* qd = static_cast<const T*>(q.data_ptr());
@@ -1139,7 +1170,7 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
     }
   };
 
-  run_items(w, nth, [&] { return std::make_unique<BwdState>(Dk, Dv, SS); },
+  run_items(w, nth, [&] { return std::make_unique<BwdState>(KS, VS, SS, DOT); },
             [&](BwdState& st, int64_t item) {
     float mrow[MB], drow[MB];
     int64_t rl[MB], rh[MB];
@@ -1155,21 +1186,21 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
     const int64_t nk = round_up(klast + 1, NR) - kbase + 2 * NR;
     st.kt.ensure(static_cast<size_t>(nk * Dk));
     st.vt.ensure(static_cast<size_t>(nk * Dv));
-    st.dka.ensure(static_cast<size_t>(nk * Dk));
-    st.dva.ensure(static_cast<size_t>(nk * Dv));
+    st.dka.ensure(static_cast<size_t>(nk * KS));
+    st.dva.ensure(static_cast<size_t>(nk * VS));
     float *kt = st.kt.p, *vt = st.vt.p, *dka = st.dka.p, *dva = st.dva.p;
     // K rows as the dS K product reads them: in place (float32), or converted once per item
     const float* krows;  // row j at krows + (j - krbase) * Dk
     int64_t krbase = 0;
     if constexpr (LOWP) {
-      st.kb.ensure(static_cast<size_t>(nk * Dk));
+      st.kb.ensure(static_cast<size_t>(nk * (DOT ? Dkp / 2 : Dk)));
       krows = st.kb.p;
       krbase = kbase;
     } else {
       krows = kp;
     }
-    std::fill(dka, dka + nk * Dk, 0.0f);
-    std::fill(dva, dva + nk * Dv, 0.0f);
+    std::fill(dka, dka + nk * KS, 0.0f);
+    std::fill(dva, dva + nk * VS, 0.0f);
     float *sb = st.sb.p, *db = st.db.p;
     int64_t packed_end = kbase;
 
@@ -1180,9 +1211,17 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
       if (blo > bhi) { zero_dq(b, hk, i0, mr); continue; }
       const int64_t need = round_up(bhi + 1, NR);
       while (packed_end < need) {
-        pack_panel<E>(kp, packed_end, S, Dk, st.zrow.p, kt + (packed_end - kbase) * Dk);
-        pack_panel<E>(vp, packed_end, S, Dv, st.zrow.p, vt + (packed_end - kbase) * Dv);
-        if constexpr (LOWP) convert_rows<E>(kp, packed_end, S, Dk, kbase, st.kb.p);
+        if constexpr (DOT) {
+          const int64_t at = packed_end - kbase;
+          pack_k_pairs(kp, packed_end, S, Dk, reinterpret_cast<uint32_t*>(kt) + at * Dk2);
+          pack_k_pairs(vp, packed_end, S, Dv, reinterpret_cast<uint32_t*>(vt) + at * Dv2);
+          pack_v_pairs(kp, packed_end, S, Dk, Dkp,
+                       reinterpret_cast<uint32_t*>(st.kb.p) + (at / 2) * Dkp);
+        } else {
+          pack_panel<E>(kp, packed_end, S, Dk, st.zrow.p, kt + (packed_end - kbase) * Dk);
+          pack_panel<E>(vp, packed_end, S, Dv, st.zrow.p, vt + (packed_end - kbase) * Dv);
+          if constexpr (LOWP) convert_rows<E>(kp, packed_end, S, Dk, kbase, st.kb.p);
+        }
         packed_end += NR;
       }
       const int64_t ntile = (mr + MR - 1) / MR;
@@ -1197,7 +1236,35 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
         const T* gp = gd + bh * L * Dv;
         const float* lp = ld + bh * L;
         const float slope = md.slopes ? md.slopes[hk * g + gi] : 0.0f;
+        if constexpr (DOT) {  // Q and dO rows as pairs along D, and as row pairs
+          uint32_t* qi = reinterpret_cast<uint32_t*>(st.qr.p);
+          uint32_t* gi2 = reinterpret_cast<uint32_t*>(st.gi.p);
+          for (int64_t r0 = 0; r0 < MB; r0 += NR) {
+            pack_v_pairs(qp, i0 + r0, i0 + mr, Dk, Dkp, qi + (r0 / 2) * Dkp);
+            pack_v_pairs(gp, i0 + r0, i0 + mr, Dv, Dvp, gi2 + (r0 / 2) * Dvp);
+          }
+        }
         for (int64_t r = 0; r < MB; ++r) {
+          if constexpr (DOT) {
+            uint32_t* d1 = reinterpret_cast<uint32_t*>(st.qs.p) + r * Dk2;
+            uint32_t* d3 = reinterpret_cast<uint32_t*>(st.gb.p) + r * Dv2;
+            if (r < mr) {
+              q_pairs(qp + (i0 + r) * Dk, Dk, d1);
+              const T* s3 = gp + (i0 + r) * Dv;
+              const T* s4 = op + (i0 + r) * Dv;
+              q_pairs(s3, Dv, d3);
+              float dsum = 0.0f;
+              for (int64_t d = 0; d < Dv; ++d) dsum += load1<E>(s3 + d) * load1<E>(s4 + d);
+              drow[r] = dsum;
+              mrow[r] = lp[i0 + r] * log2e;
+            } else {
+              std::fill(d1, d1 + Dk2, 0u);
+              std::fill(d3, d3 + Dv2, 0u);
+              drow[r] = 0.0f;
+              mrow[r] = NINF;
+            }
+            continue;
+          }
           float* d1 = st.qs.p + r * Dk;
           float* d2 = st.qr.p + r * Dk;
           float* d3 = st.gb.p + r * Dv;
@@ -1234,7 +1301,7 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
             mrow[r] = NINF;
           }
         }
-        std::fill(st.ob.p, st.ob.p + MB * Dk, 0.0f);
+        std::fill(st.ob.p, st.ob.p + MB * KS, 0.0f);
 
         for (int64_t kc0 = (blo / NR) * NR; kc0 <= bhi; kc0 += KC) {
           const int64_t kc1 = std::min<int64_t>(kc0 + KC, bhi + 1);  // exclusive
@@ -1247,6 +1314,15 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
               if (j0 + NR - 1 < tlo[t] || j0 > thi[t]) continue;
               float* sdst = sb + t * MR * SS + (j0 - kc0);
               float* ddst = db + t * MR * SS + (j0 - kc0);
+              if constexpr (DOT) {
+                const uint32_t* q2 = reinterpret_cast<const uint32_t*>(st.qs.p);
+                const uint32_t* g2 = reinterpret_cast<const uint32_t*>(st.gb.p);
+                const uint32_t* k2 = reinterpret_cast<const uint32_t*>(kt);
+                const uint32_t* v2 = reinterpret_cast<const uint32_t*>(vt);
+                qk_dot_6x16(q2 + t * MR * Dk2, Dk2, Dk2, k2 + (j0 - kbase) * Dk2, sdst, SS, sc);
+                qk_dot_6x16(g2 + t * MR * Dv2, Dv2, Dv2, v2 + (j0 - kbase) * Dv2, ddst, SS, 1.0f);
+                continue;
+              }
               const float* qt = st.qs.p + t * MR * Dk;
               const float* gt = st.gb.p + t * MR * Dv;
               if (tlo[t] >= j0 + 8) {
@@ -1291,6 +1367,33 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
               std::fill(drw + j, drw + Z, 0.0f);
             }
           }
+          if constexpr (DOT) {  // the same products on bf16 pairs
+            const int64_t ka = std::max<int64_t>(blo, kc0), kb = std::min<int64_t>(bhi, kc1 - 1);
+            const int64_t np = (mr + 1) / 2, zc = round_up(Z, 16), ps = SS;
+            uint32_t* pt = reinterpret_cast<uint32_t*>(st.pt.p);
+            uint32_t* dt = reinterpret_cast<uint32_t*>(st.dt.p);
+            for (int64_t t = 0; t < ntile; ++t) {  // dQ += dS K
+              if (tA[t] > tB[t]) continue;
+              pv_dot_tile(db + t * MR * SS, reinterpret_cast<uint16_t*>(st.pb.p) + t * MR * SS,
+                          SS, tA[t] - kc0, tB[t] - kc0,
+                          reinterpret_cast<const uint32_t*>(krows) + ((kc0 - kbase) / 2) * Dkp,
+                          Dkp, st.ob.p + t * MR * Dkp);
+            }
+            row_pairs(sb, SS, mr, np, zc, pt, ps);  // P^T and dS^T as row pairs
+            row_pairs(db, SS, mr, np, zc, dt, ps);
+            const uint32_t* qi = reinterpret_cast<const uint32_t*>(st.qr.p);
+            const uint32_t* gi2 = reinterpret_cast<const uint32_t*>(st.gi.p);
+            int64_t ra = 0, rb = -1;
+            for (int64_t j = ka; j <= kb; j += MR) {  // dV += P^T dO, dK += dS^T Q
+              while (ra < mr && rh[ra] < j) ++ra;
+              while (rb + 1 < mr && rl[rb + 1] <= j + MR - 1) ++rb;
+              if (ra > rb) continue;
+              const int64_t col = j - kc0, p0 = ra / 2, n2 = rb / 2 - p0 + 1;
+              pv_dot(pt + p0 * ps + col, 1, ps, gi2 + p0 * Dvp, Dvp, n2, dva + (j - kbase) * Dvp);
+              pv_dot(dt + p0 * ps + col, 1, ps, qi + p0 * Dkp, Dkp, n2, dka + (j - kbase) * Dkp);
+            }
+            continue;
+          }
           // ---- dQ += dS K  (K rows in place)
           for (int64_t t = 0; t < ntile; ++t) {
             if (tA[t] > tB[t]) continue;
@@ -1312,8 +1415,14 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
                          dka + (j - kbase) * Dk);
           }
         }
-        if constexpr (LOWP) store_row<E>(st.ob.p, dqd + (bh * L + i0) * Dk, mr * Dk);
-        else std::copy(st.ob.p, st.ob.p + mr * Dk, dqd + (bh * L + i0) * Dk);
+        if constexpr (DOT) {
+          for (int64_t r = 0; r < mr; ++r)
+            store_row<E>(st.ob.p + r * Dkp, dqd + (bh * L + i0 + r) * Dk, Dk);
+        } else if constexpr (LOWP) {
+          store_row<E>(st.ob.p, dqd + (bh * L + i0) * Dk, mr * Dk);
+        } else {
+          std::copy(st.ob.p, st.ob.p + mr * Dk, dqd + (bh * L + i0) * Dk);
+        }
       }
     }
     // ---- this item's keys [kfirst, klast] into dk, dv, one stripe at a time
@@ -1322,11 +1431,18 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
       const int64_t s1 = std::min<int64_t>(klast + 1, (stripe + 1) * LOCK_KEYS);
       std::lock_guard<std::mutex> guard(locks[bk * nstripe + stripe]);
       float* dkp = dkd + (bk * S + s0) * Dk;
-      const float* sk = dka + (s0 - kbase) * Dk;
-      for (int64_t e = 0, n = (s1 - s0) * Dk; e < n; ++e) dkp[e] += sk[e];
+      const float* sk = dka + (s0 - kbase) * KS;
       float* dvp = dvd + (bk * S + s0) * Dv;
-      const float* sv = dva + (s0 - kbase) * Dv;
-      for (int64_t e = 0, n = (s1 - s0) * Dv; e < n; ++e) dvp[e] += sv[e];
+      const float* sv = dva + (s0 - kbase) * VS;
+      if (DOT) {  // padded rows
+        for (int64_t r = 0; r < s1 - s0; ++r) {
+          for (int64_t d = 0; d < Dk; ++d) dkp[r * Dk + d] += sk[r * KS + d];
+          for (int64_t d = 0; d < Dv; ++d) dvp[r * Dv + d] += sv[r * VS + d];
+        }
+      } else {
+        for (int64_t e = 0, n = (s1 - s0) * Dk; e < n; ++e) dkp[e] += sk[e];
+        for (int64_t e = 0, n = (s1 - s0) * Dv; e < n; ++e) dvp[e] += sv[e];
+      }
       if constexpr (LOWP)
         if (--pending[bk * nstripe + stripe] == 0) convert_stripe(bk, stripe);
       s0 = s1;
