@@ -742,3 +742,24 @@ def test_alibi_is_split_from_its_rule_and_the_kernel_runs_both() -> None:
     wrong = blocked.plan_blocks(q, q, q, alibi(2) & masks.causal()).spans
     assert not wrong.serves
     assert wrong.reason == "alibi(2) & causal() has 2 ALiBi slopes for 4 heads"
+
+
+def test_the_runs_are_computed_once_per_spec_and_sizes_and_again_after_an_edit() -> None:
+    """A spec with a cache key is turned into runs once per (sizes, positions); a spec whose
+    tensor is edited in place (its version moves) gets its runs again, never stale ones."""
+    rowspan.clear_runs()
+    ids = torch.tensor([0] * 20 + [1] * 20)
+    spec = masks.causal() & masks.document(ids)
+    q = torch.randn(1, 2, 40, 16)
+    first = rowspan.plan(spec, q, q, q)
+    assert rowspan.plan(spec, q, q, q) is first  # the cached plan, refused or not
+    assert len(rowspan._RUNS) == 1
+    assert first.lo is not None
+    assert first.lo[0, 25].item() == 20
+    ids[20:] = 0  # one document now: row 25 sees every key up to itself
+    again = rowspan.plan(spec, q, q, q)
+    assert again is not first
+    assert again.lo is not None
+    assert again.lo[0, 25].item() == 0
+    rowspan.plan(spec, q[:, :, :30], q, q)  # other sizes: runs of their own
+    assert len(rowspan._RUNS) == 3

@@ -41,8 +41,9 @@ _PLANS: OrderedDict[Hashable, Plan] = OrderedDict()
 
 
 def clear_plans() -> None:
-    """Forget every cached tile plan."""
+    """Forget every cached tile plan (and the row-span kernel's cached runs)."""
     _PLANS.clear()
+    rowspan.clear_runs()
 
 
 @dataclass(frozen=True)

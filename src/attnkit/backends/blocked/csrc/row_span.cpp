@@ -473,6 +473,12 @@ constexpr bool kDot = true;
 static inline __m512 dot2(__m512 acc, uint32_t a, __m512i b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(a)), (__m512bh)b);
 }
+// the same with the pair read from memory as an embedded broadcast ({1to16}): gcc does not
+// fold the broadcast into vdpbf16ps itself, and the separate vpbroadcastd took as many slots
+static inline __m512 dot2m(__m512 acc, const uint32_t* a, __m512i b) {
+  __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(b), "m"(*a));
+  return acc;
+}
 
 // s[6 x 16] (row stride ss) = sc * q[6 x 2 D2] k^T, q rows of D2 pairs (row stride qs pairs)
 static inline void qk_dot_6x16(const uint32_t* __restrict q, int64_t qs, int64_t D2,
@@ -486,13 +492,13 @@ static inline void qk_dot_6x16(const uint32_t* __restrict q, int64_t qs, int64_t
     const __m512i k1 = _mm512_loadu_si512(kp + (p + 1) * NR);
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) {
-      a[r] = dot2(a[r], q[r * qs + p], k0);
-      b[r] = dot2(b[r], q[r * qs + p + 1], k1);
+      a[r] = dot2m(a[r], q + r * qs + p, k0);
+      b[r] = dot2m(b[r], q + r * qs + p + 1, k1);
     }
   }
   if (p < D2) {
     const __m512i k0 = _mm512_loadu_si512(kp + p * NR);
-    for (int r = 0; r < MR; ++r) a[r] = dot2(a[r], q[r * qs + p], k0);
+    for (int r = 0; r < MR; ++r) a[r] = dot2m(a[r], q + r * qs + p, k0);
   }
   const __m512 vs = _mm512_set1_ps(sc);
   for (int r = 0; r < MR; ++r)
