@@ -505,6 +505,45 @@ static inline void qk_dot_6x16(const uint32_t* __restrict q, int64_t qs, int64_t
     _mm512_storeu_ps(s + r * ss, _mm512_mul_ps(_mm512_add_ps(a[r], b[r]), vs));
 }
 
+// s[6 x 8] = sc * q k^T for half a K panel (kp: the panel's first or second 8 keys; rows of
+// pairs 16 apart): the tiles at the ragged edges of the runs
+static inline __m256 dot2m8(__m256 acc, const uint32_t* a, __m256i b) {
+  __asm__("vdpbf16ps %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(b), "m"(*a));
+  return acc;
+}
+static inline void qk_dot_6x8(const uint32_t* __restrict q, int64_t qs, int64_t D2,
+                              const uint32_t* __restrict kp, float* __restrict s, int64_t ss,
+                              float sc) {
+  __m256 a[MR], b[MR];
+  for (int r = 0; r < MR; ++r) { a[r] = _mm256_setzero_ps(); b[r] = _mm256_setzero_ps(); }
+  int64_t p = 0;
+  for (; p + 2 <= D2; p += 2) {
+    const __m256i k0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp + p * NR));
+    const __m256i k1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp + (p + 1) * NR));
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      a[r] = dot2m8(a[r], q + r * qs + p, k0);
+      b[r] = dot2m8(b[r], q + r * qs + p + 1, k1);
+    }
+  }
+  if (p < D2) {
+    const __m256i k0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp + p * NR));
+    for (int r = 0; r < MR; ++r) a[r] = dot2m8(a[r], q + r * qs + p, k0);
+  }
+  const __m256 vs = _mm256_set1_ps(sc);
+  for (int r = 0; r < MR; ++r)
+    _mm256_storeu_ps(s + r * ss, _mm256_mul_ps(_mm256_add_ps(a[r], b[r]), vs));
+}
+
+// The 6 x 16 scores of a tile against the panel from key j0 (j0 - kbase keys into kp), or
+// only the half of it that the tile's keys lo..hi reach, as the float32 kernel does
+static inline void qk_dot_tile(const uint32_t* q, int64_t D2, const uint32_t* kp, int64_t j0,
+                               int64_t lo, int64_t hi, float* s, int64_t ss, float sc) {
+  if (lo >= j0 + 8) qk_dot_6x8(q, D2, D2, kp + 8, s + 8, ss, sc);
+  else if (hi < j0 + 8) qk_dot_6x8(q, D2, D2, kp, s, ss, sc);
+  else qk_dot_6x16(q, D2, D2, kp, s, ss, sc);
+}
+
 // o[6 x 16 NC] (row stride os) += A[6 x 2 np] V, A(r, j) the pair p[r * si + j * sj] (rows of
 // P: si the row stride, sj = 1; or, transposed, 6 keys of row pairs: si = 1, sj the stride of a
 // row pair), V np rows of pairs (row stride vs pairs)
@@ -579,6 +618,49 @@ static inline void q_pairs(const uint16_t* src, int64_t D, uint32_t* dst) {
   if (D & 1) dst[D / 2] = src[D - 1];
 }
 
+// The softmax's two passes over a row, 16 lanes at a time (the AVX2 row_max / row_exp below,
+// widened): max of s[a..b]; s[a..b] = 2^(s[a..b] - m) in place (nothing past b), their sum
+static inline __m512 exp2_ps512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
+  const __m512i ni = _mm512_cvtps_epi32(x);  // round to nearest
+  const __m512 f = _mm512_sub_ps(x, _mm512_cvtepi32_ps(ni));
+  __m512 p = _mm512_set1_ps(0.0013276472454890609f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.009675541892647743f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550713092088699f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022120237350464f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469440460205f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(ni, 23)));
+}
+static inline float row_max16(const float* s, int64_t a, int64_t b) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 m = ninf;
+  int64_t j = a;
+  for (; j + 16 <= b + 1; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
+  if (j <= b) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (b + 1 - j)) - 1);
+    m = _mm512_max_ps(m, _mm512_mask_loadu_ps(ninf, k, s + j));
+  }
+  return _mm512_reduce_max_ps(m);
+}
+static inline float row_exp16(float* s, int64_t a, int64_t b, float m) {
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 acc = _mm512_setzero_ps();
+  int64_t j = a;
+  for (; j + 16 <= b + 1; j += 16) {
+    const __m512 e = exp2_ps512(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm));
+    _mm512_storeu_ps(s + j, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  if (j <= b) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (b + 1 - j)) - 1);
+    const __m512 e = exp2_ps512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), vm));
+    _mm512_mask_storeu_ps(s + j, k, e);
+    acc = _mm512_mask_add_ps(acc, k, acc, e);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
 // O[6 x Dvp] += P V for one tile over its keys A..B (inclusive, relative to the chunk): the
 // tile's float32 P rows (stride ss) become bf16 pairs over the even-aligned [A & ~1, B | 1]
 // (the column beside an odd end is set to 0 first), pb the pairs' rows (stride ss), v the V
@@ -639,11 +721,13 @@ static inline void pack_v_pairs(const uint16_t* v, int64_t key0, int64_t S, int6
 }
 #else  // the AVX2 build: never called (kDot gates every use), declared for if constexpr
 constexpr bool kDot = false;
-static inline void qk_dot_6x16(const uint32_t*, int64_t, int64_t, const uint32_t*, float*,
-                               int64_t, float) {}
+static inline void qk_dot_tile(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t,
+                               int64_t, float*, int64_t, float) {}
 static inline void pv_dot_tile(float*, uint16_t*, int64_t, int64_t, int64_t, const uint32_t*,
                                int64_t, float*) {}
 static inline void q_pairs(const uint16_t*, int64_t, uint32_t*) {}
+static inline float row_max16(const float*, int64_t, int64_t) { return 0.0f; }
+static inline float row_exp16(float*, int64_t, int64_t, float) { return 0.0f; }
 static inline void pack_k_pairs(const uint16_t*, int64_t, int64_t, int64_t, uint32_t*) {}
 static inline void pack_v_pairs(const uint16_t*, int64_t, int64_t, int64_t, int64_t,
                                 uint32_t*) {}
@@ -998,9 +1082,9 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
               if (j0 + NR - 1 < tlo[t] || j0 > thi[t]) continue;
               float* sdst = sb + t * MR * SS + (j0 - kc0);
               if constexpr (DOT) {
-                qk_dot_6x16(reinterpret_cast<const uint32_t*>(st.qs.p) + t * MR * Dk2, Dk2, Dk2,
-                            reinterpret_cast<const uint32_t*>(kt) + (j0 - kbase) * Dk2, sdst, SS,
-                            sc);
+                qk_dot_tile(reinterpret_cast<const uint32_t*>(st.qs.p) + t * MR * Dk2, Dk2,
+                            reinterpret_cast<const uint32_t*>(kt) + (j0 - kbase) * Dk2, j0,
+                            tlo[t], thi[t], sdst, SS, sc);
                 continue;
               }
               const float* qt = st.qs.p + t * MR * Dk;
@@ -1029,7 +1113,8 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
                   mod_row<C, Bi, K>(srow, a - kc0, bb - kc0, md.cap, slope, pos, kb);
                 });
               }
-              const float cm = row_max(srow, a - kc0, bb - kc0);
+              const float cm =
+                  DOT ? row_max16(srow, a - kc0, bb - kc0) : row_max(srow, a - kc0, bb - kc0);
               if (holes && cm == NINF) { zero_range(srow, A - kc0, Bt - kc0); continue; }
               const float mo = mrow[ri];
               const float mn = std::max(mo, cm);
@@ -1039,7 +1124,8 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
                 float* orow = st.ob.p + ri * OS;
                 for (int64_t d = 0; d < Dv; ++d) orow[d] *= alpha;
               }
-              const float sum = row_exp(srow, a - kc0, bb - kc0, mn);
+              const float sum = DOT ? row_exp16(srow, a - kc0, bb - kc0, mn)
+                                    : row_exp(srow, a - kc0, bb - kc0, mn);
               lrow[ri] = lrow[ri] * alpha + sum;
               mrow[ri] = mn;
               zero_range(srow, A - kc0, a - kc0 - 1);
@@ -1325,8 +1411,11 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
                 const uint32_t* g2 = reinterpret_cast<const uint32_t*>(st.gb.p);
                 const uint32_t* k2 = reinterpret_cast<const uint32_t*>(kt);
                 const uint32_t* v2 = reinterpret_cast<const uint32_t*>(vt);
-                qk_dot_6x16(q2 + t * MR * Dk2, Dk2, Dk2, k2 + (j0 - kbase) * Dk2, sdst, SS, sc);
-                qk_dot_6x16(g2 + t * MR * Dv2, Dv2, Dv2, v2 + (j0 - kbase) * Dv2, ddst, SS, 1.0f);
+                const int64_t lo = tlo[t], hi = thi[t];
+                qk_dot_tile(q2 + t * MR * Dk2, Dk2, k2 + (j0 - kbase) * Dk2, j0, lo, hi, sdst, SS,
+                            sc);
+                qk_dot_tile(g2 + t * MR * Dv2, Dv2, v2 + (j0 - kbase) * Dv2, j0, lo, hi, ddst, SS,
+                            1.0f);
                 continue;
               }
               const float* qt = st.qs.p + t * MR * Dk;
