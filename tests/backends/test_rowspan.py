@@ -763,3 +763,16 @@ def test_the_runs_are_computed_once_per_spec_and_sizes_and_again_after_an_edit()
     assert again.lo[0, 25].item() == 0
     rowspan.plan(spec, q[:, :, :30], q, q)  # other sizes: runs of their own
     assert len(rowspan._RUNS) == 3
+
+
+def test_the_bf16_build_leaves_denormals_to_the_threads_as_it_found_them() -> None:
+    """The AVX512-BF16 build flushes denormals while its items run (MXCSR's FTZ/DAZ) and
+    restores MXCSR after: float32 denormals computed on the same threads afterwards survive."""
+    dot = _dot_kernel()
+    q = torch.randn(1, 4, 512, 64).bfloat16()
+    lo, hi = torch.zeros(1, 512, dtype=torch.long), torch.arange(512)[None]
+    out, lse = dot.span_forward(q, q, q, lo, hi, 0.125, *NO_MODS)
+    dot.span_backward(q, q, q, out, out, lse, lo, hi, 0.125, *NO_MODS)
+    tiny = torch.full((1 << 20,), 1e-39)  # a float32 denormal, on every thread torch uses
+    assert bool((tiny * 1.0 > 0).all())
+    assert bool((tiny + tiny == 2e-39).all())
