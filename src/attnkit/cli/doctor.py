@@ -88,8 +88,9 @@ def _cpu_rows() -> list[tuple[str, str]]:
     return rows
 
 
-def _span_kernel() -> str:
-    """The blocked backend's row-span kernel (one run of keys per query row): built, or why not."""
+def _span_kernel() -> list[tuple[str, str]]:
+    """The blocked backend's row-span kernel (one run of keys per query row), and its build for
+    bfloat16 on the native path: built, or why not."""
     from attnkit.backends.blocked import rowspan
 
     line = rowspan.status()
@@ -98,7 +99,7 @@ def _span_kernel() -> str:
     dot = rowspan.dot_status()
     if rowspan.dot_build_seconds is not None:
         dot += f" (loaded in {rowspan.dot_build_seconds:.1f} s)"
-    return f"{line}; for bfloat16 on the native path: {dot}"
+    return [("span kernel", line), ("bf16 kernel", f"{dot}; for bfloat16 on the native path")]
 
 
 @command()
@@ -135,7 +136,7 @@ def doctor() -> None:
             ),
             ("CUDA", cuda),
             ("MiniLM weights", weights),
-            ("span kernel", _span_kernel()),
+            *_span_kernel(),
             *_cpu_rows(),
         ]
     )
