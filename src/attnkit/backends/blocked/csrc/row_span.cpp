@@ -661,6 +661,32 @@ static inline float row_exp16(float* s, int64_t a, int64_t b, float m) {
   return _mm512_reduce_add_ps(acc);
 }
 
+// bwd_row (below) without score modifiers, 16 lanes at a time: s = P = 2^(s - m), d = dS =
+// scale * P * (d - D) over ja..jb, 0 in the lanes past jb; returns the first column past the
+// last one written (at most 15 past jb)
+static inline int64_t bwd_row16(float* s, float* d, int64_t ja, int64_t jb, float m, float D,
+                                float scale) {
+  const __m512 vm = _mm512_set1_ps(m), vD = _mm512_set1_ps(D), vs = _mm512_set1_ps(scale);
+  int64_t j = ja;
+  for (; j + 16 <= jb + 1; j += 16) {
+    const __m512 p = exp2_ps512(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm));
+    const __m512 dd = _mm512_sub_ps(_mm512_loadu_ps(d + j), vD);
+    const __m512 ds = _mm512_mul_ps(_mm512_mul_ps(p, vs), dd);
+    _mm512_storeu_ps(s + j, p);
+    _mm512_storeu_ps(d + j, ds);
+  }
+  if (j <= jb) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (jb + 1 - j)) - 1);
+    const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), vm);
+    const __m512 p = _mm512_maskz_mov_ps(k, exp2_ps512(x));
+    const __m512 dd = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, d + j), vD);
+    _mm512_storeu_ps(s + j, p);
+    _mm512_storeu_ps(d + j, _mm512_maskz_mul_ps(k, _mm512_mul_ps(p, vs), dd));
+    j += 16;
+  }
+  return j;
+}
+
 // O[6 x Dvp] += P V for one tile over its keys A..B (inclusive, relative to the chunk): the
 // tile's float32 P rows (stride ss) become bf16 pairs over the even-aligned [A & ~1, B | 1]
 // (the column beside an odd end is set to 0 first), pb the pairs' rows (stride ss), v the V
@@ -728,6 +754,9 @@ static inline void pv_dot_tile(float*, uint16_t*, int64_t, int64_t, int64_t, con
 static inline void q_pairs(const uint16_t*, int64_t, uint32_t*) {}
 static inline float row_max16(const float*, int64_t, int64_t) { return 0.0f; }
 static inline float row_exp16(float*, int64_t, int64_t, float) { return 0.0f; }
+static inline int64_t bwd_row16(float*, float*, int64_t, int64_t, float, float, float) {
+  return 0;
+}
 static inline void pack_k_pairs(const uint16_t*, int64_t, int64_t, int64_t, uint32_t*) {}
 static inline void pack_v_pairs(const uint16_t*, int64_t, int64_t, int64_t, int64_t,
                                 uint32_t*) {}
@@ -1362,8 +1391,12 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
               const T* s3 = gp + (i0 + r) * Dv;
               const T* s4 = op + (i0 + r) * Dv;
               q_pairs(s3, Dv, d3);
-              float dsum = 0.0f;
-              for (int64_t d = 0; d < Dv; ++d) dsum += load1<E>(s3 + d) * load1<E>(s4 + d);
+              __m256 acc = _mm256_setzero_ps();
+              int64_t d = 0;
+              for (; d + 8 <= Dv; d += 8)
+                acc = _mm256_fmadd_ps(load8<E>(s3 + d), load8<E>(s4 + d), acc);
+              float dsum = hsum(acc);
+              for (; d < Dv; ++d) dsum += load1<E>(s3 + d) * load1<E>(s4 + d);
               drow[r] = dsum;
               mrow[r] = lp[i0 + r] * log2e;
             } else {
@@ -1471,9 +1504,13 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
             const int64_t pos = i0 + ri + md.d0 - kc0;
             const float m = mrow[ri], D = drow[ri];
             const float* kb = md.keys_at(b, kc0);
-            const int64_t j = with_mods(md, [&](auto C, auto Bi, auto K) {
-              return bwd_row<C, Bi, K>(srow, drw, ja, jb, m, D, fscale, md.cap, slope, pos, kb);
-            });
+            const int64_t j =
+                DOT && !md.any()
+                    ? bwd_row16(srow, drw, ja, jb, m, D, fscale)
+                    : with_mods(md, [&](auto C, auto Bi, auto K) {
+                        return bwd_row<C, Bi, K>(srow, drw, ja, jb, m, D, fscale, md.cap, slope,
+                                                 pos, kb);
+                      });
             if (j < Z) {
               std::fill(srow + j, srow + Z, 0.0f);
               std::fill(drw + j, drw + Z, 0.0f);
