@@ -21,7 +21,8 @@ masks.sliding_window(256))``:
    the first backend that serves the call within the limit, its rule fired or not; if none
    does, :class:`~attnkit.AttentionMemoryError` says how much and the way out.
 3. ``backend.run(call)``: ``blocked`` plans the call once (:mod:`attnkit.backends.blocked.plan`:
-   attnkit's row-span kernel where the mask allows one run of keys per query row, else tiles of
+   attnkit's row-span kernel where the mask allows one run of keys per query row (for bfloat16
+   on a CPU with AVX512-BF16, its build on the CPU's bf16 dot products), else tiles of
    torch's fused CPU kernel over the non-empty blocks; on CUDA, torch matmuls on those tiles)
    and runs it forward (and backward, from the same plan) with autograd.
 
