@@ -10,6 +10,7 @@ backend itself still runs there, on torch's kernel, and says so in ``explain``).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -137,51 +138,95 @@ def _mods(
     return cap, slopes, draw(st.integers(-L, S)), keys
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    B=st.integers(1, 2),
-    Hkv=st.integers(1, 2),
-    group=st.sampled_from([1, 2, 4]),
-    L=st.integers(1, 150),
-    S=st.integers(1, 200),
-    Dk=st.sampled_from([8, 20, 64]),
-    Dv=st.sampled_from([8, 24, 64]),
-    per_batch=st.booleans(),
-    data=st.data(),
-)
-def test_the_kernel_on_any_runs_equals_the_float64_oracle(
-    B: int, Hkv: int, group: int, L: int, S: int, Dk: int, Dv: int, per_batch: bool, data: Any
+@dataclass(frozen=True)
+class _Case:
+    """One call of the kernel: q, k, v, dout in one dtype, the runs, the scale, the modifiers."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    mods: tuple[float, torch.Tensor, int, torch.Tensor]
+
+    @property
+    def scale(self) -> float:
+        return float(self.q.shape[-1]) ** -0.5
+
+    def args(self) -> tuple[Any, ...]:
+        """``lo, hi, scale, *mods``: what follows the tensors in the kernel's calls."""
+        return (self.lo, self.hi, self.scale, *self.mods)
+
+
+@st.composite
+def _cases(
+    draw: st.DrawFn,
+    dtype: torch.dtype = torch.float32,
+    dks: tuple[int, ...] = (8, 20, 64),
+    dvs: tuple[int, ...] = (8, 24, 64),
+) -> _Case:
+    """A kernel call: any runs (per batch row or shared), GQA groups of 1, 2, 4, head dims from
+    ``dks``/``dvs``, and the modifiers of :func:`_mods`."""
+    B, Hkv = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    H = Hkv * draw(st.sampled_from([1, 2, 4]))
+    L, S = draw(st.integers(1, 150)), draw(st.integers(1, 200))
+    Dk, Dv = draw(st.sampled_from(dks)), draw(st.sampled_from(dvs))
+    lo, hi = draw(_monotone_runs(B if draw(st.booleans()) else 1, L, S))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    q = torch.randn(B, H, L, Dk, generator=gen).to(dtype)
+    k = torch.randn(B, Hkv, S, Dk, generator=gen).to(dtype)
+    v = torch.randn(B, Hkv, S, Dv, generator=gen).to(dtype)
+    dout = torch.randn(B, H, L, Dv, generator=gen).to(dtype)
+    return _Case(q, k, v, dout, lo, hi, draw(_mods(B, H, L, S)))
+
+
+def _check_oracle(
+    case: _Case, out: torch.Tensor, lse: torch.Tensor, grads: Any, tol: float, grad_tol: float
 ) -> None:
-    lo, hi = data.draw(_monotone_runs(B if per_batch else 1, L, S))
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    H = Hkv * group
-    q = torch.randn(B, H, L, Dk, generator=gen)
-    k = torch.randn(B, Hkv, S, Dk, generator=gen)
-    v = torch.randn(B, Hkv, S, Dv, generator=gen)
-    dout = torch.randn(B, H, L, Dv, generator=gen)
-    scale = Dk**-0.5
-    mods = data.draw(_mods(B, H, L, S))  # soft-cap, ALiBi and holes, computed in the kernel
-    cap = mods[0] or None
-    out, lse = rowspan.kernel().span_forward(q, k, v, lo, hi, scale, *mods)
-    dq, dk, dv = rowspan.kernel().span_backward(q, k, v, out, dout, lse, lo, hi, scale, *mods)
-    allowed = _with_alibi(_allowed(lo, hi, S), *mods[1:])
-    want, grads = _grads(q, k, v, allowed, scale, dout, cap)
-    want_lse = _lse(q, k, allowed, scale, cap)
-    assert out.shape == (B, H, L, Dv)
-    assert lse.shape == (B, H, L)
+    """out, lse and (dq, dk, dv) of the kernel against the float64 oracle on the same inputs:
+    shapes and dtypes, out within ``tol`` and the gradients within ``grad_tol`` (relative to the
+    largest value), lse within 1e-4; rows that see nothing: out 0, dq 0, lse -inf; a hole in the
+    keys gets exactly no gradient."""
+    q, k, v = case.q, case.k, case.v
+    B, H, L = q.shape[:3]
+    S, Dv = k.shape[2], v.shape[3]
+    cap = case.mods[0] or None
+    dq, dk, dv = grads
+    assert out.dtype == dq.dtype == dk.dtype == dv.dtype == q.dtype
+    assert lse.dtype == torch.float32
+    assert (out.shape, lse.shape) == ((B, H, L, Dv), (B, H, L))
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
-    assert _close(out, want, 1e-5)
+    allowed = _with_alibi(_allowed(case.lo, case.hi, S), *case.mods[1:])
+    want, want_grads = _grads(q, k, v, allowed, case.scale, case.dout, cap)
+    want_lse = _lse(q, k, allowed, case.scale, cap)
+    assert _close(out, want, tol)
     assert _lse_close(lse, want_lse)  # rows that see nothing: lse -inf, nothing else
     live = want_lse > NINF
     assert bool((out[~live] == 0).all())
     assert bool((dq[~live] == 0).all())
-    for got, ref in zip((dq, dk, dv), grads, strict=True):
+    for got, ref in zip((dq, dk, dv), want_grads, strict=True):
         assert not bool(got.isnan().any())
-        assert _close(got, ref, 1e-4)
-    if mods[3].numel() > 0:  # a hole gets exactly no gradient
-        hole = (mods[3][:, :S] == NINF)[:, None, :, None]  # (B', 1, S, 1)
+        assert _close(got, ref, grad_tol)
+    keys = case.mods[3]
+    if keys.numel() > 0:  # a hole gets exactly no gradient
+        hole = (keys[:, :S] == NINF)[:, None, :, None]  # (B', 1, S, 1)
         assert bool((dk.masked_select(hole) == 0).all())
         assert bool((dv.masked_select(hole) == 0).all())
+
+
+def _run(kernel: Any, case: _Case) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """out, lse and (dq, dk, dv) of ``kernel`` on ``case``."""
+    q, k, v = case.q, case.k, case.v
+    out, lse = kernel.span_forward(q, k, v, *case.args())
+    return out, lse, kernel.span_backward(q, k, v, out, case.dout, lse, *case.args())
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=_cases())
+def test_the_kernel_on_any_runs_equals_the_float64_oracle(case: _Case) -> None:
+    """float32: out within 1e-5, gradients within 1e-4, of the float64 oracle."""
+    _check_oracle(case, *_run(rowspan.kernel(), case), 1e-5, 1e-4)
 
 
 #: relative max error of the kernel on bfloat16/float16 inputs against the float64 oracle on the
@@ -192,69 +237,25 @@ RTOL = {torch.bfloat16: 2**-5, torch.float16: 2**-8}
 
 
 @settings(max_examples=40, deadline=None)
-@given(
-    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
-    B=st.integers(1, 2),
-    Hkv=st.integers(1, 2),
-    group=st.sampled_from([1, 2, 4]),
-    L=st.integers(1, 150),
-    S=st.integers(1, 200),
-    Dk=st.sampled_from([8, 20, 64]),
-    Dv=st.sampled_from([8, 24, 64]),
-    per_batch=st.booleans(),
-    data=st.data(),
-)
+@given(dtype=st.sampled_from([torch.bfloat16, torch.float16]), data=st.data())
 def test_the_kernel_reads_bf16_and_fp16_directly_and_equals_the_float64_oracle(
-    dtype: torch.dtype,
-    B: int,
-    Hkv: int,
-    group: int,
-    L: int,
-    S: int,
-    Dk: int,
-    Dv: int,
-    per_batch: bool,
-    data: Any,
+    dtype: torch.dtype, data: Any
 ) -> None:
     """out, dq, dk, dv in the input dtype within RTOL of the oracle on the rounded inputs; lse
     float32 (computed in float32 from the rounded inputs: 1e-4 as for float32 inputs); rows
     with an empty run: out 0, dq 0, lse -inf. And the same numbers as the kernel on float32
     copies, rounded to the dtype (out, lse, dq exactly: their sums run in a fixed order)."""
-    lo, hi = data.draw(_monotone_runs(B if per_batch else 1, L, S))
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    H = Hkv * group
-    q = torch.randn(B, H, L, Dk, generator=gen).to(dtype)
-    k = torch.randn(B, Hkv, S, Dk, generator=gen).to(dtype)
-    v = torch.randn(B, Hkv, S, Dv, generator=gen).to(dtype)
-    dout = torch.randn(B, H, L, Dv, generator=gen).to(dtype)
-    scale = Dk**-0.5
-    mods = data.draw(_mods(B, H, L, S))
-    cap = mods[0] or None
-    out, lse = rowspan.kernel().span_forward(q, k, v, lo, hi, scale, *mods)
-    dq, dk, dv = rowspan.kernel().span_backward(q, k, v, out, dout, lse, lo, hi, scale, *mods)
-    assert out.dtype == dq.dtype == dk.dtype == dv.dtype == dtype
-    assert lse.dtype == torch.float32
-    assert (out.shape, lse.shape) == ((B, H, L, Dv), (B, H, L))
-    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
-    allowed = _with_alibi(_allowed(lo, hi, S), *mods[1:])
-    want, grads = _grads(q, k, v, allowed, scale, dout, cap)
-    want_lse = _lse(q, k, allowed, scale, cap)
-    assert _close(out, want, RTOL[dtype])
-    assert _lse_close(lse, want_lse)
-    live = want_lse > NINF
-    assert bool((out[~live] == 0).all())
-    assert bool((dq[~live] == 0).all())
-    for got, ref in zip((dq, dk, dv), grads, strict=True):
-        assert not bool(got.isnan().any())
-        assert _close(got, ref, RTOL[dtype])
-    f32 = [t.float() for t in (q, k, v)]
-    out32, lse32 = rowspan.kernel().span_forward(*f32, lo, hi, scale, *mods)
-    dq32 = rowspan.kernel().span_backward(
-        *f32, out.float(), dout.float(), lse, lo, hi, scale, *mods
-    )[0]
+    case = data.draw(_cases(dtype))
+    out, lse, grads = _run(rowspan.kernel(), case)
+    _check_oracle(case, out, lse, grads, RTOL[dtype], RTOL[dtype])
+    f32 = [t.float() for t in (case.q, case.k, case.v)]
+    out32, lse32 = rowspan.kernel().span_forward(*f32, *case.args())
+    dq32 = rowspan.kernel().span_backward(*f32, out.float(), case.dout.float(), lse, *case.args())[
+        0
+    ]
     assert torch.equal(out, out32.to(dtype))
     assert torch.equal(lse, lse32)
-    assert torch.equal(dq, dq32.to(dtype))
+    assert torch.equal(grads[0], dq32.to(dtype))
 
 
 def _dot_kernel() -> Any:
@@ -270,56 +271,15 @@ DOT_RTOL = RTOL[torch.bfloat16]
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    B=st.integers(1, 2),
-    Hkv=st.integers(1, 2),
-    group=st.sampled_from([1, 2, 4]),
-    L=st.integers(1, 150),
-    S=st.integers(1, 200),
-    Dk=st.sampled_from([1, 7, 8, 20, 33, 64, 128]),
-    Dv=st.sampled_from([1, 8, 24, 40, 64, 80]),
-    per_batch=st.booleans(),
-    data=st.data(),
-)
-def test_the_bf16_dot_product_build_equals_the_float64_oracle(
-    B: int, Hkv: int, group: int, L: int, S: int, Dk: int, Dv: int, per_batch: bool, data: Any
-) -> None:
+@given(case=_cases(torch.bfloat16, (1, 7, 8, 20, 33, 64, 128), (1, 8, 24, 40, 64, 80)))
+def test_the_bf16_dot_product_build_equals_the_float64_oracle(case: _Case) -> None:
     """The AVX512-BF16 build (bf16 dot products for every product, forward and backward) on
     any runs, GQA, odd and unequal head dims, soft-cap, ALiBi and holes: out, dq, dk, dv in
     bfloat16 within the bfloat16 rule of the float64 oracle on the rounded inputs; lse float32
     within 1e-4 (products of bfloat16 pairs are exact in float32); rows that see nothing: out
-    0, dq 0, lse -inf; a hole in the keys gets exactly zero dk, dv."""
-    dot = _dot_kernel()
-    lo, hi = data.draw(_monotone_runs(B if per_batch else 1, L, S))
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    H, bf = Hkv * group, torch.bfloat16
-    q = torch.randn(B, H, L, Dk, generator=gen).to(bf)
-    k = torch.randn(B, Hkv, S, Dk, generator=gen).to(bf)
-    v = torch.randn(B, Hkv, S, Dv, generator=gen).to(bf)
-    dout = torch.randn(B, H, L, Dv, generator=gen).to(bf)
-    scale = Dk**-0.5
-    mods = data.draw(_mods(B, H, L, S))
-    out, lse = dot.span_forward(q, k, v, lo, hi, scale, *mods)
-    assert out.dtype == bf
-    assert lse.dtype == torch.float32
-    assert (out.shape, lse.shape) == ((B, H, L, Dv), (B, H, L))
-    allowed = _with_alibi(_allowed(lo, hi, S), *mods[1:])
-    want, grads = _grads(q, k, v, allowed, scale, dout, mods[0] or None)
-    want_lse = _lse(q, k, allowed, scale, mods[0] or None)
-    assert _close(out, want, DOT_RTOL)
-    assert _lse_close(lse, want_lse)
-    assert bool((out[~(want_lse > NINF)] == 0).all())
-    dq, dk, dv = dot.span_backward(q, k, v, out, dout, lse, lo, hi, scale, *mods)
-    for got, ref in zip((dq, dk, dv), grads, strict=True):
-        assert got.dtype == bf
-        assert got.shape == ref.shape
-        assert not bool(got.isnan().any())
-        assert _close(got, ref, DOT_RTOL)
-    assert bool((dq[~(want_lse > NINF)] == 0).all())
-    if mods[3].numel() > 0:  # a hole gets exactly no gradient (its P and dS are 0 in bf16 too)
-        hole = (mods[3][:, :S] == NINF)[:, None, :, None]
-        assert bool((dk.masked_select(hole) == 0).all())
-        assert bool((dv.masked_select(hole) == 0).all())
+    0, dq 0, lse -inf; a hole in the keys gets exactly zero dk, dv (its P and dS are 0 in bf16
+    too)."""
+    _check_oracle(case, *_run(_dot_kernel(), case), DOT_RTOL, DOT_RTOL)
 
 
 def test_the_bf16_dot_product_build_refuses_what_the_avx2_one_refuses() -> None:
