@@ -54,6 +54,7 @@ __all__ = [
     "CpuFeatures",
     "describe",
     "features",
+    "hardware_flags",
     "path_for",
     "release_buffers",
     "resolve",
@@ -117,31 +118,36 @@ class CpuFeatures:
 
 
 def _read_flags(machine: str) -> frozenset[str]:
+    """Every flag of /proc/cpuinfo's first ``flags`` line (empty off Linux/x86)."""
     if machine.lower() not in _X86:
         return frozenset()
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split()) & frozenset(FLAGS)
+                    return frozenset(line.partition(":")[2].split())
     except OSError:  # not Linux
         pass
     return frozenset()
 
 
-def _detect() -> CpuFeatures:
-    machine = platform.machine()
-    return CpuFeatures(machine, _read_flags(machine), torch.backends.cpu.get_cpu_capability())
-
-
-#: read at import (the first ``flags`` line of /proc/cpuinfo), so that ``torch.compile`` traces
-#: a constant rather than a file read
-_DETECTED = _detect()
+#: read at import, so that ``torch.compile`` traces a constant rather than a file read
+_FLAGS = _read_flags(platform.machine())
+_DETECTED = CpuFeatures(
+    platform.machine(), _FLAGS & frozenset(FLAGS), torch.backends.cpu.get_cpu_capability()
+)
 
 
 def features() -> CpuFeatures:
     """This machine's CPU features (read once, at import)."""
     return _DETECTED
+
+
+def hardware_flags() -> frozenset[str]:
+    """Every flag the CPU reports (read once, at import): what compiled code may use. Unlike
+    :func:`features`, which tests replace to simulate other CPUs, this is always the machine's
+    own, so that a build never uses an instruction the CPU lacks."""
+    return _FLAGS
 
 
 def unavailable(path: str, dtype: torch.dtype, feats: CpuFeatures | None = None) -> str | None:

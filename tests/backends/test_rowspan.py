@@ -334,8 +334,8 @@ def test_the_plan_reads_low_precision_only_for_a_caller_that_takes_it_back() -> 
     plain = blocked.plan_blocks(q, q, q, spec)
     assert not plain.spans.serves
     assert plain.spans.reason == (
-        "attnkit's row-span kernel reads float32, and bfloat16/float16 only on the fp32-upcast "
-        "CPU path (q is torch.bfloat16): torch's fused kernel runs"
+        "attnkit's row-span kernel reads float32, bfloat16/float16 only on the fp32-upcast CPU "
+        "path and bfloat16 on the native one (q is torch.bfloat16): torch's fused kernel runs"
     )
     assert blocked.forward_with_lse(q, q, q, mask=spec, scale=0.25, plan=plain)[0].dtype == (
         torch.float32
@@ -615,8 +615,8 @@ def test_calls_the_kernel_does_not_serve_go_to_torchs_kernel(
     assert _close(got, want, 1e-5)
     note = attnkit.explain(bf, bf, bf, mask=spec).notes["blocked"]
     assert (
-        "row-span kernel reads float32, and bfloat16/float16 only on the fp32-upcast CPU path "
-        "(q is torch.bfloat16)" in note
+        "row-span kernel reads float32, bfloat16/float16 only on the fp32-upcast CPU path and "
+        "bfloat16 on the native one (q is torch.bfloat16)" in note
     )
     note = attnkit.explain(q, q, q, mask=crossing).notes["blocked"]
     assert "its runs of keys do not move forward along the rows" in note

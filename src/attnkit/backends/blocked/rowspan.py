@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from attnkit.cpu import hardware_flags
 from attnkit.masks import MaskSpec, causal_window, key_holes, local_keys, row_spans, split_alibi
 
 __all__ = [
@@ -104,24 +105,11 @@ def _cpu_reason() -> str | None:
     return None
 
 
-def _cpu_flags() -> frozenset[str]:
-    """The flags /proc/cpuinfo lists (empty off Linux): what the builds may use. Read here, not
-    from :func:`attnkit.cpu.features` (which tests replace), so that a build never uses an
-    instruction the CPU lacks."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
-    except OSError:  # not Linux: build without F16C (bfloat16 needs nothing more than AVX2)
-        pass
-    return frozenset()
-
-
 def _has_f16c() -> bool:
     """Whether the CPU has F16C (float16 <-> float32 conversions): the kernel is built with
-    ``-mf16c`` and reads float16 only then."""
-    return "f16c" in _cpu_flags()
+    ``-mf16c`` and reads float16 only then (not on Linux: without it; bfloat16 needs nothing
+    more than AVX2)."""
+    return "f16c" in hardware_flags()
 
 
 def _compile(name: str, flags: list[str]) -> tuple[Any, str | None, float | None]:
@@ -173,7 +161,7 @@ def build_dot() -> Any:
         if _dot_tried:
             return _dot_module
         _dot_tried = True
-        missing = [f for f in DOT_FLAGS if f not in _cpu_flags()]
+        missing = [f for f in DOT_FLAGS if f not in hardware_flags()]
         if missing:
             _dot_reason = f"this CPU has no {', '.join(missing)}"
             return None
@@ -346,8 +334,8 @@ def plan(
     low = in_dtype and q.dtype in (torch.bfloat16, torch.float16)
     if not (q.dtype == k.dtype == v.dtype and (q.dtype == torch.float32 or low)):
         return p.refuse(
-            f"attnkit's row-span kernel reads float32, and bfloat16/float16 only on the "
-            f"fp32-upcast CPU path (q is {q.dtype}): torch's fused kernel runs"
+            f"attnkit's row-span kernel reads float32, bfloat16/float16 only on the fp32-upcast "
+            f"CPU path and bfloat16 on the native one (q is {q.dtype}): torch's fused kernel runs"
         )
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         return p.refuse("an empty dimension: nothing for the kernel to do")

@@ -167,17 +167,17 @@ static inline __m256 tail_mask(int rem) {  // first rem lanes set, 0<=rem<=8
 }
 
 // 2^x for x <= 0 (clamped at -125), rel. error ~2.4e-7: degree-5 minimax
-// polynomial on [-0.5, 0.5]; 2^n applied by an integer add to the exponent.
+// polynomial on [-0.5, 0.5] (coefficients highest degree first; the 16-lane exp2_ps512 of the
+// bf16 build shares them); 2^n applied by an integer add to the exponent.
+static constexpr float kExp2Poly[6] = {0.0013276472454890609f, 0.009675541892647743f,
+                                       0.05550713092088699f,   0.24022120237350464f,
+                                       0.6931469440460205f,    1.0000001192092896f};
 static inline __m256 exp2_ps(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-125.0f));
   __m256i ni = _mm256_cvtps_epi32(x);  // round to nearest
   __m256 f = _mm256_sub_ps(x, _mm256_cvtepi32_ps(ni));
-  __m256 p = _mm256_set1_ps(0.0013276472454890609f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.009675541892647743f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.05550713092088699f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.24022120237350464f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.6931469440460205f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0000001192092896f));
+  __m256 p = _mm256_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[i]));
   return _mm256_castsi256_ps(
       _mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(ni, 23)));
 }
@@ -624,12 +624,8 @@ static inline __m512 exp2_ps512(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
   const __m512i ni = _mm512_cvtps_epi32(x);  // round to nearest
   const __m512 f = _mm512_sub_ps(x, _mm512_cvtepi32_ps(ni));
-  __m512 p = _mm512_set1_ps(0.0013276472454890609f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.009675541892647743f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05550713092088699f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022120237350464f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931469440460205f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
   return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(ni, 23)));
 }
 static inline float row_max16(const float* s, int64_t a, int64_t b) {
