@@ -2,12 +2,15 @@
 ``"sdpa"``, same weights, one run (issue 11's speed acceptance).
 
     python benchmarks/hf_speed.py [--reps 5] [--length 8192] [--train-length 4096] [--quick]
-                                  [--no-memory] [--json out.json] [--markdown docs/hf.md]
+                                  [--dtype float32|bfloat16] [--no-memory] [--json out.json]
+                                  [--markdown docs/hf.md]
 
 The model is built from a tiny random config, nothing downloaded: ``MistralConfig`` with hidden
 512, 8 query and 2 key/value heads of 64, 2 layers, sliding window 256, intermediate 1792 (Mistral
-7B's 3.5x of hidden), vocabulary 1024, float32. One model is built per implementation, the
-second loading the first's weights.
+7B's 3.5x of hidden), vocabulary 1024, float32 (the issue's; ``--dtype bfloat16`` builds the
+same model in bfloat16, as people run models on CPUs with bf16 instructions: its table goes
+between markers of its own and its verdicts do not judge the issue). One model is built per
+implementation, the second loading the first's weights.
 
 What it measures, in one process, *interleaved* (one call of each implementation in turn, the
 order flipped every round, median of ``--reps`` rounds, after one untimed call of each):
@@ -78,7 +81,19 @@ QUICK_LENGTHS = (1024, 512)
 WARMUP_LENGTH = 256  # the memory processes' warm-up call
 MAX_LENGTH = 131072
 BARS = {"fwd": 4.0, "train": 4.0}
-START, END = "<!-- hf_speed: start -->", "<!-- hf_speed: end -->"
+DTYPES = ("float32", "bfloat16")
+#: how far the two models may differ in each dtype (logits, loss, gradients): float32 rounds
+#: alike; in bfloat16 two correct kernels differ by the dtype's rounding
+AGREE = {"float32": 1e-4, "bfloat16": 0.1}
+
+
+def markers(dtype: str = "float32") -> tuple[str, str]:
+    """The comment lines the markdown report goes between (one pair per dtype)."""
+    tag = "hf_speed" if dtype == "float32" else f"hf_speed {dtype}"
+    return f"<!-- {tag}: start -->", f"<!-- {tag}: end -->"
+
+
+START, END = markers()
 MiB = 1 << 20
 
 
@@ -86,8 +101,8 @@ MiB = 1 << 20
 # the model and the two steps
 
 
-def build(impl: str, max_len: int) -> torch.nn.Module:
-    """The Mistral-like model on ``impl``, float32, weights from seed 0."""
+def build(impl: str, max_len: int, dtype: str = "float32") -> torch.nn.Module:
+    """The Mistral-like model on ``impl`` in ``dtype``, weights from seed 0."""
     import transformers
 
     attnkit.interop.register_hf()
@@ -98,7 +113,7 @@ def build(impl: str, max_len: int) -> torch.nn.Module:
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(config), attn_implementation=impl, dtype=torch.float32
+        copy.deepcopy(config), attn_implementation=impl, dtype=getattr(torch, dtype)
     )
     model.requires_grad_(True)
     return model  # type: ignore[no-any-return]
@@ -195,9 +210,9 @@ def _status(field: str) -> int:
     raise OSError(f"/proc/self/status has no {field}")
 
 
-def memory_case(impl: str, step: str, L: int) -> dict[str, float]:
+def memory_case(impl: str, step: str, L: int, dtype: str = "float32") -> dict[str, float]:
     """Peak resident memory of one call above what the process held before it (MiB)."""
-    model = build(impl, L)
+    model = build(impl, L, dtype)
     ids = input_ids(L)
     STEPS[step](model, input_ids(min(WARMUP_LENGTH, L)))
     model.zero_grad(set_to_none=True)
@@ -208,8 +223,8 @@ def memory_case(impl: str, step: str, L: int) -> dict[str, float]:
     return {"peak_mib": (_status("VmHWM") - before) / MiB, "before_mib": before / MiB}
 
 
-def measure_memory(impl: str, step: str, L: int) -> dict[str, Any]:
-    job = json.dumps({"impl": impl, "step": step, "L": L})
+def measure_memory(impl: str, step: str, L: int, dtype: str = "float32") -> dict[str, Any]:
+    job = json.dumps({"impl": impl, "step": step, "L": L, "dtype": dtype})
     done = subprocess.run(
         [sys.executable, __file__, "--memory-case", job],
         capture_output=True,
@@ -276,19 +291,21 @@ def interleaved(
     return times, inside
 
 
-def run(L_fwd: int, L_train: int, reps: int, memory: bool) -> dict[str, Any]:
+def run(
+    L_fwd: int, L_train: int, reps: int, memory: bool, dtype: str = "float32"
+) -> dict[str, Any]:
     info = machine()
     import transformers
 
     info["transformers"] = transformers.__version__
-    models = {impl: build(impl, max(L_fwd, L_train)) for impl in IMPLS}
+    models = {impl: build(impl, max(L_fwd, L_train), dtype) for impl in IMPLS}
     models["attnkit"].load_state_dict(models["sdpa"].state_dict())
-    models[NONE] = build(NONE, max(L_fwd, L_train))
+    models[NONE] = build(NONE, max(L_fwd, L_train), dtype)
     models[NONE].load_state_dict(models["sdpa"].state_dict())
     lengths = {"fwd": L_fwd, "train": L_train}
     result: dict[str, Any] = {
         "machine": info,
-        "model": dict(MODEL, family="mistral", dtype="float32", batch=1),
+        "model": dict(MODEL, family="mistral", dtype=dtype, batch=1),
         "lengths": lengths,
         "reps": reps,
         "times_ms": {},
@@ -307,12 +324,12 @@ def run(L_fwd: int, L_train: int, reps: int, memory: bool) -> dict[str, Any]:
         theirs = STEPS[step](models["sdpa"], ids)
         checks: dict[str, Any] = {"attnkit_backends": t.backends}
         if step == "fwd":
-            checks["logits_max_abs_diff"] = float((ours - theirs).abs().max())
+            checks["logits_max_abs_diff"] = float((ours.float() - theirs.float()).abs().max())
         else:
-            checks["loss_abs_diff"] = float((ours - theirs).abs())
+            checks["loss_abs_diff"] = float((ours.float() - theirs.float()).abs())
             grads = {n: p.grad for n, p in models["sdpa"].named_parameters()}
             checks["grad_max_abs_diff"] = max(
-                float((p.grad - grads[n]).abs().max())  # type: ignore[operator]
+                float((p.grad.float() - grads[n].float()).abs().max())  # type: ignore[union-attr]
                 for n, p in models["attnkit"].named_parameters()
             )
         result["checks"][step] = checks
@@ -332,7 +349,9 @@ def run(L_fwd: int, L_train: int, reps: int, memory: bool) -> dict[str, Any]:
     del models
     if memory:
         for step, L in lengths.items():
-            result["peak_mib"][step] = {impl: measure_memory(impl, step, L) for impl in IMPLS}
+            result["peak_mib"][step] = {
+                impl: measure_memory(impl, step, L, dtype) for impl in IMPLS
+            }
     info["load_at_end"] = round(os.getloadavg()[0], 2)
     result["verdicts"] = verdicts(result)
     return result
@@ -369,6 +388,20 @@ def _verdict(passed: bool | None) -> str:
     return "-" if passed is None else "PASS" if passed else "FAIL"
 
 
+def agreement(result: dict[str, Any]) -> str:
+    """How the models' differences compare with what the dtype allows (:data:`AGREE`)."""
+    tol = AGREE[result["model"]["dtype"]]
+    c = result["checks"]
+    worst = max(
+        c["fwd"]["logits_max_abs_diff"],
+        c["train"]["loss_abs_diff"],
+        c["train"]["grad_max_abs_diff"],
+    )
+    if worst <= tol:
+        return f": within {tol:g}."
+    return f": **more than {tol:g} apart, so the times compare different computations.**"
+
+
 def report(result: dict[str, Any]) -> str:
     """The markdown report: machine and model lines, the table, the checks and the path."""
     m, md, L = result["machine"], result["model"], result["lengths"]
@@ -382,7 +415,8 @@ def report(result: dict[str, Any]) -> str:
         f"**Model:** Mistral-like, hidden {md['hidden_size']}, {md['num_attention_heads']} query /"
         f" {md['num_key_value_heads']} key-value heads of {md['head_dim']}, "
         f"{md['num_hidden_layers']} layers, sliding window {md['sliding_window']}, intermediate "
-        f"{md['intermediate_size']}, vocabulary {md['vocab_size']}, float32, B=1, random weights "
+        f"{md['intermediate_size']}, vocabulary {md['vocab_size']}, {md['dtype']}, B=1, random "
+        "weights "
         "(the same in both)",
         "",
         "| case | sdpa | attnkit | sdpa / attnkit | bar | verdict |",
@@ -416,6 +450,11 @@ def report(result: dict[str, Any]) -> str:
             f"Lengths {L['fwd']} / {L['train']} are not the issue's {ISSUE_LENGTHS[0]} / "
             f"{ISSUE_LENGTHS[1]}: these verdicts do not judge it.",
         ]
+    if md["dtype"] != "float32":
+        lines += [
+            "",
+            f"The model is {md['dtype']}, not the issue's float32: these verdicts do not judge it.",
+        ]
     none = result.get("no_attention_ms", {})
     if none:
         lines += [
@@ -447,7 +486,7 @@ def report(result: dict[str, Any]) -> str:
         "",
         f"Same model on both: logits max |attnkit - sdpa| {c['fwd']['logits_max_abs_diff']:.2e}"
         f" (forward); loss {c['train']['loss_abs_diff']:.2e}, gradients max "
-        f"{c['train']['grad_max_abs_diff']:.2e} (training step).",
+        f"{c['train']['grad_max_abs_diff']:.2e} (training step)" + agreement(result),
         "",
         "attnkit's path (`attnkit.trace()` backends per layer; `attnkit.explain` on each "
         "layer's call):",
@@ -463,12 +502,14 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_markdown(text: str, path: Path) -> None:
-    """Into ``path`` between the markers (the prose around stays), or as the whole file."""
+def write_markdown(text: str, path: Path, dtype: str = "float32") -> None:
+    """Into ``path`` between the dtype's markers (the prose around stays), or as the whole
+    file."""
+    start, end = markers(dtype)
     old = path.read_text() if path.exists() else ""
-    if START in old and END in old:
-        head, rest = old.split(START, 1)
-        text = head + START + "\n" + text + END + rest.split(END, 1)[1]
+    if start in old and end in old:
+        head, rest = old.split(start, 1)
+        text = head + start + "\n" + text + end + rest.split(end, 1)[1]
     path.write_text(text)
 
 
@@ -507,12 +548,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--train-length", type=_length, help="training-step length (default 4096; quick 512)"
     )
     ap.add_argument("--quick", action="store_true", help="short sequences, 3 rounds (a smoke run)")
+    ap.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="the model's dtype (default float32, the issue's)",
+    )
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     ap.add_argument("--json", type=Path, help="write the measurements here")
     ap.add_argument(
         "--markdown",
         type=Path,
-        help=f"write the report here (between {START} / {END} if the file has them)",
+        help=f"write the report here (between {START} / {END}, or the --dtype's own "
+        "markers, if the file has them)",
     )
     ap.add_argument("--memory-case", help=argparse.SUPPRESS)  # one memory process's job
     args = ap.parse_args(argv)
@@ -521,10 +569,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"{flag} {path}: the directory {path.parent} does not exist")
     if args.markdown is not None and args.markdown.exists():
         text = args.markdown.read_text()
-        if (START in text) != (END in text) or (text and START not in text):
+        start, end = markers(args.dtype)
+        if (start in text) != (end in text) or (text and start not in text):
             ap.error(
-                f"--markdown {args.markdown}: the file exists without the markers {START} and "
-                f"{END} (add them where the table goes)"
+                f"--markdown {args.markdown}: the file exists without the markers {start} and "
+                f"{end} (add them where the table goes)"
             )
     if args.memory_case is None and not sys.platform.startswith("linux") and not args.no_memory:
         ap.error("peak memory reads /proc/self/status (Linux); pass --no-memory elsewhere")
@@ -535,7 +584,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     if args.memory_case is not None:
         job = json.loads(args.memory_case)
-        print(json.dumps(memory_case(job["impl"], job["step"], int(job["L"]))))
+        print(json.dumps(memory_case(job["impl"], job["step"], int(job["L"]), job["dtype"])))
         return
     L_fwd, L_train = QUICK_LENGTHS if args.quick else ISSUE_LENGTHS
     result = run(
@@ -543,6 +592,7 @@ def main(argv: list[str] | None = None) -> None:
         args.train_length or L_train,
         args.reps or (3 if args.quick else 5),
         memory=not args.no_memory,
+        dtype=args.dtype,
     )
     text = report(result)
     print(text, end="")
@@ -550,7 +600,7 @@ def main(argv: list[str] | None = None) -> None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")
     if args.markdown is not None:
-        write_markdown(text, args.markdown)
+        write_markdown(text, args.markdown, args.dtype)
         print(f"wrote {args.markdown}")
 
 

@@ -135,3 +135,40 @@ def test_bad_options_stop_before_any_work(tmp_path: Path, args: list[str], messa
     assert out.stdout == ""
     assert message in out.stderr.splitlines()[-1]
     assert plain.read_text() == "# a page without the markers\n"
+
+
+def test_a_bfloat16_run_says_its_dtype_and_writes_between_its_own_markers(tmp_path: Path) -> None:
+    """Short lengths: on a CPU without bf16 instructions torch's bfloat16 matmuls crawl."""
+    doc = tmp_path / "hf.md"
+    f32 = "<!-- hf_speed: start -->\nthe float32 record\n<!-- hf_speed: end -->\n"
+    bf16 = "<!-- hf_speed bfloat16: start -->\nold\n<!-- hf_speed bfloat16: end -->\n"
+    doc.write_text(f32 + bf16)
+    out = _run(
+        "--dtype", "bfloat16", "--length", "40", "--train-length", "32", "--reps", "1",
+        "--no-memory", "--json", str(tmp_path / "r.json"), "--markdown", str(doc),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert ", bfloat16, B=1, random weights" in out.stdout
+    assert "The model is bfloat16, not the issue's float32: these verdicts do not judge it." in (
+        out.stdout
+    )
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["model"]["dtype"] == "bfloat16"
+    # both models compute the same bfloat16 model: they differ by bf16 rounding only
+    assert result["checks"]["fwd"]["logits_max_abs_diff"] <= 0.1
+    assert result["checks"]["train"]["grad_max_abs_diff"] <= 0.1
+    assert "(training step): within 0.1." in out.stdout
+    text = doc.read_text()
+    assert text.startswith(f32)  # the float32 record stays
+    assert "old" not in text
+    assert "\n<!-- hf_speed bfloat16: start -->\n**Machine:** " in text
+    assert text.endswith("<!-- hf_speed bfloat16: end -->\n")
+
+
+def test_a_markdown_file_without_the_dtypes_markers_is_refused(tmp_path: Path) -> None:
+    doc = tmp_path / "hf.md"
+    doc.write_text("<!-- hf_speed: start -->\nthe float32 record\n<!-- hf_speed: end -->\n")
+    out = _run("--dtype", "bfloat16", "--no-memory", "--markdown", str(doc))
+    assert out.returncode == 2
+    assert "the file exists without the markers <!-- hf_speed bfloat16: start -->" in out.stderr
+    assert doc.read_text().endswith("the float32 record\n<!-- hf_speed: end -->\n")
