@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import torch
 from typer.testing import CliRunner
 
 from attnkit import AttentionInputError, bench
-from attnkit.bench import runner
+from attnkit.bench import runner, worker
 from attnkit.bench.machine import bf16_class, cpu_features, describe_features
 from attnkit.bench.peers import PEERS
 from attnkit.bench.report import acceptance, criteria
@@ -53,6 +54,7 @@ def test_a_tiny_run_end_to_end_writes_table_json_markdown_and_plot(tmp_path: Pat
             assert e.error is None, e.error
             assert e.ms is not None
             assert len(e.times_ms) == 5
+            assert 1 <= e.calls <= 16  # microsecond calls: repeated to fill 50 ms a round
             assert e.gflops == pytest.approx(row.flops / (e.ms / 1e3) / 1e9)
             assert row.gemm_gflops is not None  # timed in the same rounds as the peers
             assert e.gemm_fraction == pytest.approx(e.gflops / row.gemm_gflops)
@@ -70,6 +72,8 @@ def test_a_tiny_run_end_to_end_writes_table_json_markdown_and_plot(tmp_path: Pat
     data = json.loads((tmp_path / "b.json").read_text())
     assert data["gemm_gflops"] == 50.0
     assert data["reps"] == 5
+    assert data["min_call_ms"] == 50.0
+    assert all(e["calls"] >= 1 for e in data["rows"][0]["entries"] if e["ms"] is not None)
     assert data["machine"]["threads"] == torch.get_num_threads()
     assert {e["peer"] for e in data["rows"][1]["entries"]} == {"sdpa", "attnkit", "flex"}
     kept = tmp_path / "kept.md"
@@ -464,6 +468,11 @@ BAD_OPTIONS: list[tuple[list[str], list[str]]] = [
     ),
     (["--gemm-size", "100000"], ["--gemm-size 100000 is not a GEMM size"]),
     (["--cap-gib", "-1"], ["--cap-gib must be a positive number of GiB, got -1.0"]),
+    (
+        ["--min-call-ms", "-5"],
+        ["--min-call-ms -5.0 is not a time per round: 0 (one call per round) or up to 10000 ms"],
+    ),
+    (["--min-call-ms", "inf"], ["--min-call-ms inf is not a time per round"]),
     (["--cap-gib", "nan"], ["--cap-gib must be a positive number of GiB, got nan"]),
     (["--quick", "--full"], ["--quick picks its own rows", "cannot go with --full"]),
     (["--quick", "-w", "window"], ["--quick picks its own rows", "cannot go with -w/--workload"]),
@@ -527,6 +536,7 @@ def test_the_library_refuses_the_same_options(monkeypatch: pytest.MonkeyPatch) -
         (lambda: bench.run(row, gemm_n=-1), "--gemm-size -1 is not a GEMM size"),
         (lambda: bench.run(row, cap_gib=0.0), "--cap-gib must be a positive number"),
         (lambda: bench.run(row, reps=0), "--reps must be a positive int"),
+        (lambda: bench.run(row, min_call_ms=1e9), "--min-call-ms 1000000000.0 is not a time"),
     ]
     for call, message in cases:
         with pytest.raises(AttentionInputError, match=re.escape(message)):
@@ -551,3 +561,45 @@ def test_help_time_estimates_agree_with_the_docs() -> None:
     assert options["quick"].startswith("a smoke run of about a minute")
     assert "with every peer (hours)" in docs
     assert options["full"].endswith("(hours)")
+
+
+class _Sleeper:
+    """A peer whose call sleeps a fixed time and counts its calls."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.count = seconds, 0
+
+    def setup(self, wl: object, inputs: Inputs) -> Callable[[], torch.Tensor]:
+        def call() -> torch.Tensor:
+            self.count += 1
+            time.sleep(self.seconds)
+            return inputs.q
+
+        return call
+
+
+@pytest.mark.parametrize("min_call_ms", [20.0, 0.0])
+def test_a_fast_call_is_repeated_within_its_round_and_the_round_takes_the_mean(
+    monkeypatch: pytest.MonkeyPatch, min_call_ms: float
+) -> None:
+    fast, slow = _Sleeper(0.002), _Sleeper(0.03)
+    monkeypatch.setitem(worker.PEERS, "fast", fast)
+    monkeypatch.setitem(worker.PEERS, "slow", slow)
+    job = {
+        "kind": "time", "workload": "dense", "L": 16, "dtype": "float32", "backward": False,
+        "peers": ["fast", "slow"], "reps": 3, "gemm_n": 0, "min_call_ms": min_call_ms,
+    }  # fmt: skip
+    got = worker.run_job(job)["peers"]
+    assert got["slow"]["calls"] == 1  # 30 ms: one call a round
+    calls = got["fast"]["calls"]
+    if min_call_ms:
+        assert 2 <= calls <= 10  # ceil(20 ms / the probe's time), a sleep of 2 ms or more
+    else:
+        assert calls == 1
+    # the first call and the probe, untimed, then 3 rounds of `calls` each
+    assert fast.count == 2 + 3 * calls
+    assert slow.count == 2 + 3
+    for name, peer in (("fast", fast), ("slow", slow)):
+        times = got[name]["times"]
+        assert len(times) == 3  # one time a round: the mean of its calls
+        assert all(peer.seconds <= t < peer.seconds + 0.5 for t in times)

@@ -90,6 +90,7 @@ MODES = ["fwd", "fwd+bwd"]
 MAX_LENGTH = 4 * FULL_LENGTHS[-1]
 #: the largest n of the n x n GEMM timed beside the peers (its three matrices take 3 GiB)
 MAX_GEMM = 16384
+MAX_MIN_CALL_MS = 10_000.0  # --min-call-ms at most (10 s of calls per peer and round)
 
 
 def _option_error(
@@ -142,6 +143,7 @@ def check_options(
     reps: int = 5,
     cap_gib: float = 12.0,
     gemm_n: int = 4096,
+    min_call_ms: float = 50.0,
     where: str = "attnkit.bench.run",
 ) -> None:
     """Refuse the options of :func:`run` that it cannot use (before it measures anything).
@@ -177,6 +179,17 @@ def check_options(
             f"--gemm-size {gemm_n}",
             f"an int from 0 to {MAX_GEMM}",
             "pass --gemm-size 4096 (the default), or 0 for none",
+        )
+    ok = isinstance(min_call_ms, (int, float)) and not isinstance(min_call_ms, bool)
+    if not (ok and math.isfinite(min_call_ms) and 0 <= min_call_ms <= MAX_MIN_CALL_MS):
+        raise _option_error(
+            where,
+            "--min-call-ms",
+            f"{min_call_ms!r} is not a time per round: 0 (one call per round) or up to "
+            f"{MAX_MIN_CALL_MS:g} ms.",
+            f"--min-call-ms {min_call_ms}",
+            f"a number of ms from 0 to {MAX_MIN_CALL_MS:g}",
+            "pass --min-call-ms 50 (the default), or 0 for one call per round",
         )
 
 

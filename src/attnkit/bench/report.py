@@ -229,6 +229,12 @@ def machine_line(result: BenchResult) -> str:
         f"{m.get('memory_gib')} GiB; torch {m.get('torch')} with {m.get('threads')} threads; "
         f"fp32 GEMM {result.gemm_gflops:.1f} GFLOP/s; load {m.get('load_at_start')} -> "
         f"{m.get('load_at_end')}; {m.get('date')}; median of {result.reps} interleaved calls"
+        + (
+            f" (a call under {result.min_call_ms:g} ms: the mean of as many back-to-back calls "
+            "as fill that, per round)"
+            if result.min_call_ms
+            else ""
+        )
     )
 
 

@@ -66,6 +66,8 @@ class Entry:
     gemm_fraction: float | None = None
     peak_mib: float | None = None
     first_call_s: float | None = None
+    #: calls per round, back to back, whose mean is the round's time (> 1: a fast call)
+    calls: int = 1
     x_best_peer: float | None = None  #: time over the best non-attnkit peer's (< 1: faster)
     skipped: str | None = None
     error: str | None = None
@@ -99,6 +101,8 @@ class BenchResult:
     rows: list[Row]
     reps: int
     seconds: float = 0.0
+    #: a call faster than this was repeated within its round (see attnkit.bench.worker)
+    min_call_ms: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         from attnkit.bench.report import acceptance
@@ -107,6 +111,7 @@ class BenchResult:
             "machine": self.machine,
             "gemm_gflops": self.gemm_gflops,
             "reps": self.reps,
+            "min_call_ms": self.min_call_ms,
             "seconds": self.seconds,
             "rows": [asdict(r) | {"label": r.label} for r in self.rows],
             "acceptance": [asdict(c) for c in acceptance(self)],
@@ -151,6 +156,7 @@ def run(
     progress: Callable[[str, int, int], None] | None = None,
     gemm: float | None = None,
     gemm_n: int = 4096,
+    min_call_ms: float = 50.0,
 ) -> BenchResult:
     """Run the benchmark and return what it measured.
 
@@ -168,6 +174,9 @@ def run(
         gemm: the GEMM throughput to use (GFLOP/s) instead of measuring it first.
         gemm_n: size of the GEMM timed in every round of every row, side by side with the
             peers (0: none; the fractions then use the throughput measured first).
+        min_call_ms: a peer whose warm call is faster is called several times back to back in
+            each round (up to this many ms, at most 16 calls) and the round takes their mean;
+            0: one call per round.
 
     Every row and option is checked first (:func:`check_rows`, :func:`check_options`): a bad
     one raises :class:`~attnkit.AttentionInputError` before anything is measured.
@@ -180,7 +189,7 @@ def run(
     start = time.perf_counter()
     chosen = list(rows) if rows is not None else DEFAULT_ROWS
     check_rows(chosen, "attnkit.bench.run")
-    check_options(peers=peers, reps=reps, cap_gib=cap_gib, gemm_n=gemm_n)
+    check_options(peers=peers, reps=reps, cap_gib=cap_gib, gemm_n=gemm_n, min_call_ms=min_call_ms)
     cap = cap_gib * GiB
     info = machine()
     plans: list[tuple[Row, list[str]]] = []
@@ -218,12 +227,26 @@ def run(
         tick(f"{row.label}: timing {len(todo)} peers")
         timed: dict[str, Any] = {}
         if todo:
-            timed = _worker({**job, "kind": "time", "peers": todo, "gemm_n": gemm_n}, timeout)
+            timed = _worker(
+                {
+                    **job,
+                    "kind": "time",
+                    "peers": todo,
+                    "gemm_n": gemm_n,
+                    "min_call_ms": min_call_ms,
+                },
+                timeout,
+            )
         if timed.get("gemm_gflops"):
             row.gemm_gflops = statistics.median(timed["gemm_gflops"])
         for name in todo:
             got = timed.get("peers", {}).get(name, {"error": timed.get("error", "no result")})
-            e = Entry(name, error=got.get("error"), first_call_s=got.get("first_call_s"))
+            e = Entry(
+                name,
+                error=got.get("error"),
+                first_call_s=got.get("first_call_s"),
+                calls=got.get("calls", 1),
+            )
             if got.get("times"):
                 e.times_ms = [t * 1e3 for t in got["times"]]
                 e.ms = statistics.median(e.times_ms)
@@ -243,4 +266,5 @@ def run(
     if progress:
         progress("done", total, total)
     info["load_at_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
-    return BenchResult(info, gemm_gflops, [r for r, _ in plans], reps, time.perf_counter() - start)
+    rows_done = [r for r, _ in plans]
+    return BenchResult(info, gemm_gflops, rows_done, reps, time.perf_counter() - start, min_call_ms)

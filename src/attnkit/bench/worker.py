@@ -1,13 +1,16 @@
 """One job of ``attnkit bench``, run in a fresh process: ``python -m attnkit.bench.worker JOB``.
 
 ``JOB`` is JSON: ``{"kind": "time" | "memory", "workload", "L", "dtype", "backward", "peers",
-"reps"}``; the result is one line of JSON on stdout.
+"reps", "gemm_n", "min_call_ms"}``; the result is one line of JSON on stdout.
 
 * ``time``: every peer of one row in one process, timed *interleaved* (one call of each peer in
   turn, ``reps`` rounds) so that the noise of a shared machine hits all of them alike; each
   round also times one fp32 GEMM (``gemm_n``), so that the fraction of GEMM throughput a peer
   reaches is measured side by side too. The first call of each peer (flex compiles there) is
-  timed apart and not counted.
+  timed apart and not counted. A peer whose warm call takes less than ``min_call_ms`` is called
+  ``calls`` times back to back in each round (enough to fill ``min_call_ms``, at most
+  :data:`MAX_CALLS`) and the round records their mean: a few-millisecond call is otherwise at
+  the mercy of one time slice lost to another job.
 * ``memory``: one peer in a process of its own: peak resident memory during one call above what
   the inputs take (``VmHWM`` from ``/proc/self/status``). A peer that compiles (flex) runs once
   first; the peak is then reset (``/proc/self/clear_refs``), so the compile is not counted.
@@ -18,6 +21,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -32,6 +36,8 @@ from attnkit.bench.workloads import Inputs, get_workload
 __all__ = ["main", "run_job"]
 
 MiB = 1 << 20
+MAX_CALLS = 16  # calls per round of a fast peer, at most
+PROBE_S = 1.0  # a peer whose untimed call took longer is not probed again: one call per round
 
 
 def _status(field: str) -> int | None:
@@ -102,14 +108,22 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     inputs = wl.inputs(L, dtype, grad=backward)
     fns: dict[str, Callable[[], torch.Tensor]] = {}
     result: dict[str, Any] = {}
+    min_call = float(job.get("min_call_ms", 0.0)) / 1e3
+    calls: dict[str, int] = {}
     for name in job["peers"]:
         try:
             fns[name] = PEERS[name].setup(wl, inputs)
+            params = _params(fns[name])
             t0 = time.perf_counter()
-            _step(fns[name], inputs, backward, _params(fns[name]))
-            result[name] = {"first_call_s": time.perf_counter() - t0, "times": []}
-            if name in ("flex", "attnkit-flex"):  # the first call compiled: warm up once more
-                _step(fns[name], inputs, backward, _params(fns[name]))
+            _step(fns[name], inputs, backward, params)
+            first = time.perf_counter() - t0
+            result[name] = {"first_call_s": first, "times": []}
+            if first < PROBE_S or name in ("flex", "attnkit-flex"):  # flex compiled: warm up
+                t0 = time.perf_counter()
+                _step(fns[name], inputs, backward, params)
+                first = time.perf_counter() - t0
+            calls[name] = 1 if first >= min_call else min(MAX_CALLS, math.ceil(min_call / first))
+            result[name]["calls"] = calls[name]
         except Exception as e:  # a peer that breaks is reported, the others still run
             fns.pop(name, None)
             result[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
@@ -125,8 +139,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         for name, fn in fns.items():
             params = _params(fn)
             t0 = time.perf_counter()
-            _step(fn, inputs, backward, params)
-            result[name]["times"].append(time.perf_counter() - t0)
+            for _ in range(calls[name]):
+                _step(fn, inputs, backward, params)
+            result[name]["times"].append((time.perf_counter() - t0) / calls[name])
     return {"peers": result, "gemm_gflops": gemm}
 
 

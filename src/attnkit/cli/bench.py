@@ -128,6 +128,13 @@ def bench(
         int,
         typer.Option(help="n of the n x n fp32 GEMM timed in every round (0: none; <= 16384)"),
     ] = 4096,
+    min_call_ms: Annotated[
+        float,
+        typer.Option(
+            help="a peer's call faster than this is repeated within each round to fill it, and "
+            "the round takes the mean (at most 16 calls; 0: one call per round)"
+        ),
+    ] = 50.0,
     json_out: Annotated[Path | None, typer.Option("--json", help="write JSON here")] = None,
     markdown: Annotated[Path | None, typer.Option(help="write a markdown report here")] = None,
     plot: Annotated[Path | None, typer.Option(help="write a PNG plot here (.png)")] = None,
@@ -145,7 +152,8 @@ def bench(
     With no options: the rows of both groups (acceptance: dense/causal 4k, sliding window 16k
     forward and backward, 8 documents 16k, key padding 8k, and a few more; issue14: equal
     documents 16k, grouped-query 32/8 window 16k forward and backward, bfloat16 against
-    attnkit's float32 and SDPA), about 21 minutes on a quiet 2-core machine (docs/benchmarks.md).
+    attnkit's float32 and SDPA), about 17 to 21 minutes on a quiet 2-core machine
+    (docs/benchmarks.md).
     """
     if device != "cpu":  # the CUDA bench: attnkit.bench.cuda
         from attnkit.bench import cuda_options as cuda
@@ -178,7 +186,12 @@ def bench(
     _check_reps(reps)
     peers = peer or (list(PEERS) if full else QUICK_PEERS if quick else None)
     api.check_options(
-        peers=peers, reps=reps, cap_gib=cap_gib, gemm_n=gemm_size, where="attnkit bench"
+        peers=peers,
+        reps=reps,
+        cap_gib=cap_gib,
+        gemm_n=gemm_size,
+        min_call_ms=min_call_ms,
+        where="attnkit bench",
     )
     _check_outputs({"--json": json_out, "--markdown": markdown, "--plot": plot})
 
@@ -204,6 +217,7 @@ def bench(
             cap_gib=cap_gib,
             progress=progress,
             gemm_n=gemm_size,
+            min_call_ms=min_call_ms,
         )
     api.print_table(result)
     if json_out is not None:
