@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from attnkit import masks
 from attnkit.masks import MaskSpec
 
-__all__ = ["Sizes", "atoms", "qkv", "span_specs", "specs"]
+__all__ = ["LAYOUTS", "Sizes", "atoms", "laid_out", "layout", "qkv", "span_specs", "specs"]
 
 
 def _lengths(draw: st.DrawFn, B: int, n: int) -> torch.Tensor:
@@ -134,7 +134,7 @@ def qkv(
     draw: st.DrawFn, sizes: Sizes, dtype: torch.dtype = torch.float64
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q (B, H, L, Dk), k (B, Hkv, S, Dk), v (B, Hkv, S, Dv): float64 normals cast to ``dtype``,
-    so that every dtype sees the same values."""
+    so that every dtype sees the same values, each in a drawn memory layout (:func:`layout`)."""
     B = draw(st.sampled_from(sizes.batch))
     Hkv = draw(st.sampled_from(sizes.kv_heads))
     H = Hkv * draw(st.sampled_from(sizes.groups))
@@ -146,4 +146,33 @@ def qkv(
     q = torch.randn(B, H, L, Dk, generator=g, dtype=torch.float64).to(dtype)
     k = torch.randn(B, Hkv, S, Dk, generator=g, dtype=torch.float64).to(dtype)
     v = torch.randn(B, Hkv, S, Dv, generator=g, dtype=torch.float64).to(dtype)
-    return q, k, v
+    return draw(layout(q)), draw(layout(k)), draw(layout(v))
+
+
+#: memory layouts of the same values (``laid_out``); contiguous is drawn twice as often
+LAYOUTS = ("contiguous", "contiguous", "heads-second", "strided", "transposed")
+
+
+def laid_out(t: torch.Tensor, kind: str) -> torch.Tensor:
+    """``t`` (B, H, N, D) with the same values in another memory layout:
+
+    * ``heads-second``: (B, N, H, D) in memory, as projections produce it (nn.MultiheadAttention,
+      Hugging Face models) before ``.transpose(1, 2)``;
+    * ``strided``: every other element of a row twice as wide, ``x[..., ::2]`` (last-dim stride 2);
+    * ``transposed``: (B, H, D, N) in memory, ``kt.transpose(-1, -2)`` of a K^T cache.
+    """
+    if kind == "heads-second":
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    if kind == "strided":
+        wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+        wide[..., ::2] = t
+        return wide[..., ::2]
+    if kind == "transposed":
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    return t
+
+
+@st.composite
+def layout(draw: st.DrawFn, t: torch.Tensor) -> torch.Tensor:
+    """``t`` in a drawn memory layout (:data:`LAYOUTS`): every backend must read strides."""
+    return laid_out(t, draw(st.sampled_from(LAYOUTS)))

@@ -114,8 +114,10 @@ def cases(draw: st.DrawFn, dtype: torch.dtype) -> tuple[Any, ...]:
     B, L, S = q.shape[0], q.shape[2], k.shape[2]
     spec = draw(st.one_of(st.none(), specs(B, L, S)))
     backend = draw(st.sampled_from(["auto", "blocked", "sdpa", "math"]))
-    if backend == "sdpa" and q.shape[-1] != v.shape[-1]:
-        backend = "blocked"  # sdpa refuses Dv != Dk (tested with its rules)
+    if backend == "sdpa" and (
+        q.shape[-1] != v.shape[-1] or any(t.stride(-1) != 1 for t in (q, k, v))
+    ):
+        backend = "blocked"  # sdpa refuses Dv != Dk and strided rows (tested with its rules)
     return q, k, v, spec, backend
 
 

@@ -257,12 +257,15 @@ class MaskSpec:
         return _Not(self)
 
     def __str__(self) -> str:
-        n = 8
-        dense = self.to_dense(n, n)[0, 0]
+        """The spec's repr and a drawing of its first 8 x 8 pairs, at L = S = 8 or, for a
+        spec built from a tensor of one entry per key, at L = S = that length."""
+        n = 8 if self.length is None else self.length
+        dense = self.to_dense(n, n)[0, 0, :8, :8]
         if dense.is_floating_point():
             dense = dense > float("-inf")
         rows = [" ".join("1" if x else "." for x in row) for row in dense.tolist()]
-        return "\n".join([f"{self!r}, drawn for L = S = {n} (1 = may attend):", *rows])
+        where = f"L = S = {n}" + ("" if n <= 8 else ", its first 8 x 8 pairs")
+        return "\n".join([f"{self!r}, drawn for {where} (1 = may attend):", *rows])
 
 
 def block_states(

@@ -47,6 +47,13 @@ def fused(q: torch.Tensor, v: torch.Tensor) -> bool:
     )
 
 
+def unit_rows(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each tensor with a last dim of stride 1 (a copy only where it has another: a view like
+    ``x[..., ::2]`` or ``kt.transpose(-1, -2)``). The tiles are ``as_strided`` views of q, k and
+    v, and torch's fused CPU kernel reads a tile's rows as contiguous memory."""
+    return tuple(t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous() for t in ts)
+
+
 def _mm_scores(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -278,6 +285,7 @@ def forward(
     B, H, L, _Dk = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]
     acc = acc_dtype(q.dtype)
+    q, k, v = unit_rows(q, k, v)
     if (
         len(plan.calls) == 1
         and plan.calls[0].R == L
@@ -339,7 +347,8 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (accumulation dtype) of ``plan`` from what the forward saved, ``(q, k, v,
     out, lse)`` with the *final* out and lse, and the output gradient ``dout``."""
-    q, k, v, out, lse = saved
+    q, k, v, out = unit_rows(*saved[:4])
+    lse = saved[4]
     B, H, L, Dk = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     acc = acc_dtype(q.dtype)
