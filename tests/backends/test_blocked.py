@@ -413,6 +413,52 @@ def test_plans_follow_in_place_changes_of_spec_tensors() -> None:
     assert _err(first, second) > 1e-3
 
 
+@pytest.mark.parametrize("write", ["through .data", "through numpy"])
+@pytest.mark.parametrize("kind", ["padding", "key_mask", "document"])
+def test_plans_follow_writes_that_bypass_the_version_counter(kind: str, write: str) -> None:
+    """A spec tensor written without torch seeing it (``.data``, a NumPy array sharing its
+    memory) bumps no version; the cached runs and tile plans must still not be reused."""
+    blocked.clear_plans()
+    g = torch.Generator().manual_seed(3)
+    L = 96
+    values = {
+        "padding": torch.tensor([80, 50]),
+        "key_mask": torch.rand(2, L, generator=g) < 0.6,
+        "document": torch.tensor([0] * 40 + [1] * 56),
+    }[kind]
+    spec = {"padding": masks.padding, "key_mask": masks.key_mask, "document": masks.document}[kind](
+        values
+    )
+    q = torch.randn(2, 2, L, 8, dtype=torch.float64, generator=g)
+    attnkit.attention(q, q, q, mask=spec, backend="blocked")  # plans cached for the old values
+    new = {
+        "padding": torch.tensor([20, 90]),
+        "key_mask": torch.rand(2, L, generator=g) < 0.6,
+        "document": torch.tensor([0] * 10 + [1] * 86),
+    }[kind]
+    if write == "through .data":
+        values.data.copy_(new)
+    else:
+        values.numpy()[...] = new.numpy()
+    assert torch.equal(values, new)
+    out = attnkit.attention(q, q, q, mask=spec, backend="blocked")
+    expected = reference_attention(q, q, q, mask=spec.to_dense(L, L))[0]
+    assert _err(out, expected) <= 1e-12
+
+
+def test_a_tensor_key_sees_values_identity_and_version() -> None:
+    t = torch.tensor([3, 5])
+    key = masks.tensor_key(t)
+    assert masks.tensor_key(t) == key
+    assert masks.tensor_key(torch.tensor([3, 5])) != key  # another tensor: plans read their own
+    t.data[0] = 4
+    assert masks.tensor_key(t) != key  # no version bump, other values
+    t.data[0] = 3
+    assert masks.tensor_key(t) == key  # the values the entry was made with, in the same tensor
+    t[0] = 3
+    assert masks.tensor_key(t) != key  # an edit through torch: a new version
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
