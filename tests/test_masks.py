@@ -161,6 +161,8 @@ def test_spec_for_another_batch_size_is_refused() -> None:
         (lambda: masks.key_mask(torch.ones(3)), "bool \\(B, S\\)"),
         (lambda: masks.prefix_lm(-1), "prefix_lm"),
         (lambda: masks.causal() & torch.ones(2), "combine with mask specs"),
+        (lambda: torch.ones(2, 2, dtype=torch.bool) & masks.causal(), "got:      Tensor & spec"),
+        (lambda: torch.ones(2, 2, dtype=torch.bool) | masks.causal(), "got:      Tensor | spec"),
         (
             lambda: masks.padding(torch.tensor([1, 2])) & masks.padding(torch.tensor([1])),
             "different batch sizes",
@@ -203,3 +205,35 @@ def test_as_spec_merging_causal_into_a_tensor_needs_the_lengths() -> None:
     merged = masks.as_spec(torch.ones(2, 4, dtype=torch.bool), True, L=2, S=4)
     assert isinstance(merged, masks.DenseMask)
     assert torch.equal(merged.tensor, masks.causal_mask(2, 4))
+
+
+@pytest.mark.parametrize("backend", ["auto", *attnkit.available_backends()])
+@pytest.mark.parametrize("kind", ["document", "key_mask", "padding"])
+def test_a_spec_over_no_keys_gives_zeros_on_every_backend(kind: str, backend: str) -> None:
+    """S = 0: every row sees nothing, so the output is 0 (never an IndexError)."""
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 0, 8)
+    spec = {
+        "document": masks.document(torch.zeros(0, dtype=torch.long)),
+        "key_mask": masks.key_mask(torch.zeros(1, 0, dtype=torch.bool)),
+        "padding": masks.padding(torch.tensor([0])),
+    }[kind]
+    if backend == "flex":  # one block: flex refuses to compile a kernel with nothing to skip
+        with pytest.raises(attnkit.AttentionInputError, match="flex has nothing to skip"):
+            attnkit.attention(q, k, k, mask=spec, backend=backend)
+        return
+    out = attnkit.attention(q, k, k, mask=spec, backend=backend)
+    assert out.shape == (1, 2, 4, 8)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert spec.to_dense(4, 0).shape == (1, 1, 4, 0)
+
+
+def test_str_of_a_spec_built_for_its_own_length_draws_it() -> None:
+    text = str(masks.document(torch.arange(40) % 3))
+    lines = text.splitlines()
+    assert lines[0] == (
+        "document(<ids (1, 40)>), drawn for L = S = 40, its first 8 x 8 pairs (1 = may attend):"
+    )
+    assert lines[1:3] == ["1 . . 1 . . 1 .", ". 1 . . 1 . . 1"]
+    assert len(lines) == 9
+    short = str(masks.document(torch.tensor([0, 0, 1]))).splitlines()
+    assert short[1:] == ["1 1 .", "1 1 .", ". . 1"]

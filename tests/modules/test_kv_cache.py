@@ -153,6 +153,26 @@ def test_ragged_batch_decoding_equals_each_sequence_alone() -> None:
             torch.testing.assert_close(got, alone[0, n:], atol=ATOL, rtol=0)
 
 
+def test_a_key_mask_for_every_sequence_broadcasts_over_a_ragged_cache() -> None:
+    """A (1, 1, 1, S) bool mask applies to every sequence, as the same mask expanded to
+    (B, 1, 1, S) does, also after ``truncate`` made the cache's lengths differ."""
+    torch.manual_seed(6)
+    mha = attnkit.MultiHeadAttention(16, 2, causal=True).eval()
+    x0, x = torch.randn(2, 5, 16), torch.randn(2, 1, 16)
+    keep = torch.zeros(1, 1, 1, 6, dtype=torch.bool)
+    keep[..., :2] = True
+    outs = []
+    for mask in (keep, keep.expand(2, 1, 1, 6).clone()):
+        cache = KVCache(2, 2, max_len=8, head_dim=8)
+        with torch.no_grad():
+            mha(x0, kv_cache=cache)
+            cache.truncate(torch.tensor([3, 5]))
+            outs.append(mha(x, kv_cache=cache, mask=mask).output)
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+    alone = torch.cat([outs[0][0], outs[0][1]])
+    assert not torch.equal(alone[0], alone[1])  # two sequences, two answers
+
+
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_rope_gqa_attention_with_cache_equals_full(layout: str) -> None:
     torch.manual_seed(4)

@@ -120,6 +120,8 @@ def _check_not_negative(call: str, argument: str, t: torch.Tensor, meaning: str)
 
 
 def _bool_at(table: torch.Tensor, b: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    if table.shape[-1] == 0:  # no keys (S = 0): nothing to look up, and nothing allowed
+        return (b + idx).new_zeros((), dtype=torch.bool).expand((b + idx).shape)
     return table[b, idx.clamp(0, table.shape[-1] - 1)]
 
 

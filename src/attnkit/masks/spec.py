@@ -272,6 +272,12 @@ class MaskSpec:
     def __or__(self, other: MaskSpec) -> MaskSpec:
         return _Or(self, _spec(other, "|"))
 
+    def __rand__(self, other: object) -> MaskSpec:  # tensor & spec: torch hands it over
+        return _And(_spec(other, "&", left=True), self)
+
+    def __ror__(self, other: object) -> MaskSpec:
+        return _Or(_spec(other, "|", left=True), self)
+
     def __invert__(self) -> MaskSpec:
         return _Not(self)
 
@@ -325,13 +331,15 @@ def block_states(
     return state.to(torch.uint8)
 
 
-def _spec(x: object, op: str) -> MaskSpec:
+def _spec(x: object, op: str, left: bool = False) -> MaskSpec:
+    """``x`` if it is a spec; else the error (``left``: ``x`` stood on the left of ``op``)."""
     if not isinstance(x, MaskSpec):
+        name = type(x).__name__
         spec_error(
             op,
             "other",
-            f"mask specs combine with mask specs, not with a {type(x).__name__}.",
-            got=f"spec {op} {type(x).__name__}",
+            f"mask specs combine with mask specs, not with a {name}.",
+            got=f"{name} {op} spec" if left else f"spec {op} {name}",
             expected="a spec from attnkit.masks on both sides",
             fix="wrap a mask tensor with attnkit.masks.as_spec(tensor) first",
         )

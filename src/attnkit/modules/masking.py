@@ -82,7 +82,10 @@ def _spec_and_tensor(
     spec: MaskSpec, t: torch.Tensor, L: int, S: int, dtype: torch.dtype
 ) -> Mask | None:
     if t.dtype == torch.bool and t.dim() == 4 and t.shape[1:3] == (1, 1):
-        return spec & key_mask(t[:, 0, 0, :])  # (B, 1, 1, S) -> a spec of (B, S)
+        # (B or 1, 1, 1, S) -> a spec of (B, S): a mask for every sequence is broadcast to the
+        # batch first, as a dense mask would be (the spec and the cache's rules are per B)
+        B = spec.batch or t.shape[0]
+        return spec & key_mask(t[:, 0, 0, :].expand(B, S))
     return combine(spec.to_dense(L, S, device=t.device, dtype=dtype), t, L, S, dtype)
 
 
