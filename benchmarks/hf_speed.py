@@ -2,15 +2,18 @@
 ``"sdpa"``, same weights, one run (issue 11's speed acceptance).
 
     python benchmarks/hf_speed.py [--reps 5] [--length 8192] [--train-length 4096] [--quick]
-                                  [--dtype float32|bfloat16] [--no-memory] [--json out.json]
-                                  [--markdown docs/hf.md]
+                                  [--dtype float32|bfloat16] [--intermediate 1792] [--no-memory]
+                                  [--json out.json] [--markdown docs/hf.md]
 
 The model is built from a tiny random config, nothing downloaded: ``MistralConfig`` with hidden
 512, 8 query and 2 key/value heads of 64, 2 layers, sliding window 256, intermediate 1792 (Mistral
 7B's 3.5x of hidden), vocabulary 1024, float32 (the issue's; ``--dtype bfloat16`` builds the
 same model in bfloat16, as people run models on CPUs with bf16 instructions: its table goes
 between markers of its own and its verdicts do not judge the issue). One model is built per
-implementation, the second loading the first's weights.
+implementation, the second loading the first's weights. ``--intermediate`` sets the MLP's
+width (the issue does not fix it; the MLP's share of the time bounds what any attention can
+gain, see the ceiling below); a width other than 1792 prints a line saying the verdicts do not
+judge the issue.
 
 What it measures, in one process, *interleaved* (one call of each implementation in turn, the
 order flipped every round, median of ``--reps`` rounds, after one untimed call of each):
@@ -77,6 +80,7 @@ MODEL = {
     "sliding_window": 256,
 }
 ISSUE_LENGTHS = (8192, 4096)  # forward, training step
+ISSUE_INTERMEDIATE = MODEL["intermediate_size"]
 QUICK_LENGTHS = (1024, 512)
 WARMUP_LENGTH = 256  # the memory processes' warm-up call
 MAX_LENGTH = 131072
@@ -87,9 +91,13 @@ DTYPES = ("float32", "bfloat16")
 AGREE = {"float32": 1e-4, "bfloat16": 0.1}
 
 
-def markers(dtype: str = "float32") -> tuple[str, str]:
-    """The comment lines the markdown report goes between (one pair per dtype)."""
-    tag = "hf_speed" if dtype == "float32" else f"hf_speed {dtype}"
+def markers(dtype: str = "float32", intermediate: int | None = None) -> tuple[str, str]:
+    """The comment lines the markdown report goes between: one pair per dtype and MLP width
+    (``<!-- hf_speed: start -->`` for the issue's model, ``<!-- hf_speed bfloat16 intermediate
+    1: start -->`` for others)."""
+    tag = "hf_speed" + ("" if dtype == "float32" else f" {dtype}")
+    if intermediate is not None and intermediate != MODEL["intermediate_size"]:
+        tag += f" intermediate {intermediate}"
     return f"<!-- {tag}: start -->", f"<!-- {tag}: end -->"
 
 
@@ -101,15 +109,20 @@ MiB = 1 << 20
 # the model and the two steps
 
 
-def build(impl: str, max_len: int, dtype: str = "float32") -> torch.nn.Module:
-    """The Mistral-like model on ``impl`` in ``dtype``, weights from seed 0."""
+def build(
+    impl: str, max_len: int, dtype: str = "float32", intermediate: int = ISSUE_INTERMEDIATE
+) -> torch.nn.Module:
+    """The Mistral-like model on ``impl`` in ``dtype`` (MLP ``intermediate`` wide), weights
+    from seed 0."""
     import transformers
 
     attnkit.interop.register_hf()
     if impl == NONE:
         _register_none()
     config = transformers.MistralConfig(
-        **MODEL, max_position_embeddings=max(max_len, 4096), use_cache=False
+        **(MODEL | {"intermediate_size": intermediate}),
+        max_position_embeddings=max(max_len, 4096),
+        use_cache=False,
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
@@ -210,9 +223,11 @@ def _status(field: str) -> int:
     raise OSError(f"/proc/self/status has no {field}")
 
 
-def memory_case(impl: str, step: str, L: int, dtype: str = "float32") -> dict[str, float]:
+def memory_case(
+    impl: str, step: str, L: int, dtype: str = "float32", intermediate: int = ISSUE_INTERMEDIATE
+) -> dict[str, float]:
     """Peak resident memory of one call above what the process held before it (MiB)."""
-    model = build(impl, L, dtype)
+    model = build(impl, L, dtype, intermediate)
     ids = input_ids(L)
     STEPS[step](model, input_ids(min(WARMUP_LENGTH, L)))
     model.zero_grad(set_to_none=True)
@@ -223,8 +238,12 @@ def memory_case(impl: str, step: str, L: int, dtype: str = "float32") -> dict[st
     return {"peak_mib": (_status("VmHWM") - before) / MiB, "before_mib": before / MiB}
 
 
-def measure_memory(impl: str, step: str, L: int, dtype: str = "float32") -> dict[str, Any]:
-    job = json.dumps({"impl": impl, "step": step, "L": L, "dtype": dtype})
+def measure_memory(
+    impl: str, step: str, L: int, dtype: str = "float32", intermediate: int = ISSUE_INTERMEDIATE
+) -> dict[str, Any]:
+    job = json.dumps(
+        {"impl": impl, "step": step, "L": L, "dtype": dtype, "intermediate": intermediate}
+    )
     done = subprocess.run(
         [sys.executable, __file__, "--memory-case", job],
         capture_output=True,
@@ -292,20 +311,28 @@ def interleaved(
 
 
 def run(
-    L_fwd: int, L_train: int, reps: int, memory: bool, dtype: str = "float32"
+    L_fwd: int,
+    L_train: int,
+    reps: int,
+    memory: bool,
+    dtype: str = "float32",
+    intermediate: int = ISSUE_INTERMEDIATE,
 ) -> dict[str, Any]:
     info = machine()
     import transformers
 
     info["transformers"] = transformers.__version__
-    models = {impl: build(impl, max(L_fwd, L_train), dtype) for impl in IMPLS}
+    width = max(L_fwd, L_train), dtype, intermediate
+    models = {impl: build(impl, *width) for impl in IMPLS}
     models["attnkit"].load_state_dict(models["sdpa"].state_dict())
-    models[NONE] = build(NONE, max(L_fwd, L_train), dtype)
+    models[NONE] = build(NONE, *width)
     models[NONE].load_state_dict(models["sdpa"].state_dict())
     lengths = {"fwd": L_fwd, "train": L_train}
     result: dict[str, Any] = {
         "machine": info,
-        "model": dict(MODEL, family="mistral", dtype=dtype, batch=1),
+        "model": MODEL
+        | {"intermediate_size": intermediate, "family": "mistral", "dtype": dtype}
+        | {"batch": 1},
         "lengths": lengths,
         "reps": reps,
         "times_ms": {},
@@ -350,7 +377,7 @@ def run(
     if memory:
         for step, L in lengths.items():
             result["peak_mib"][step] = {
-                impl: measure_memory(impl, step, L, dtype) for impl in IMPLS
+                impl: measure_memory(impl, step, L, dtype, intermediate) for impl in IMPLS
             }
     info["load_at_end"] = round(os.getloadavg()[0], 2)
     result["verdicts"] = verdicts(result)
@@ -450,6 +477,12 @@ def report(result: dict[str, Any]) -> str:
             f"Lengths {L['fwd']} / {L['train']} are not the issue's {ISSUE_LENGTHS[0]} / "
             f"{ISSUE_LENGTHS[1]}: these verdicts do not judge it.",
         ]
+    if md["intermediate_size"] != ISSUE_INTERMEDIATE:
+        lines += [
+            "",
+            f"The MLP is {md['intermediate_size']} wide, not Mistral's 3.5 x hidden "
+            f"({ISSUE_INTERMEDIATE}) recorded for the issue: these verdicts do not judge it.",
+        ]
     if md["dtype"] != "float32":
         lines += [
             "",
@@ -502,10 +535,12 @@ def report(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_markdown(text: str, path: Path, dtype: str = "float32") -> None:
-    """Into ``path`` between the dtype's markers (the prose around stays), or as the whole
-    file."""
-    start, end = markers(dtype)
+def write_markdown(
+    text: str, path: Path, dtype: str = "float32", intermediate: int | None = None
+) -> None:
+    """Into ``path`` between the markers of the dtype and MLP width (:func:`markers`; the
+    prose around stays), or as the whole file."""
+    start, end = markers(dtype, intermediate)
     old = path.read_text() if path.exists() else ""
     if start in old and end in old:
         head, rest = old.split(start, 1)
@@ -554,13 +589,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default="float32",
         help="the model's dtype (default float32, the issue's)",
     )
+    ap.add_argument(
+        "--intermediate",
+        type=_positive,
+        default=ISSUE_INTERMEDIATE,
+        help=f"the MLP's width (default {ISSUE_INTERMEDIATE}: Mistral's 3.5 x hidden)",
+    )
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     ap.add_argument("--json", type=Path, help="write the measurements here")
     ap.add_argument(
         "--markdown",
         type=Path,
-        help=f"write the report here (between {START} / {END}, or the --dtype's own "
-        "markers, if the file has them)",
+        help=f"write the report here (between {START} / {END}, or the markers of another "
+        "--dtype or --intermediate, if the file has them)",
     )
     ap.add_argument("--memory-case", help=argparse.SUPPRESS)  # one memory process's job
     args = ap.parse_args(argv)
@@ -569,7 +610,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"{flag} {path}: the directory {path.parent} does not exist")
     if args.markdown is not None and args.markdown.exists():
         text = args.markdown.read_text()
-        start, end = markers(args.dtype)
+        start, end = markers(args.dtype, args.intermediate)
         if (start in text) != (end in text) or (text and start not in text):
             ap.error(
                 f"--markdown {args.markdown}: the file exists without the markers {start} and "
@@ -584,7 +625,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     if args.memory_case is not None:
         job = json.loads(args.memory_case)
-        print(json.dumps(memory_case(job["impl"], job["step"], int(job["L"]), job["dtype"])))
+        case = (job["impl"], job["step"], int(job["L"]), job["dtype"], int(job["intermediate"]))
+        print(json.dumps(memory_case(*case)))
         return
     L_fwd, L_train = QUICK_LENGTHS if args.quick else ISSUE_LENGTHS
     result = run(
@@ -593,6 +635,7 @@ def main(argv: list[str] | None = None) -> None:
         args.reps or (3 if args.quick else 5),
         memory=not args.no_memory,
         dtype=args.dtype,
+        intermediate=args.intermediate,
     )
     text = report(result)
     print(text, end="")
@@ -600,7 +643,7 @@ def main(argv: list[str] | None = None) -> None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")
     if args.markdown is not None:
-        write_markdown(text, args.markdown, args.dtype)
+        write_markdown(text, args.markdown, args.dtype, args.intermediate)
         print(f"wrote {args.markdown}")
 
 

@@ -123,6 +123,8 @@ def test_the_attention_free_reference_passes_values_through() -> None:
     [
         (["--length", "1"], "argument --length: 1 is not a length from 2 to 131072"),
         (["--reps", "0"], "argument --reps: 0 is not >= 1"),
+        (["--intermediate", "0"], "argument --intermediate: 0 is not >= 1"),
+        (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
         (["--json", "/no/such/dir/r.json"], "--json /no/such/dir/r.json: the directory"),
         (["--markdown", "{plain}"], "the file exists without the markers <!-- hf_speed: start"),
     ],
@@ -137,23 +139,29 @@ def test_bad_options_stop_before_any_work(tmp_path: Path, args: list[str], messa
     assert plain.read_text() == "# a page without the markers\n"
 
 
-def test_a_bfloat16_run_says_its_dtype_and_writes_between_its_own_markers(tmp_path: Path) -> None:
+def test_a_bfloat16_run_says_its_model_and_writes_between_its_own_markers(tmp_path: Path) -> None:
     """Short lengths: on a CPU without bf16 instructions torch's bfloat16 matmuls crawl."""
     doc = tmp_path / "hf.md"
     f32 = "<!-- hf_speed: start -->\nthe float32 record\n<!-- hf_speed: end -->\n"
-    bf16 = "<!-- hf_speed bfloat16: start -->\nold\n<!-- hf_speed bfloat16: end -->\n"
+    tag = "hf_speed bfloat16 intermediate 64"  # the markers of this dtype and MLP width
+    bf16 = f"<!-- {tag}: start -->\nold\n<!-- {tag}: end -->\n"
     doc.write_text(f32 + bf16)
     out = _run(
         "--dtype", "bfloat16", "--length", "40", "--train-length", "32", "--reps", "1",
         "--no-memory", "--json", str(tmp_path / "r.json"), "--markdown", str(doc),
+        "--intermediate", "64",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert ", bfloat16, B=1, random weights" in out.stdout
+    assert "intermediate 64, vocabulary 1024, bfloat16, B=1, random weights" in out.stdout
+    assert "The MLP is 64 wide, not Mistral's 3.5 x hidden (1792) recorded for the issue" in (
+        out.stdout
+    )
     assert "The model is bfloat16, not the issue's float32: these verdicts do not judge it." in (
         out.stdout
     )
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["model"]["dtype"] == "bfloat16"
+    assert result["model"]["intermediate_size"] == 64
     # both models compute the same bfloat16 model: they differ by bf16 rounding only
     assert result["checks"]["fwd"]["logits_max_abs_diff"] <= 0.1
     assert result["checks"]["train"]["grad_max_abs_diff"] <= 0.1
@@ -161,8 +169,8 @@ def test_a_bfloat16_run_says_its_dtype_and_writes_between_its_own_markers(tmp_pa
     text = doc.read_text()
     assert text.startswith(f32)  # the float32 record stays
     assert "old" not in text
-    assert "\n<!-- hf_speed bfloat16: start -->\n**Machine:** " in text
-    assert text.endswith("<!-- hf_speed bfloat16: end -->\n")
+    assert f"\n<!-- {tag}: start -->\n**Machine:** " in text
+    assert text.endswith(f"<!-- {tag}: end -->\n")
 
 
 def test_a_markdown_file_without_the_dtypes_markers_is_refused(tmp_path: Path) -> None:
