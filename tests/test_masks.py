@@ -34,6 +34,59 @@ def test_block_map_never_overclaims(data: st.DataObject) -> None:
             assert block[s == FULL].all(), f"block ({i}, {j}) called full: {spec!r}"
 
 
+@settings(max_examples=150)
+@given(data=st.data())
+def test_allows_all_never_overclaims(data: st.DataObject) -> None:
+    """A spec that says it allows every pair of an L x S call does, in every batch row (its
+    answer is cached per key, so it is asked twice); and the plain rules say it when true."""
+    B = data.draw(st.integers(1, 3))
+    L = data.draw(st.integers(1, 40))
+    S = data.draw(st.integers(1, 40))
+    spec = data.draw(st.one_of(specs(B, L, S), atoms(B, L, S)))
+    says = spec.allows_all(L, S)
+    assert spec.allows_all(L, S) == says
+    dense = spec.to_dense(L, S)
+    if says:
+        assert not dense.is_floating_point()
+        assert bool(dense.all()), f"{spec!r} claims every pair of {L} x {S}"
+    w = data.draw(st.integers(1, 50))
+    window = masks.causal() & masks.sliding_window(w)
+    expected = L <= S and bool(window.to_dense(L, S).all())
+    assert window.allows_all(L, S) == expected  # exact for the decoding rule
+
+
+def test_sdpa_runs_without_a_mask_where_the_spec_allows_every_pair(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch.nn.functional as F
+
+    seen: list[object] = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*args: object, **kw: object) -> torch.Tensor:
+        seen.append(kw.get("attn_mask"))
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 40, 8)  # one decoding step
+    spec = masks.causal() & masks.sliding_window(64)
+    ref = reference_attention(q, k, k, mask=spec.to_dense(1, 40))[0]
+    out = attnkit.attention(q, k, k, mask=spec, backend="sdpa")
+    assert seen == [None]  # the window holds every key: no mask made or passed
+    torch.testing.assert_close(out, ref.float(), atol=1e-6, rtol=0)
+    e = attnkit.explain(q, k, k, mask=spec)
+    assert e.chosen == "sdpa"
+    assert (
+        e.notes["sdpa"] == "the mask allows every pair of this 1 x 40 call: torch runs without one"
+    )
+    k = torch.randn(1, 2, 70, 8)  # past the window: the mask is made
+    out = attnkit.attention(q, k, k, mask=spec, backend="sdpa")
+    assert seen[-1] is not None
+    torch.testing.assert_close(
+        out, reference_attention(q, k, k, mask=spec.to_dense(1, 70))[0].float(), atol=1e-6, rtol=0
+    )
+
+
 @settings(max_examples=100)
 @given(data=st.data())
 def test_block_maps_of_the_built_in_specs_are_exact(data: st.DataObject) -> None:

@@ -34,10 +34,19 @@ _FUSED_DTYPES = {
 
 def _flag_and_mask(call: AttentionCall) -> tuple[bool, torch.Tensor | None]:
     """torch's ``is_causal`` is aligned to the top-left, attnkit's causal rule to the end: the
-    flag serves ``L == S`` only; any other mask is handed over as one tensor."""
+    flag serves ``L == S`` only. A spec that allows every pair of this call (a causal window
+    while the keys fit in it, as in decoding) is no mask at all, so torch takes its unmasked
+    kernel; any other mask is handed over as one tensor."""
     if call.causal and call.dims.L == call.dims.S:
         return True, None
+    if _allows_all(call):
+        return False, None
     return False, call.dense_mask()
+
+
+def _allows_all(call: AttentionCall) -> bool:
+    spec = call.mask
+    return spec is not None and not spec.from_tensor and spec.allows_all(call.dims.L, call.dims.S)
 
 
 class SdpaBackend(Backend):
@@ -68,13 +77,22 @@ class SdpaBackend(Backend):
         return out.to(call.q.dtype), None
 
     def note(self, call: AttentionCall) -> str | None:
+        notes = []
+        if _allows_all(call):
+            notes.append(
+                f"the mask allows every pair of this {call.dims.L} x {call.dims.S} call: torch "
+                "runs without one"
+            )
         if call.upcast:
-            return "runs torch's float32 fused kernel on float32 copies of q, k, v (fp32-upcast)"
-        return None
+            notes.append(
+                "runs torch's float32 fused kernel on float32 copies of q, k, v (fp32-upcast)"
+            )
+        return "; ".join(notes) or None
 
     def dense_allocation(self, call: AttentionCall) -> tuple[int, str] | None:
         """A mask spec (other than causal with ``L == S``) is materialised for torch."""
-        nbytes = 0 if (call.causal and call.dims.L == call.dims.S) else call.dense_mask_bytes()
+        flag = call.causal and call.dims.L == call.dims.S
+        nbytes = 0 if flag or _allows_all(call) else call.dense_mask_bytes()
         t = call.mask_tensor
         if call.upcast and t is not None and t.is_floating_point():
             return t.numel() * 4, "a float32 copy of the float mask (fp32-upcast)"

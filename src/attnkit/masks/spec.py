@@ -12,6 +12,7 @@ block mask all read it.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import NoReturn
@@ -20,6 +21,11 @@ import torch
 
 from attnkit.errors import AttentionInputError
 from attnkit.memory import exceeds, refuse
+
+#: :meth:`MaskSpec.allows_all` per (spec key, L, S): every layer of a model's forward asks it
+#: for the same spec and sizes
+_ALLOWS_ALL: OrderedDict[Hashable, tuple[MaskSpec, bool]] = OrderedDict()
+_ALLOWS_ALL_SIZE = 256
 
 __all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMap", "MaskSpec", "block_states", "tensor_key"]
 
@@ -157,6 +163,39 @@ class MaskSpec:
         """``(any, all)`` per block pair from inclusive raw index bounds ``(nq, 1)`` and
         ``(1, nk)``; the results broadcast to ``(B', 1, nq, nk)``."""
         raise NotImplementedError
+
+    def allows_all(self, L: int, S: int) -> bool:
+        """Whether this spec allows every (query, key) pair of an ``L x S`` call and adds no
+        bias, for every batch row and head: then it changes nothing and no mask need be made
+        (a causal sliding window while the keys fit in the window, padding that pads nothing).
+        Decided from :meth:`block_bounds` over one block, without evaluating any pair; the
+        bounds are conservative, so ``False`` may mean "cannot tell cheaply".
+
+        >>> from attnkit.masks import causal, sliding_window
+        >>> w = causal() & sliding_window(256)
+        >>> w.allows_all(1, 200), w.allows_all(1, 300), w.allows_all(8, 8)
+        (True, False, False)
+        """
+        if self.has_bias:
+            return False
+        if L == 0 or S == 0:
+            return True
+        skey = self.key()
+        key = None if skey is None else (skey, L, S)
+        if key is not None and key in _ALLOWS_ALL:
+            _ALLOWS_ALL.move_to_end(key)
+            return _ALLOWS_ALL[key][1]
+        dev = self.device
+        zero = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        q_hi = torch.full((1, 1), L - 1, dtype=torch.long, device=dev)
+        k_hi = torch.full((1, 1), S - 1, dtype=torch.long, device=dev)
+        _, all_ = self.block_bounds(zero, q_hi, zero, k_hi, S - L)
+        allowed = bool(torch.as_tensor(all_).all())
+        if key is not None:  # held with the spec, so that its tensors' ids are not reused
+            _ALLOWS_ALL[key] = (self, allowed)
+            while len(_ALLOWS_ALL) > _ALLOWS_ALL_SIZE:
+                _ALLOWS_ALL.popitem(last=False)
+        return allowed
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors the spec holds (for device and batch checks)."""
