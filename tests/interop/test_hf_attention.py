@@ -270,18 +270,37 @@ def test_packed_sequences_get_a_dense_mask_and_match_eager(
     torch.testing.assert_close(got, expected, atol=ATOL_LOGITS, rtol=0)
 
 
+@pytest.mark.parametrize("name", [*DECODERS, "mistral-long-window"])
 def test_a_static_cache_gets_a_dense_mask_and_matches_eager(
-    monkeypatch: pytest.MonkeyPatch,
+    name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ref, ours = _pair("llama")
+    """generate builds a compileable cache's masks ahead and passes them to the model as its
+    attention_mask, where transformers takes only tensors: Mistral's crashed on a spec."""
+    long = name == "mistral-long-window"
+    ref, ours = _pair("mistral", sliding_window=4 * T) if long else _pair(name)
     ids, mask = _batch()
     masks = _Masks(monkeypatch)
-    kwargs = {"max_new_tokens": 3, "do_sample": False, "cache_implementation": "static"}
+    kwargs = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
+    kwargs["cache_implementation"] = "static"
     expected = ref.generate(ids, attention_mask=mask, **kwargs)
     got = ours.generate(ids, attention_mask=mask, **kwargs)
     assert torch.equal(got, expected)
     assert masks.seen
     assert all(isinstance(m, torch.Tensor) for m in masks.seen)
+
+
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_a_model_on_attnkit_compiles_fullgraph_and_matches_eager_mode(name: str) -> None:
+    """Under torch.compile the mask function returns transformers' dense mask (reading the
+    rule would break the graph), so the whole model traces as one graph, as on sdpa."""
+    ref, ours = _pair(name)
+    ids, mask = _batch()
+    with torch.no_grad():
+        expected = ref(input_ids=ids, attention_mask=mask).logits
+        compiled = torch.compile(ours, fullgraph=True, backend="eager")
+        got = compiled(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=ATOL_LOGITS, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------

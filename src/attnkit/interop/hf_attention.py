@@ -33,9 +33,10 @@ from __future__ import annotations
 import functools
 import importlib
 import re
+import sys
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from types import ModuleType
+from types import FrameType, ModuleType
 from typing import Any
 
 import torch
@@ -65,6 +66,10 @@ INSTALL = "pip install 'attnkit[hf]'"
 #: the attention function untouched (verified against ``eager`` in
 #: ``tests/interop/test_hf_attention.py``); other models get transformers' dense mask.
 SPEC_MODEL_TYPES = frozenset({"bert", "llama", "mistral", "qwen2"})
+
+#: ``transformers.masking_utils`` once :func:`register_hf` has checked it (read by
+#: :func:`hf_mask`, which must not import while ``torch.compile`` traces it)
+_MASKING_UTILS: ModuleType | None = None
 
 
 def _transformers() -> ModuleType:
@@ -116,7 +121,8 @@ def register_hf(name: str = "attnkit") -> str:
             "kernel to download)",
             fix='register_hf("attnkit")',
         )
-    masking_utils = _transformers()
+    global _MASKING_UTILS
+    masking_utils = _MASKING_UTILS = _transformers()
     modeling_utils = importlib.import_module("transformers.modeling_utils")
     interfaces = (
         (modeling_utils.ALL_ATTENTION_FUNCTIONS, hf_attention, "AttentionInterface"),
@@ -265,6 +271,20 @@ def _spec(
     return spec
 
 
+def _building_masks_for_generate() -> bool:
+    """Whether transformers' ``create_masks_for_generate`` asked: ``generate`` builds the masks
+    of a compileable (static) cache ahead of the forward and hands them to the model as its
+    ``attention_mask``, where transformers' code takes only a 4-D tensor (or a BlockMask)."""
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "create_masks_for_generate":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def hf_mask(
     batch_size: int,
     q_length: int,
@@ -286,13 +306,21 @@ def hf_mask(
     bidirectional, padding, and their ``and_masks``) and, for a rule that compares positions,
     ``q_offset + L == kv_offset + S`` (no cache, ``DynamicCache``, sliding-window caches).
     Anything else (static caches, packed sequences, chunks, image-token overlays, rules
-    attnkit does not know) gets ``sdpa_mask``'s dense bool mask ``(B, 1, L, S)``.
+    attnkit does not know) gets ``sdpa_mask``'s dense bool mask ``(B, 1, L, S)``; so do the
+    masks ``generate`` builds ahead for a compileable cache (the model's code takes only a
+    tensor there) and calls traced by ``torch.compile`` (reading the rule inspects Python
+    closures and the padding's values, which would break the graph).
     """
-    mu = importlib.import_module("transformers.masking_utils")
+    mu = _MASKING_UTILS if _MASKING_UTILS is not None else _transformers()
     fn = mu.causal_mask_function if mask_function is None else mask_function
     config = kwargs.get("config")
     spec = None
-    if getattr(config, "model_type", None) in SPEC_MODEL_TYPES and type(kv_offset) is int:
+    if (
+        getattr(config, "model_type", None) in SPEC_MODEL_TYPES
+        and type(kv_offset) is int
+        and not torch.compiler.is_compiling()
+        and not _building_masks_for_generate()
+    ):
         rule = _read_rule(mu, fn)
         if rule is not None:
             spec = _spec(rule, attention_mask, batch_size, q_length, kv_length, q_offset, kv_offset)
