@@ -280,3 +280,36 @@ def test_bad_input_under_fullgraph_reports_attnkits_error() -> None:
     ) in str(info.value)
     with pytest.raises(AttentionInputError, match="fix:      give k and v a number of heads"):
         torch.compile(bad, backend="eager")(q, k)
+
+
+@pytest.mark.parametrize("model", ["gpt", "bert"])
+def test_attnkits_models_compile_fullgraph_with_padding(model: str) -> None:
+    """The models' value checks (token ids in range, positions in the table) are skipped while
+    torch.compile traces, as attention()'s are: a compiled model has no data-dependent branch."""
+    from attnkit.models import GPT, BertConfig, BertEncoder, GPTConfig
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, 9:] = False  # right padding
+    if model == "gpt":
+        net: torch.nn.Module = GPT(
+            GPTConfig(vocab_size=50, max_positions=32, dim=32, num_layers=2, num_heads=4)
+        )
+    else:
+        cfg = BertConfig(
+            vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64,
+        )  # fmt: skip
+        net = BertEncoder(cfg)
+    net.eval()
+
+    def hidden(out: Any) -> torch.Tensor:
+        return out if isinstance(out, torch.Tensor) else out.last_hidden_state
+
+    with torch.no_grad():
+        want = hidden(net(ids, attention_mask=mask))
+        got = hidden(torch.compile(net, fullgraph=True, backend="eager")(ids, attention_mask=mask))
+    torch.testing.assert_close(got, want, **TOL)
+    with pytest.raises(AttentionInputError, match="token ids must be in"):
+        net(ids + 100)  # eager mode still checks the values

@@ -22,7 +22,7 @@ from attnkit.errors import AttentionInputError, rank_error, shape_str, warn_user
 from attnkit.masks import MaskSpec, as_spec
 from attnkit.memory import AttentionMemoryError, refuse
 
-__all__ = ["check_mask_values", "make_call", "mask_dims_str", "too_big_error"]
+__all__ = ["can_read_values", "check_mask_values", "make_call", "mask_dims_str", "too_big_error"]
 
 Q_DIMS = ("B", "H", "L", "Dk")
 K_DIMS = ("B", "Hkv", "S", "Dk")
@@ -391,14 +391,14 @@ def _validate_mask(
             expected="each mask dim equal to the target's or 1, at most 4 dims",
             fix=fix,
         )
-    if not _can_read_values(mask):
+    if not can_read_values(mask):
         return
     check_mask_values(mask, where)
     if mask.dim() >= 2 and mask.shape[-2] == mask.shape[-1] == dims.L > 1:
         _warn_if_inverted_causal(mask)
 
 
-def _can_read_values(t: torch.Tensor) -> bool:
+def can_read_values(t: torch.Tensor) -> bool:
     """Value checks run outside ``torch.compile``'s tracing, on tensors that hold values."""
     return not torch.compiler.is_compiling() and t.device.type != "meta"
 
@@ -407,7 +407,7 @@ def check_mask_values(mask: torch.Tensor, where: str, name: str = "mask") -> Non
     """A float mask is added to the scores: ``+inf`` or NaN there make the whole row NaN, so
     they are refused (``name`` is the argument). A value check: skipped while
     ``torch.compile`` traces and on the ``meta`` device."""
-    if not mask.is_floating_point() or not _can_read_values(mask):
+    if not mask.is_floating_point() or not can_read_values(mask):
         return
     bad = ~(mask < math.inf)  # +inf and NaN (NaN compares False)
     if not bool(bad.any()):

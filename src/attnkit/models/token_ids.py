@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from attnkit.errors import AttentionInputError, shape_str
+from attnkit.validate import can_read_values
 
 __all__ = ["check_token_ids"]
 
@@ -50,7 +51,9 @@ def check_token_ids(
             expected="input_ids (B, T), int64",
             fix=UNSQUEEZE if source is None else f"{source}; {UNSQUEEZE}",
         )
-    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
+    if not input_ids.numel() or not can_read_values(input_ids):  # a compiled graph reads none
+        return
+    if int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size:
         raise AttentionInputError(
             where,
             "input_ids",

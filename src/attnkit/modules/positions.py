@@ -22,6 +22,7 @@ from torch import nn
 
 from attnkit.errors import AttentionInputError, shape_str
 from attnkit.masks import alibi, alibi_slopes
+from attnkit.validate import can_read_values
 
 __all__ = ["LearnedPositions", "RotaryEmbedding", "alibi", "alibi_slopes"]
 
@@ -198,7 +199,11 @@ class LearnedPositions(nn.Module):
         return f"max_positions={self.max_positions}, dim={self.dim}"
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        if positions.numel() and int(positions.max()) >= self.max_positions:
+        if (
+            positions.numel()
+            and can_read_values(positions)  # not while torch.compile traces: no data branch
+            and int(positions.max()) >= self.max_positions
+        ):
             raise AttentionInputError(
                 "attnkit.LearnedPositions",
                 "positions",
