@@ -200,8 +200,8 @@ def test_parallelize_swaps_every_multi_head_attention() -> None:
     assert list(model.state_dict()) == keys
 
 
-@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
-def test_kv_heads_per_pass_must_be_a_positive_int(group_of_one: None, bad: object) -> None:
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, 3])
+def test_kv_heads_per_pass_must_be_one_to_hkv(group_of_one: None, bad: object) -> None:
     q = torch.randn(1, 4, 4, 8)
     k = torch.randn(1, 2, 4, 8)
     with pytest.raises(attnkit.AttentionInputError, match="kv_heads_per_pass") as e:
@@ -210,6 +210,7 @@ def test_kv_heads_per_pass_must_be_a_positive_int(group_of_one: None, bad: objec
     assert f"kv_heads_per_pass={bad!r}" in msg
     assert "Hkv=2" in msg
     assert "an int in 1..2" in msg
+    assert "from 1 to the 2 there are" in msg  # more than Hkv is refused, never clamped
 
 
 def test_one_head_group_at_a_time_is_the_same_attention(group_of_one: None) -> None:

@@ -257,16 +257,17 @@ PASS_BYTES = 4 << 20
 def _kv_heads_per_pass(requested: int | None, k: torch.Tensor, v: torch.Tensor) -> int:
     Hkv = k.shape[1]
     if requested is not None:
-        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        bad = isinstance(requested, bool) or not isinstance(requested, int)
+        if bad or not 1 <= requested <= Hkv:
             raise AttentionInputError(
                 WHERE,
                 "kv_heads_per_pass",
-                "it must be a positive number of key/value heads.",
+                f"it must be a number of key/value heads from 1 to the {Hkv} there are.",
                 got=f"kv_heads_per_pass={requested!r}  k (B, Hkv={Hkv}, Sk, Dk)",
                 expected=f"an int in 1..{Hkv} (or None for the default)",
                 fix="pass kv_heads_per_pass=1 for the least memory, None to let attnkit choose",
             )
-        return min(requested, Hkv)
+        return requested
     per_head = (k[:, :1].numel() * k.element_size()) + (v[:, :1].numel() * v.element_size())
     return max(1, min(Hkv, -(-PASS_BYTES // max(per_head, 1))))
 
