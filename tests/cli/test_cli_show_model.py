@@ -245,3 +245,25 @@ def test_show_model_bad_options_are_one_line(
     )
     _check_one_line_error(result, *parts)
     assert not out.exists()
+
+
+def test_a_model_that_drops_output_attentions_is_named_for_what_it_does(tmp_path: Path) -> None:
+    """GPT-2's code does not hand output_attentions to its attention function: attnkit runs
+    every layer, yet no weights come back. The error says exactly that (it said before that
+    the attention did not run on attnkit)."""
+    path = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=SMALL["vocab_size"], n_embd=16, n_layer=2, n_head=4, n_positions=64
+    )
+    transformers.GPT2Model(config).save_pretrained(path)
+    for name in TOKENIZER:
+        shutil.copy(Path(gt.get_model_path()) / name, path / name)
+    result = runner.invoke(app, ["show", TEXT, "--model", str(path), "--out", str(tmp_path / "o")])
+    _check_one_line_error(
+        result,
+        "gpt2 ran its attention on attnkit (2 attnkit calls for 2 layers) but returned no "
+        "attention weights",
+        'attn_implementation="eager" returns its weights',
+    )
+    assert not (tmp_path / "o").exists()

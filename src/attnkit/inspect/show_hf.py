@@ -276,12 +276,30 @@ def show_model(
     report(STEPS[2])
     with torch.inference_mode(), trace() as t:
         result = model(input_ids=input_ids, output_attentions=True)  # (1, T): no padding
-    if not result.attentions or len(t.backends) != len(result.attentions):
+    calls = f"{len(t.backends)} attnkit calls for {num_layers} layers"
+    if not t.backends:
         raise _bad_model(
             path,
-            f"{config.model_type} did not run its attention on attnkit "
-            f"({len(t.backends)} attnkit calls for {num_layers} layers).",
+            f"{config.model_type} did not run its attention on attnkit ({calls}).",
             "a model whose attention layers use attn_implementation",
+            "use the model with transformers directly",
+        )
+    if not result.attentions:
+        raise _bad_model(
+            path,
+            f"{config.model_type} ran its attention on attnkit ({calls}) but returned no "
+            "attention weights: its code does not pass output_attentions on to the attention "
+            "function.",
+            "a model that returns its attention weights with output_attentions=True",
+            'use the model with transformers directly (attn_implementation="eager" returns '
+            "its weights)",
+        )
+    if len(t.backends) != len(result.attentions):
+        raise _bad_model(
+            path,
+            f"{config.model_type} returned {len(result.attentions)} attention maps from "
+            f"{calls}: they cannot be matched to its layers.",
+            "one attention call per layer, each returning its weights",
             "use the model with transformers directly",
         )
     attentions = torch.stack([a[0] for a in result.attentions]).float()  # (N, H, T, T)
