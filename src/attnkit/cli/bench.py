@@ -152,7 +152,7 @@ def bench(
     With no options: the rows of both groups (acceptance: dense/causal 4k, sliding window 16k
     forward and backward, 8 documents 16k, key padding 8k, and a few more; issue14: equal
     documents 16k, grouped-query 32/8 window 16k forward and backward, bfloat16 against
-    attnkit's float32 and SDPA), about 17 to 21 minutes on a quiet 2-core machine
+    attnkit's float32 and SDPA), about 13 to 21 minutes on a quiet 2-core machine
     (docs/benchmarks.md).
     """
     if device != "cpu":  # the CUDA bench: attnkit.bench.cuda
