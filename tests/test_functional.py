@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import AttentionInputError, attention, causal_mask, explain
+from attnkit import AttentionInputError, attention, causal_mask, explain, masks
 from oracle import reference_attention
 
 # flex serves no float64 and compiles a kernel per shape: tests/backends/test_flex.py covers it
@@ -290,3 +290,38 @@ def test_meta_tensors_with_a_spec_never_reach_blocked() -> None:
     assert out.shape == (1, 2, 512, 16)
     with pytest.raises(AttentionInputError, match="meta tensors have none"):
         attention(q, q, q, mask=spec, backend="blocked")
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no mask", "window"])
+@pytest.mark.parametrize("backend", ["auto", "math", "sdpa", "blocked"])
+def test_a_query_row_holding_nan_or_inf_gives_nan_not_zeros(backend: str, masked: bool) -> None:
+    """Its scores are all NaN, which torch's fused CPU kernels take for "masked" (output 0,
+    finite gradients): a diverged model would go on silently. attnkit gives the row NaN, on
+    every backend; the other rows are untouched."""
+    q, k, v = _qkv(B=1, H=2, Hkv=2, L=6, S=6, dtype=torch.float32)
+    q[0, 0, 1, 3] = float("nan")
+    q[0, 1, 4, 0] = float("inf")
+    spec = masks.causal() & masks.sliding_window(3) if masked else None
+    out = attnkit.attention(q, k, v, mask=spec, backend=backend)
+    assert out[0, 0, 1].isnan().all()
+    assert out[0, 1, 4].isnan().all()
+    good = torch.ones(1, 2, 6, dtype=torch.bool)
+    good[0, 0, 1] = good[0, 1, 4] = False
+    clean = q.masked_fill(~good[..., None], 0.0)
+    ref = reference_attention(clean, k, v, mask=None if spec is None else spec.to_dense(6, 6))[0]
+    torch.testing.assert_close(out[good], ref[good].float(), atol=1e-5, rtol=0)
+    loss = (out**2).mean()
+    assert not torch.isfinite(loss)  # what a training loop (or a gradient scaler) checks
+
+
+def test_nan_rows_win_over_empty_rows_and_reach_the_weights() -> None:
+    q, k, v = _qkv(B=1, H=1, Hkv=1, L=4, S=4)
+    q[0, 0, 0, 0] = float("nan")
+    keep = torch.tensor([[False, True, True, True]])  # row 0 of the causal mask sees no key
+    res = attnkit.attention(
+        q, k, v, mask=masks.causal() & masks.key_mask(keep), return_weights=True
+    )
+    assert res.output[0, 0, 0].isnan().all()  # NaN in, NaN out: not the empty row's 0
+    assert res.weights is not None
+    assert res.weights[0, 0, 0].isnan().all()
+    assert torch.isfinite(res.output[0, 0, 1:]).all()

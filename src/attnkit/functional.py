@@ -7,6 +7,7 @@ Dk query/key head dim, Dv value head dim.
 
 from __future__ import annotations
 
+import math
 from typing import Literal, NamedTuple, overload
 
 import torch
@@ -145,7 +146,30 @@ def run_call(call: AttentionCall, backend: str = "auto", where: str = WHERE) -> 
     always ``(output, weights or None)``. The modules build their calls and run them here."""
     chosen = choose(call, backend, where)
     out, weights = chosen.run(call)
+    out, weights = _nonfinite_queries(call, out, weights)
     trace = active_trace()
     if trace is not None:  # attnkit.trace() is active: record shapes (nothing is computed)
         record_attention(trace, call.q, call.k, call.v, out, chosen.name, chosen.fused)
     return AttentionOutput(out, weights)
+
+
+def _nonfinite_queries(
+    call: AttentionCall, out: torch.Tensor, weights: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A query row holding NaN or inf gives NaN, output and weights, whatever its mask. Its
+    scores are all NaN, which torch's fused CPU kernels (and the others, each its own way) take
+    for "masked" and answer with 0: a model that diverged would go on with zeros and finite
+    gradients, and a gradient scaler would not see it. Eager calls on the CPU only: the check
+    is one float32 sum of q (a few microseconds to a few hundred), then, only where it is not
+    finite, a per-row look; elsewhere it would wait for the device or branch on data."""
+    q = call.q
+    if call.explaining or q.device.type != "cpu" or torch.compiler.is_compiling():
+        return out, weights
+    if math.isfinite(float(q.detach().sum(dtype=torch.float32))):
+        return out, weights
+    bad = ~torch.isfinite(q.detach()).all(dim=-1, keepdim=True)  # (B, H, L, 1)
+    nan = torch.tensor(float("nan"), dtype=out.dtype)
+    out = torch.where(bad, nan, out)
+    if weights is not None:
+        weights = torch.where(bad, torch.tensor(float("nan"), dtype=weights.dtype), weights)
+    return out, weights
