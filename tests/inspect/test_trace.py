@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -113,3 +114,41 @@ def test_trace_is_closed_when_the_block_raises() -> None:
     except RuntimeError:
         pass
     assert trace_module._ACTIVE == []
+
+
+def test_a_seq_first_module_records_the_tensors_as_passed_and_returned() -> None:
+    """nn.MultiheadAttention's (L, B, E) layout (seed 002): the trace shows the tensors the
+    caller passed and got back, and where the module turns them batch-first and back. L == B
+    here, so only the names tell the layouts apart."""
+    mha = attnkit.MultiHeadAttention(16, 4, batch_first=False)
+    with attnkit.trace() as t:
+        y = mha(torch.randn(3, 3, 16), torch.randn(7, 3, 16), torch.randn(7, 3, 16)).output
+    assert y.shape == (3, 3, 16)
+    steps = _steps(t)
+    assert steps[:3] == [
+        ("input", "query", "(L=3, B=3, E=16)"),
+        ("input", "key", "(S=7, B=3, Ek=16)"),
+        ("input", "value", "(S=7, B=3, Ev=16)"),
+    ]
+    assert steps[3] == ("q_proj", "q", "(B=3, L=3, H*Dk=16)")
+    assert steps[-2:] == [
+        ("out_proj", "out", "(B=3, L=3, E=16)"),
+        ("transpose(0, 1)", "out", "(L=3, B=3, E=16)"),
+    ]
+
+
+def test_a_module_call_that_raises_leaves_no_call_open() -> None:
+    """A later plain attention() call is numbered as its own call, not as the failed
+    module's."""
+    mha = attnkit.MultiHeadAttention(16, 4, backend="sdpa")
+    x = torch.randn(1, 5, 16)
+    with attnkit.trace() as t:
+        # raised inside the attention call, after the module's first steps were recorded
+        with pytest.raises(attnkit.AttentionInputError, match="backend 'sdpa' cannot serve"):
+            mha(x, need_weights=True)
+        q = torch.randn(1, 2, 3, 4)
+        attnkit.attention(q, q, q)
+    assert t.current is None
+    plain = [s for s in t.steps if s.where == "attention"]
+    assert plain
+    assert {s.call for s in plain} == {2}

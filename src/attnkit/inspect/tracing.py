@@ -151,12 +151,17 @@ def record_module_start(
     inputs: Sequence[tuple[str, torch.Tensor]],
     projected: Sequence[tuple[str, torch.Tensor]],
     split: Sequence[tuple[str, torch.Tensor]],
+    *,
+    seq_first: bool = False,
 ) -> None:
-    """Called by the attention modules before attention: inputs, projections, split heads."""
+    """Called by the attention modules before attention: inputs (as the caller passed them:
+    ``(L, B, E)`` with ``seq_first``), projections, split heads."""
     t.n_calls += 1
     t.current = t.n_calls
     where = t.names.get(id(module), type(module).__name__)
     input_dims = {"query": ("B", "L", "E"), "key": ("B", "S", "Ek"), "value": ("B", "S", "Ev")}
+    if seq_first:  # nn.MultiheadAttention's layout; the module works batch-first inside
+        input_dims = {n: (d[1], d[0], d[2]) for n, d in input_dims.items()}
     for name, x in inputs:
         t.add(t.current, where, "input", name, input_dims[name], x.shape)
     proj_dims = {"q": ("B", "L", "H*Dk"), "k": ("B", "S", "Hkv*Dk"), "v": ("B", "S", "Hkv*Dv")}
@@ -172,12 +177,22 @@ def record_module_start(
 
 
 def record_module_end(
-    t: Trace, module: nn.Module, merged: torch.Tensor, out: torch.Tensor, projected: bool
+    t: Trace,
+    module: nn.Module,
+    merged: torch.Tensor,
+    out: torch.Tensor,
+    projected: bool,
+    *,
+    returned: torch.Tensor | None = None,
 ) -> None:
-    """Called by the attention modules after attention: merge heads, output projection."""
+    """Called by the attention modules after attention: merge heads, output projection, and
+    the output as returned where it differs (``(L, B, E)`` for a ``batch_first=False``
+    module)."""
     call = t.current if t.current is not None else t.n_calls
     where = t.names.get(id(module), type(module).__name__)
     t.add(call, where, "merge_heads", "out", ("B", "L", "H*Dv"), merged.shape)
     if projected:
         t.add(call, where, "out_proj", "out", ("B", "L", "E"), out.shape)
+    if returned is not None:
+        t.add(call, where, "transpose(0, 1)", "out", ("L", "B", "E"), returned.shape)
     t.current = None

@@ -166,6 +166,7 @@ class _Attention(nn.Module):
     ) -> AttentionOutput:
         where = self._where
         self_attention = key is query and value is query
+        given = [("query", query), ("key", key), ("value", value)]  # as passed, for a trace
         query, key, value = self._batch_first_inputs(query, key, value)
         check_batch(where, query, key, value, self.batch_first)
         B, L, S = query.shape[0], query.shape[1], key.shape[1]
@@ -185,24 +186,41 @@ class _Attention(nn.Module):
         v = split_heads(vp, self.num_kv_heads)  # (B, Hkv, S, Dv)
         tr = active_trace()
         if tr is not None:
-            inputs = [("query", query), ("key", key), ("value", value)]
             record_module_start(
-                tr, self, inputs, [("q", qp), ("k", kp), ("v", vp)], [("q", q), ("k", k), ("v", v)]
+                tr,
+                self,
+                given,
+                [("q", qp), ("k", kp), ("v", vp)],
+                [("q", q), ("k", k), ("v", v)],
+                seq_first=not self.batch_first,
             )
-        causal = self.causal
-        if self.rope is not None or positions is not None or kv_cache is not None:
-            q, k, v, mask, causal = self._rope_and_cache(
-                q, k, v, mask, self_attention, kv_cache, positions
-            )
-        dropout = self.dropout if self.training else 0.0
-        call = make_call(q, k, v, mask, causal, None, dropout, need_weights)
-        out, weights = run_call(call, self.backend)
+        try:
+            causal = self.causal
+            if self.rope is not None or positions is not None or kv_cache is not None:
+                q, k, v, mask, causal = self._rope_and_cache(
+                    q, k, v, mask, self_attention, kv_cache, positions
+                )
+            dropout = self.dropout if self.training else 0.0
+            call = make_call(q, k, v, mask, causal, None, dropout, need_weights)
+            out, weights = run_call(call, self.backend)
+        except BaseException:
+            if tr is not None:  # later calls in the trace are not this module's
+                tr.current = None
+            raise
         merged = merge_heads(out)  # (B, H, L, Dv) -> (B, L, H*Dv)
         y = self.out_proj(merged)  # (B, L, E)
-        if tr is not None:
-            record_module_end(tr, self, merged, y, isinstance(self.out_proj, nn.Linear))
+        projected = y
         if not self.batch_first:
             y = y.transpose(0, 1)  # (L, B, E)
+        if tr is not None:
+            record_module_end(
+                tr,
+                self,
+                merged,
+                projected,
+                isinstance(self.out_proj, nn.Linear),
+                returned=None if self.batch_first else y,
+            )
         if weights is not None and average_attn_weights:
             weights = weights.mean(dim=1)  # (B, H, L, S) -> (B, L, S), as torch averages
         return AttentionOutput(y, weights)
