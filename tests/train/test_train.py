@@ -573,3 +573,25 @@ def test_a_ddp_run_that_diverges_stops_every_rank_at_the_same_step(tmp_path: Pat
         train(config, tmp_path, world_size=2)
     assert (e.value.step, e.value.checkpoint_step) == (2, 1)
     assert verify_checkpoint(tmp_path / CHECKPOINT_NAME).step == 1
+
+
+@pytest.mark.parametrize("flags", [{}, {"overwrite": True}, {"resume": True}])
+def test_a_checkpoint_path_that_is_a_directory_is_refused_before_any_work(
+    flags: dict[str, bool], tmp_path: Path
+) -> None:
+    """--out/checkpoint.safetensors a directory: the run would train, then fail to write its
+    checkpoint (IsADirectoryError after all the work); each flag said something else."""
+    (tmp_path / CHECKPOINT_NAME).mkdir()
+    with pytest.raises(AttentionInputError) as e:
+        train(TINY, tmp_path, **flags)
+    assert e.value.argument == "out"
+    assert f"{tmp_path / CHECKPOINT_NAME} is there but is not a file" in e.value.problem
+    assert not any(p.name != CHECKPOINT_NAME for p in tmp_path.iterdir())  # nothing written
+
+
+def test_loading_a_run_directory_names_its_checkpoint(tmp_path: Path) -> None:
+    path = _a_checkpoint(tmp_path / "run")
+    _, model, opt = build(TINY.resolved())
+    with pytest.raises(AttentionInputError, match="is a run's directory, not its checkpoint") as e:
+        load_checkpoint(path.parent, model, opt)
+    assert f"pass {path}" in str(e.value)

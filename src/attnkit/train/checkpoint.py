@@ -146,6 +146,12 @@ def _open_error(path: Path, problem: str, fix: str) -> AttentionInputError:
 def _metadata(path: Path) -> dict[str, str]:
     from safetensors import SafetensorError, safe_open
 
+    if path.is_dir() and (path / CHECKPOINT_NAME).is_file():
+        raise _open_error(
+            path,
+            f"{path} is a run's directory, not its checkpoint.",
+            f"pass {path / CHECKPOINT_NAME}",
+        )
     if not path.is_file():
         raise _open_error(
             path,

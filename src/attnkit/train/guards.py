@@ -217,6 +217,13 @@ def check_out(out: str | os.PathLike[str], *, resume: bool, overwrite: bool) -> 
             fix="leave out --overwrite to continue the run, or --resume to start again",
         )
     checkpoint = path / CHECKPOINT_NAME
+    if checkpoint.exists() and not checkpoint.is_file():
+        raise _out_error(
+            path,
+            f"{checkpoint} is there but is not a file: the run writes its checkpoint at that "
+            "path.",
+            f"remove or rename {checkpoint}, or pass another --out",
+        )
     if not resume and not overwrite and checkpoint.exists():
         try:
             info = read_info(checkpoint)
