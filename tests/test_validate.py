@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -457,6 +458,8 @@ def test_valid_scalars_are_accepted() -> None:
     for kwargs in (
         {"scale": 1},
         {"scale": 0.1},
+        {"scale": np.float32(0.25)},  # NumPy numbers are numbers
+        {"dropout_p": np.float64(0.1)},
         {"dropout_p": 0},
         {"dropout_p": 0.5},
         {"causal": True},
@@ -464,6 +467,19 @@ def test_valid_scalars_are_accepted() -> None:
         {"backend": "sdpa"},
     ):
         assert attention(q, k, v, **kwargs).shape == (B, H, L, Dk)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_tensor_scale_is_refused_with_why(grad: bool) -> None:
+    """Taking float(t) would drop a learned scale's gradient: refused, saying what to do."""
+    scale = torch.tensor(0.25, requires_grad=grad)
+    with pytest.raises(AttentionInputError) as info:
+        attention(*qkv(), scale=scale)
+    e = info.value
+    assert e.argument == "scale"
+    assert "`scale` must be a number, not a tensor" in e.problem
+    assert e.got == "scale: tensor () torch.float32" + (" requires_grad" if grad else "")
+    assert "multiply q by it and pass scale=1.0" in str(e)
 
 
 def test_return_weights_not_a_bool() -> None:

@@ -13,6 +13,7 @@ shapes it got (with dim names), what was expected and the likely fix. Checks tha
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -192,23 +193,36 @@ def make_call(
             expected="True or False",
             fix="pass a boolean mask as mask=..., and causal=True only for the causal rule",
         )
-    if scale is not None and (
-        isinstance(scale, bool)
-        or not isinstance(scale, (int, float))
-        or not math.isfinite(scale)
-        or scale <= 0
-    ):
+    if isinstance(scale, torch.Tensor):
         raise AttentionInputError(
             where,
             "scale",
-            f"`scale` must be a positive finite number, got {scale!r}.",
+            "`scale` must be a number, not a tensor: attnkit's backends take a constant, so a "
+            "learned or computed scale would lose its gradient.",
+            got=f"scale: tensor {tuple(scale.shape)} {scale.dtype}"
+            + (" requires_grad" if scale.requires_grad else ""),
+            expected="a Python or NumPy number > 0 (default 1/sqrt(Dk))",
+            fix="scale=float(t) for a constant; for a learned temperature, multiply q by it "
+            "and pass scale=1.0",
+        )
+    if scale is not None and (
+        isinstance(scale, bool)
+        or not isinstance(scale, numbers.Real)
+        or not math.isfinite(scale)
+        or scale <= 0
+    ):
+        kind = "" if isinstance(scale, numbers.Real) else f" (a {type(scale).__name__})"
+        raise AttentionInputError(
+            where,
+            "scale",
+            f"`scale` must be a positive finite number, got {scale!r}{kind}.",
             got=f"scale={scale!r}",
             expected="scale > 0 (default 1/sqrt(Dk))",
             fix=f"leave it out for 1/sqrt({Dk}) = {1 / math.sqrt(Dk):.4g}",
         )
     if (
         isinstance(dropout_p, bool)
-        or not isinstance(dropout_p, (int, float))
+        or not isinstance(dropout_p, numbers.Real)
         or not 0.0 <= dropout_p < 1.0
     ):
         raise AttentionInputError(
