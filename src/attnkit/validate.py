@@ -205,13 +205,8 @@ def make_call(
             fix="scale=float(t) for a constant; for a learned temperature, multiply q by it "
             "and pass scale=1.0",
         )
-    if scale is not None and (
-        isinstance(scale, bool)
-        or not isinstance(scale, numbers.Real)
-        or not math.isfinite(scale)
-        or scale <= 0
-    ):
-        kind = "" if isinstance(scale, numbers.Real) else f" (a {type(scale).__name__})"
+    if scale is not None and (not _real(scale) or not math.isfinite(scale) or scale <= 0):
+        kind = "" if _real(scale) else f" (a {type(scale).__name__})"
         raise AttentionInputError(
             where,
             "scale",
@@ -220,11 +215,7 @@ def make_call(
             expected="scale > 0 (default 1/sqrt(Dk))",
             fix=f"leave it out for 1/sqrt({Dk}) = {1 / math.sqrt(Dk):.4g}",
         )
-    if (
-        isinstance(dropout_p, bool)
-        or not isinstance(dropout_p, numbers.Real)
-        or not 0.0 <= dropout_p < 1.0
-    ):
+    if not _real(dropout_p) or not 0.0 <= dropout_p < 1.0:
         raise AttentionInputError(
             where,
             "dropout_p",
@@ -410,6 +401,11 @@ def _validate_mask(
     check_mask_values(mask, where)
     if mask.dim() >= 2 and mask.shape[-2] == mask.shape[-1] == dims.L > 1:
         _warn_if_inverted_causal(mask)
+
+
+def _real(x: object) -> bool:
+    """A real number: Python's or NumPy's (``numbers.Real``), not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def can_read_values(t: torch.Tensor) -> bool:
