@@ -287,6 +287,11 @@ def test_merge_given_tensor_transposed_back_already() -> None:
         f"x (B, H={H}, L, D)",
         "x looks like (B, L, H, D): it was transposed back already",
     )
+    # both fixes it names work: the merged (B, L, H * D) of the heads
+    want = x.flatten(2)
+    assert torch.equal(merge_heads(x.transpose(1, 2), num_heads=H), want)
+    assert f"x.reshape({B}, {L}, {H * D})" in str(info.value)
+    assert torch.equal(x.reshape(B, L, H * D), want)
 
 
 def test_merge_num_heads_mismatch_generic() -> None:

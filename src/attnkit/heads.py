@@ -77,7 +77,10 @@ def merge_heads(x: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
     if num_heads is not None and num_heads != H:
         fix = "check the order of dims"
         if num_heads == L:
-            fix = "x looks like (B, L, H, D): it was transposed back already; pass it as is"
+            fix = (
+                "x looks like (B, L, H, D): it was transposed back already; merge it with "
+                f"x.reshape({B}, {H}, {L * D}) (x.flatten(2)), or pass x.transpose(1, 2)"
+            )
         raise AttentionInputError(
             where,
             "x",

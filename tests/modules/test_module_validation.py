@@ -230,6 +230,20 @@ MODULE_CASES = [
         ),
     ),
     param(
+        "batch-first-to-seq-first",
+        # batch-first tensors given to a batch_first=False module: the shapes as passed
+        Case(
+            lambda: mha(batch_first=False)(r(B, L, E), r(B, S, E)),
+            "key",
+            ("disagree on batch or key length",),
+            (f"query (L={B}, B={L}, E={E})", f"key (S={B}, B={S}, E={E})"),
+            "the same B in all three",
+            "these look like (batch, seq, embed) tensors, and this module was built with "
+            "batch_first=False: build it with batch_first=True, or pass x.transpose(0, 1)",
+            where=MHA,
+        ),
+    ),
+    param(
         "key-value-length",
         Case(
             lambda: mha()(r(B, L, E), r(B, S, E), r(B, S + 1, E)),

@@ -81,26 +81,35 @@ def check_input(
 def check_batch(
     where: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch_first: bool
 ) -> None:
-    """Batch-first ``query``, ``key`` and ``value`` agree on B, and ``key`` and ``value`` on S."""
-    B, S = query.shape[0], key.shape[1]
-    if key.shape[0] == B and value.shape[0] == B and value.shape[1] == S:
+    """``query``, ``key`` and ``value`` as the caller passed them (``(B, L, E)``, or
+    ``(L, B, E)`` when not ``batch_first``) agree on B, and ``key`` and ``value`` on S."""
+    b, s = (0, 1) if batch_first else (1, 0)
+
+    def agree(b: int, s: int) -> bool:
+        B = query.shape[b]
+        return key.shape[b] == B and value.shape[b] == B and value.shape[s] == key.shape[s]
+
+    if agree(b, s):
         return
-    seq_first = batch_first and query.shape[1] == key.shape[1]
+    names = {"query": ("B", "L", "E"), "key": ("B", "S", "E"), "value": ("B", "S", "E")}
+    if not batch_first:
+        names = {n: (d[1], d[0], d[2]) for n, d in names.items()}
+    other_layout = agree(s, b)  # read the other way, all three agree
+    if other_layout and batch_first:
+        fix = "these look like (seq, batch, embed) tensors: pass batch_first=False or "
+        fix += "x.transpose(0, 1)"
+    elif other_layout:
+        fix = "these look like (batch, seq, embed) tensors, and this module was built with "
+        fix += "batch_first=False: build it with batch_first=True, or pass x.transpose(0, 1)"
+    else:
+        fix = "key and value must come from the same sequence"
     raise AttentionInputError(
         where,
-        "key" if key.shape[0] != B else "value",
+        "key" if key.shape[b] != query.shape[b] else "value",
         "query, key and value disagree on batch or key length.",
         got="  ".join(
-            shape_str(n, t, d)
-            for n, t, d in (
-                ("query", query, ("B", "L", "E")),
-                ("key", key, ("B", "S", "E")),
-                ("value", value, ("B", "S", "E")),
-            )
+            shape_str(n, t, names[n]) for n, t in zip(names, (query, key, value), strict=True)
         ),
         expected="the same B in all three, the same S in key and value",
-        fix="these look like (seq, batch, embed) tensors: pass batch_first=False "
-        "or x.transpose(0, 1)"
-        if seq_first
-        else "key and value must come from the same sequence",
+        fix=fix,
     )

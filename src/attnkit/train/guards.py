@@ -220,8 +220,7 @@ def check_out(out: str | os.PathLike[str], *, resume: bool, overwrite: bool) -> 
     if checkpoint.exists() and not checkpoint.is_file():
         raise _out_error(
             path,
-            f"{checkpoint} is there but is not a file: the run writes its checkpoint at that "
-            "path.",
+            f"{checkpoint} is there but is not a file: the run writes its checkpoint at that path.",
             f"remove or rename {checkpoint}, or pass another --out",
         )
     if not resume and not overwrite and checkpoint.exists():
