@@ -168,7 +168,7 @@ class _Attention(nn.Module):
         self_attention = key is query and value is query
         given = [("query", query), ("key", key), ("value", value)]  # as passed, for a trace
         query, key, value = self._batch_first_inputs(query, key, value)
-        check_batch(where, *(t for _, t in given), self.batch_first)
+        check_batch(where, given[0][1], given[1][1], given[2][1], self.batch_first)
         B, L, S = query.shape[0], query.shape[1], key.shape[1]
         mask = module_mask(
             where,
