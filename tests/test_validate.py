@@ -536,8 +536,10 @@ def test_inverted_causal_mask_warns() -> None:
         assert part in message
 
 
-def test_inverted_causal_float_mask_warns() -> None:
-    inverted = torch.zeros(L, L).masked_fill(~torch.ones(L, L).triu(1).bool(), float("-inf"))
+@pytest.mark.parametrize("blocked", [float("-inf"), -1e9, -1e4], ids=["-inf", "-1e9", "-1e4"])
+def test_inverted_causal_float_mask_warns(blocked: float) -> None:
+    """Seed 001's float form writes -1e9 where it blocks: as blocking as -inf."""
+    inverted = torch.zeros(L, L).masked_fill(~torch.ones(L, L).triu(1).bool(), blocked)
     with pytest.warns(AttentionMaskWarning, match=r"causal=True .* ~mask"):
         attention(*qkv(), mask=inverted)
 
@@ -554,6 +556,11 @@ def test_inverted_causal_float_mask_warns() -> None:
             torch.zeros(L, L).masked_fill(~torch.ones(L, L).tril().bool(), -math.inf),
             id="float-tril",
         ),
+        pytest.param(
+            torch.zeros(L, L).masked_fill(~torch.ones(L, L).tril().bool(), -1e9),
+            id="float-tril-1e9",
+        ),
+        pytest.param(-torch.ones(L, L).triu(1) * 5.0, id="mild-bias-not-blocking"),
     ],
 )
 def test_correct_masks_do_not_warn(mask: torch.Tensor) -> None:

@@ -23,7 +23,14 @@ from attnkit.errors import AttentionInputError, rank_error, shape_str, warn_user
 from attnkit.masks import MaskSpec, as_spec
 from attnkit.memory import AttentionMemoryError, refuse
 
-__all__ = ["can_read_values", "check_mask_values", "make_call", "mask_dims_str", "too_big_error"]
+__all__ = [
+    "can_read_values",
+    "check_mask_values",
+    "make_call",
+    "mask_dims_str",
+    "too_big_error",
+    "warn_if_inverted_causal",
+]
 
 Q_DIMS = ("B", "H", "L", "Dk")
 K_DIMS = ("B", "Hkv", "S", "Dk")
@@ -82,13 +89,16 @@ def make_call(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     key_shards: int = 1,
+    inverted_check: bool = True,
 ) -> AttentionCall:
     """Check one attention call and build it: the one door into the backends.
 
     Folds the ``causal`` flag and the mask into one spec (:func:`attnkit.masks.as_spec`) and
     fixes the scale. ``explaining=True`` marks a call of :func:`attnkit.explain` (nothing runs).
     ``key_shards``: ``k`` is one of that many equal shards of the keys, and a mask spec spans
-    all of them (ring attention validates its shard). Raises :class:`AttentionInputError` for
+    all of them (ring attention validates its shard). ``inverted_check=False``: the caller
+    (a module) has looked for an inverted causal mask itself, in the convention of the argument
+    it was given as (:func:`warn_if_inverted_causal`). Raises :class:`AttentionInputError` for
     bad input.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -183,7 +193,7 @@ def make_call(
         )
     dims = Dims(B, H, Hkv, L, S, Dk, Dv)
     if mask is not None:
-        _validate_mask(mask, q, dims, where, key_shards)
+        _validate_mask(mask, q, dims, where, key_shards, inverted_check)
     if not isinstance(causal, bool):
         raise AttentionInputError(
             where,
@@ -336,7 +346,12 @@ def _validate_spec(
 
 
 def _validate_mask(
-    mask: object, q: torch.Tensor, dims: Dims, where: str, key_shards: int = 1
+    mask: object,
+    q: torch.Tensor,
+    dims: Dims,
+    where: str,
+    key_shards: int = 1,
+    inverted_check: bool = True,
 ) -> None:
     if isinstance(mask, MaskSpec):
         _validate_spec(mask, q, dims, where, key_shards)
@@ -399,8 +414,8 @@ def _validate_mask(
     if not can_read_values(mask):
         return
     check_mask_values(mask, where)
-    if mask.dim() >= 2 and mask.shape[-2] == mask.shape[-1] == dims.L > 1:
-        _warn_if_inverted_causal(mask)
+    if inverted_check:
+        warn_if_inverted_causal(mask)
 
 
 def _real(x: object) -> bool:
@@ -438,24 +453,38 @@ def check_mask_values(mask: torch.Tensor, where: str, name: str = "mask") -> Non
     )
 
 
-def _warn_if_inverted_causal(mask: torch.Tensor) -> None:
-    """Warn on a mask that forbids every diagonal entry but allows some future key.
+#: a float mask value at or below this blocks (seed 001 writes -1e9; fp16 code -1e4), for the
+#: inverted-mask check only: the backends add float masks as they are
+BLOCKING = -1e4
+_ATTNKIT_CONVENTION = (
+    "attnkit's convention is True = may attend (as in F.scaled_dot_product_attention). Fix: "
+    "pass causal=True instead of a mask, or invert it with ~mask (a mask built as "
+    "ones(L, L).triu(1).bool() marks the positions to *block*)."
+)
 
-    That is the mask of seed 001 (``ones(L, L).triu(1).bool()``) read with attnkit's
-    True = may attend convention: each token sees only the tokens after it, and the last token
-    sees nothing. It is checked only when the whole diagonal is blocked, so the usual masks cost
-    one pass over the diagonal.
+
+def warn_if_inverted_causal(
+    allowed_mask: torch.Tensor, argument: str = "mask", convention: str = _ATTNKIT_CONVENTION
+) -> None:
+    """Warn on a square mask that forbids every diagonal entry but allows some future key.
+
+    That is the mask of seed 001 (``ones(L, L).triu(1).bool()``, or its float form with
+    ``-inf`` / ``-1e9``) read with attnkit's True = may attend convention: each token sees only
+    the tokens after it, and the last token sees nothing. ``allowed_mask`` is in attnkit's
+    convention (bool True = may attend, or float added); ``argument`` and ``convention`` say
+    what the caller passed (a module's ``attn_mask`` keeps torch's meaning). It is checked only
+    when the whole diagonal is blocked, so the usual masks cost one pass over the diagonal.
     """
-    allowed = mask if mask.dtype == torch.bool else mask != float("-inf")
+    mask = allowed_mask
+    if not (mask.dim() >= 2 and mask.shape[-2] == mask.shape[-1] > 1):
+        return
+    allowed = mask if mask.dtype == torch.bool else mask > BLOCKING
     if bool(allowed.diagonal(dim1=-2, dim2=-1).any()):
         return
     if bool(allowed.triu(1).any()):
         warn_user(
-            "attnkit: this mask blocks every token from itself and lets it see only later "
-            "tokens: it looks like an inverted causal mask. attnkit's convention is "
-            "True = may attend (as in F.scaled_dot_product_attention). Fix: pass causal=True "
-            "instead of a mask, or invert it with ~mask (a mask built as "
-            "ones(L, L).triu(1).bool() marks the positions to *block*)."
+            f"attnkit: this {argument} blocks every token from itself and lets it see only "
+            f"later tokens: it looks like an inverted causal mask. {convention}"
         )
 
 

@@ -393,8 +393,26 @@ def test_seq_first_module_accepts_seq_first_input() -> None:
 
 
 def test_inverted_causal_mask_warns_through_module() -> None:
-    with pytest.warns(AttentionMaskWarning, match="inverted causal mask"):
+    with pytest.warns(AttentionMaskWarning, match="inverted causal mask") as record:
         mha()(r(B, L, E), mask=torch.ones(L, L).triu(1).bool())
+    assert len(record) == 1
+    assert "this mask blocks every token" in str(record[0].message)
+    assert "attnkit's convention is True = may attend" in str(record[0].message)
+
+
+def test_an_inverted_attn_mask_is_named_in_torchs_convention() -> None:
+    """attn_mask keeps torch's meaning (True = may not attend): a tril mask there keeps only
+    the future, and the warning says so in that convention, once."""
+    with pytest.warns(AttentionMaskWarning, match="inverted causal mask") as record:
+        mha()(r(B, L, E), attn_mask=torch.ones(L, L).tril().bool())
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "this attn_mask blocks every token from itself" in message
+    assert "attn_mask keeps torch's convention, True = may NOT attend" in message
+    assert "ones(L, L).triu(1).bool()" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's own causal attn_mask: no warning
+        mha()(r(B, L, E), attn_mask=torch.ones(L, L).triu(1).bool())
 
 
 def test_key_padding_mask_with_empty_row_warns() -> None:

@@ -201,7 +201,9 @@ class _Attention(nn.Module):
                     q, k, v, mask, self_attention, kv_cache, positions
                 )
             dropout = self.dropout if self.training else 0.0
-            call = make_call(q, k, v, mask, causal, None, dropout, need_weights)
+            call = make_call(
+                q, k, v, mask, causal, None, dropout, need_weights, inverted_check=False
+            )
             out, weights = run_call(call, self.backend)
         except BaseException:
             if tr is not None:  # later calls in the trace are not this module's

@@ -23,6 +23,7 @@ import torch
 
 from attnkit.errors import AttentionInputError, shape_str, warn_user
 from attnkit.masks import MaskSpec, key_mask
+from attnkit.validate import can_read_values, warn_if_inverted_causal
 
 __all__ = ["Mask", "MaskArgs", "combine", "key_part", "module_mask"]
 
@@ -140,7 +141,22 @@ def module_mask(
         where, args.key_padding_mask, args.attention_mask, B, S, dtype, seq_first=seq_first
     )
     attn = None if args.attn_mask is None else _attn_part(where, args.attn_mask, size, dtype)
+    # an inverted causal mask, said in the convention of the argument it came in (the call
+    # this module makes does not look again)
+    if isinstance(args.mask, torch.Tensor) and can_read_values(args.mask):
+        warn_if_inverted_causal(args.mask)
+    if attn is not None and can_read_values(attn):
+        warn_if_inverted_causal(attn, "attn_mask", TORCH_ATTN_MASK)
     return combine(combine(args.mask, attn, L, S, dtype), keys, L, S, dtype)
+
+
+TORCH_ATTN_MASK = (
+    "A module's attn_mask keeps torch's convention, True = may NOT attend (a float attn_mask "
+    "is added to the scores): torch's causal attn_mask is ones(L, L).triu(1).bool(), True "
+    "above the diagonal (nn.Transformer.generate_square_subsequent_mask(L) as floats). Fix: "
+    "pass that, build the module with causal=True, or give attnkit's True = may attend form "
+    "as mask=."
+)
 
 
 def key_part(
