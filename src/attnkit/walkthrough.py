@@ -85,22 +85,25 @@ def _life_is_short() -> Walkthrough:
     say(f"its context vector starts [{', '.join(f'{c:.4f}' for c in context[0, 0, 1, :4])}, ...]")
 
     # The same single head as a module: Linear layers hold the same matrices.
-    mha = MultiHeadAttention(16, 1, head_dim=d_k, v_head_dim=d_v, bias=False)
-    mha.out_proj = torch.nn.Identity()
+    mha = MultiHeadAttention(
+        16, 1, head_dim=d_k, v_head_dim=d_v, bias=False, output_projection=False
+    )
     with torch.no_grad():
         mha.q_proj.weight.copy_(w_query)
         mha.k_proj.weight.copy_(w_key)
         mha.v_proj.weight.copy_(w_value)
     module_context = mha(embedded[None]).output.detach()  # (B=1, L=6, Dv=28)
     say(
-        f"MultiHeadAttention(16, 1, head_dim=24, v_head_dim=28) output (B, L, Dv) "
+        f"MultiHeadAttention(16, 1, head_dim=24, v_head_dim=28, output_projection=False) "
+        f"output (B, L, Dv) "
         f"{tuple(module_context.shape)}, equal to the above: "
         f"{torch.allclose(module_context, context[:, 0], atol=1e-5)}"
     )
 
     torch.manual_seed(123)
-    heads = MultiHeadAttention(16, 3, head_dim=d_k, v_head_dim=d_v, bias=False)
-    heads.out_proj = torch.nn.Identity()
+    heads = MultiHeadAttention(
+        16, 3, head_dim=d_k, v_head_dim=d_v, bias=False, output_projection=False
+    )
     multihead_context = heads(embedded[None]).output.detach()  # (1, 6, 3 * 28)
     say(f"three heads: context (B, L, H*Dv) {tuple(multihead_context.shape)}")
 

@@ -521,6 +521,27 @@ def test_self_attention_equals_seed_000(dtype: torch.dtype) -> None:
     torch.testing.assert_close(res.weights[:, 0], (scores / math.sqrt(8)).softmax(-1), **tol)
 
 
+def test_self_attention_with_seed_003s_value_width() -> None:
+    """Seed 003's walk-through: d_q = d_k = 24, d_v = 28 on 16-wide embeddings, by hand."""
+    torch.manual_seed(123)
+    x = torch.rand(1, 6, 16, dtype=F64)
+    w_query, w_key = torch.rand(24, 16, dtype=F64), torch.rand(24, 16, dtype=F64)
+    w_value = torch.rand(28, 16, dtype=F64)
+    sa = SelfAttention(16, 24, v_head_dim=28, dtype=F64)
+    assert sa.v_proj.weight.shape == (28, 16)
+    with torch.no_grad():
+        sa.q_proj.weight.copy_(w_query)
+        sa.k_proj.weight.copy_(w_key)
+        sa.v_proj.weight.copy_(w_value)
+    queries, keys, values = x[0] @ w_query.T, x[0] @ w_key.T, x[0] @ w_value.T  # as seed 003
+    weights = torch.softmax(queries @ keys.T / 24**0.5, dim=-1)  # (6, 6)
+    res = sa(x, need_weights=True)
+    assert res.output.shape == (1, 6, 28)
+    torch.testing.assert_close(res.output[0], weights @ values, **TOL64)
+    assert res.weights is not None
+    torch.testing.assert_close(res.weights[0, 0], weights, **TOL64)
+
+
 def test_self_attention_causal_and_padding() -> None:
     torch.manual_seed(24)
     sa = SelfAttention(8, 4, causal=True, dtype=F64)

@@ -381,12 +381,15 @@ class MultiHeadAttention(_Attention):
 class SelfAttention(_Attention):
     """Single-head self-attention without output projection, as written by hand in seed 000.
 
-    ``x (B, L, E) -> (B, L, head_dim)``; queries, keys and values are ``Linear(E, head_dim)``
-    projections of ``x`` (no bias by default). The mask keywords are those of
+    ``x (B, L, E) -> (B, L, v_head_dim)``; queries and keys are ``Linear(E, head_dim)``
+    projections of ``x``, values ``Linear(E, v_head_dim)`` (default ``head_dim``; seed 003
+    uses d_q = d_k = 24 and d_v = 28), no bias by default. The mask keywords are those of
     :class:`MultiHeadAttention`. Returns :class:`~attnkit.AttentionOutput`.
 
     >>> SelfAttention(256, 64)(torch.randn(32, 50, 256)).output.shape
     torch.Size([32, 50, 64])
+    >>> SelfAttention(16, 24, v_head_dim=28)(torch.randn(1, 6, 16)).output.shape
+    torch.Size([1, 6, 28])
     """
 
     def __init__(
@@ -394,6 +397,7 @@ class SelfAttention(_Attention):
         embed_dim: int,
         head_dim: int,
         *,
+        v_head_dim: int | None = None,
         bias: bool = False,
         dropout: float = 0.0,
         causal: bool = False,
@@ -405,6 +409,7 @@ class SelfAttention(_Attention):
             embed_dim,
             1,
             head_dim=head_dim,
+            v_head_dim=v_head_dim,
             bias=bias,
             dropout=dropout,
             causal=causal,
