@@ -85,8 +85,10 @@ def _spec_and_tensor(
     if t.dtype == torch.bool and t.dim() == 4 and t.shape[1:3] == (1, 1):
         # (B or 1, 1, 1, S) -> a spec of (B, S): a mask for every sequence is broadcast to the
         # batch first, as a dense mask would be (the spec and the cache's rules are per B)
-        B = spec.batch or t.shape[0]
-        return spec & key_mask(t[:, 0, 0, :].expand(B, S))
+        keep = t[:, 0, 0, :]
+        if keep.shape[0] == 1 and spec.batch:
+            keep = keep.expand(spec.batch, S)
+        return spec & key_mask(keep)
     return combine(spec.to_dense(L, S, device=t.device, dtype=dtype), t, L, S, dtype)
 
 
