@@ -26,6 +26,7 @@ from attnkit.memory import AttentionMemoryError, refuse
 __all__ = [
     "can_read_values",
     "check_mask_values",
+    "is_real",
     "make_call",
     "mask_dims_str",
     "too_big_error",
@@ -215,8 +216,8 @@ def make_call(
             fix="scale=float(t) for a constant; for a learned temperature, multiply q by it "
             "and pass scale=1.0",
         )
-    if scale is not None and (not _real(scale) or not math.isfinite(scale) or scale <= 0):
-        kind = "" if _real(scale) else f" (a {type(scale).__name__})"
+    if scale is not None and (not is_real(scale) or not math.isfinite(scale) or scale <= 0):
+        kind = "" if is_real(scale) else f" (a {type(scale).__name__})"
         raise AttentionInputError(
             where,
             "scale",
@@ -225,7 +226,7 @@ def make_call(
             expected="scale > 0 (default 1/sqrt(Dk))",
             fix=f"leave it out for 1/sqrt({Dk}) = {1 / math.sqrt(Dk):.4g}",
         )
-    if not _real(dropout_p) or not 0.0 <= dropout_p < 1.0:
+    if not is_real(dropout_p) or not 0.0 <= dropout_p < 1.0:
         raise AttentionInputError(
             where,
             "dropout_p",
@@ -418,7 +419,7 @@ def _validate_mask(
         warn_if_inverted_causal(mask)
 
 
-def _real(x: object) -> bool:
+def is_real(x: object) -> bool:
     """A real number: Python's or NumPy's (``numbers.Real``), not a bool."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 

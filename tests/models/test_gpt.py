@@ -193,6 +193,29 @@ def test_generate_errors(gpt: GPT) -> None:
         gpt(torch.ones(1, 4, dtype=torch.long), attention_mask=holes, kv_cache=cache)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": float("nan")}, "`temperature` must be a finite number >= 0"),
+        ({"temperature": float("inf")}, "`temperature` must be a finite number >= 0"),
+        ({"temperature": -1.0}, "got -1.0."),
+        ({"temperature": torch.tensor(1.0)}, "got tensor(1.) (a Tensor)."),
+        ({"input_ids": torch.zeros(1, 0, dtype=torch.long)}, "there is no prompt to continue"),
+        ({"input_ids": torch.zeros(0, 3, dtype=torch.long)}, "there is no prompt to continue"),
+        (
+            {"attention_mask": torch.tensor([[2, 2, 2]])},
+            "`attention_mask` holds values other than 0 and 1: [2]",
+        ),
+    ],
+)
+def test_generate_refuses_before_it_runs(gpt: GPT, kwargs: dict[str, Any], message: str) -> None:
+    """Each of these reached torch's sampler or argmax as a raw error, or ran silently."""
+    args: dict[str, Any] = {"input_ids": torch.ones(1, 3, dtype=torch.long), "max_new_tokens": 2}
+    with pytest.raises(AttentionInputError) as e:
+        gpt.generate(**(args | kwargs))
+    assert message in str(e.value)
+
+
 def test_untied_head_and_float64(transformers: Any) -> None:
     config = transformers.GPT2Config(
         vocab_size=50,
@@ -277,6 +300,26 @@ def test_from_hf_rejects_other_models(transformers: Any) -> None:
     )
     with pytest.raises(AttentionInputError, match="scale_attn_weights"):
         from_hf(transformers.GPT2LMHeadModel(config))
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [{"is_decoder": True}, {"is_decoder": True, "add_cross_attention": True}],
+    ids=["is_decoder", "cross-attention"],
+)
+def test_from_hf_refuses_a_bert_that_is_not_the_encoder(
+    transformers: Any, setting: dict[str, bool]
+) -> None:
+    """A decoder BERT attends causally: converting it to attnkit's (bidirectional) encoder
+    would give other hidden states silently; it is refused."""
+    config = transformers.BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=48, **setting,
+    )  # fmt: skip
+    with pytest.raises(AttentionInputError) as e:
+        from_hf(transformers.BertModel(config, add_pooling_layer=False))
+    assert "settings attnkit's BertEncoder does not have: is_decoder" in str(e.value)
+    assert "is_decoder=True" in str(e.value)
 
 
 def test_attnkit_import_does_not_load_transformers() -> None:

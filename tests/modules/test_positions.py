@@ -10,6 +10,7 @@ that bias as a dense float mask.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -303,6 +304,33 @@ def test_learned_positions() -> None:
     with pytest.raises(AttentionInputError, match="position 10 is past the table's 10") as e:
         pe(torch.tensor([8, 9, 10]))
     assert "shorten" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda pe: pe(torch.tensor([-1, 0])), "position -1 is negative"),
+        (lambda pe: pe(torch.tensor([0.0, 1.0])), "`positions` must be a tensor of integer"),
+        (lambda pe: pe(torch.tensor([True])), "`positions` must be a tensor of integer"),
+        (lambda pe: LearnedPositions(0, 4), "`max_positions` must be a positive int, got 0"),
+        (lambda pe: LearnedPositions(4.0, 4), "`max_positions` must be a positive int"),
+        (lambda pe: LearnedPositions(8, 0), "`dim` must be a positive int, got 0"),
+    ],
+)
+def test_learned_positions_refuse_what_is_not_a_position(make: Any, message: str) -> None:
+    """torch's embedding answered these with an IndexError or a RuntimeError (or built an
+    empty table)."""
+    with pytest.raises(AttentionInputError) as e:
+        make(LearnedPositions(10, 4))
+    assert message in str(e.value)
+
+
+def test_rope_refuses_integer_vectors() -> None:
+    """cos and sin cast to int64 turned every rotated row to zeros, silently."""
+    x = torch.tensor([[[[3, 4, 5, 6]]]]).expand(1, 1, 3, 4).contiguous()
+    with pytest.raises(AttentionInputError, match="RoPE rotates float vectors") as e:
+        RotaryEmbedding(4)(x)
+    assert "fix:      x.float()" in str(e.value)
 
 
 def test_rope_in_multi_head_attention_is_checked_and_not_dropped() -> None:

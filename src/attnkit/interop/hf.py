@@ -73,6 +73,7 @@ def from_hf(model: Any) -> GPT | BertEncoder:
         ours: GPT | BertEncoder = GPT(_gpt2_config(model.config))
         state = hf_gpt2_state_dict(model.state_dict())
     elif "BertModel" in names:
+        _check_bert_config(model.config)
         ours = BertEncoder(BertConfig.from_dict(model.config.to_dict()))
         state = hf_bert_state_dict(model.state_dict())
     else:
@@ -103,6 +104,32 @@ def from_hf(model: Any) -> GPT | BertEncoder:
 def _tied(model: GPT | BertEncoder, key: str) -> bool:
     """A tied LM head has no weight of its own in a GPT-2 checkpoint without ``lm_head``."""
     return isinstance(model, GPT) and model.config.tie_embeddings and key == "lm_head.weight"
+
+
+def _check_bert_config(c: Any) -> None:
+    """attnkit's BertEncoder is the bidirectional encoder with absolute positions: a BERT
+    config asking for anything else is refused (it would otherwise load and compute another
+    model)."""
+    unsupported = {
+        "is_decoder": bool(getattr(c, "is_decoder", False)),
+        "add_cross_attention": bool(getattr(c, "add_cross_attention", False)),
+        "position_embedding_type": getattr(c, "position_embedding_type", "absolute")
+        not in (None, "absolute"),
+    }
+    bad = [name for name, is_bad in unsupported.items() if is_bad]
+    if bad:
+        raise AttentionInputError(
+            WHERE,
+            "model",
+            f"this BERT config uses settings attnkit's BertEncoder does not have: "
+            f"{', '.join(bad)} (its attention would differ: causal, cross-attention or "
+            "relative positions).",
+            got=", ".join(f"{name}={getattr(c, name, None)!r}" for name in bad),
+            expected="is_decoder=False, add_cross_attention=False, "
+            "position_embedding_type='absolute'",
+            fix='run it in transformers, with attn_implementation="attnkit" '
+            "(attnkit.interop.register_hf) for attnkit's attention",
+        )
 
 
 def _gpt2_config(c: Any) -> GPTConfig:

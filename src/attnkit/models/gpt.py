@@ -12,6 +12,7 @@ goes through :func:`attnkit.attention`. :func:`attnkit.interop.from_hf` loads a 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from attnkit.models.token_ids import check_token_ids
 from attnkit.modules.kv_cache import KVCache
 from attnkit.modules.positions import LearnedPositions
 from attnkit.modules.transformer import Activation, TransformerConfig, TransformerStack
+from attnkit.validate import can_read_values, is_real
 
 __all__ = ["GPT", "GPTConfig"]
 
@@ -190,6 +192,16 @@ class GPT(nn.Module):
         _check_generate_args(where, max_new_tokens, temperature, top_k)
         real = self._check(input_ids, attention_mask, None, where=where)
         B, T = input_ids.shape
+        if B == 0 or T == 0:
+            raise AttentionInputError(
+                where,
+                "input_ids",
+                "there is no prompt to continue: generate() needs at least one sequence of "
+                "at least one token.",
+                got=shape_str("input_ids", input_ids, ("B", "T")),
+                expected="input_ids (B >= 1, T >= 1)",
+                fix="start each sequence with a token (a BOS id, if the model has one)",
+            )
         N = max_new_tokens
         dev = input_ids.device
         if real is None:
@@ -277,6 +289,19 @@ class GPT(nn.Module):
                 got=f"{got}  {shape_str('input_ids', input_ids, ('B', 'T'))}",
                 expected="attention_mask (B, T), 1/True = a real token",
             )
+        if attention_mask.dtype != torch.bool and can_read_values(attention_mask):
+            odd = attention_mask[(attention_mask != 0) & (attention_mask != 1)]
+            if odd.numel():
+                values = sorted({int(x) for x in odd.tolist()})[:5]
+                raise AttentionInputError(
+                    where,
+                    "attention_mask",
+                    f"`attention_mask` holds values other than 0 and 1: {values}.",
+                    got=f"{shape_str('attention_mask', attention_mask, ('B', 'T'))} "
+                    f"dtype={attention_mask.dtype}, values {values}",
+                    expected="0 (padding) or 1 (a real token), as in Hugging Face",
+                    fix="attention_mask=(input_ids != pad_id); token ids are input_ids, not a mask",
+                )
         real = attention_mask != 0
         if kv_cache is not None:
             n = real.sum(dim=1, keepdim=True)
@@ -307,17 +332,17 @@ def _check_generate_args(
             got=f"max_new_tokens={max_new_tokens!r}",
             expected="an int >= 0",
         )
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, (int, float))
-        or temperature < 0
-    ):
+    real = is_real(temperature)
+    if not real or not math.isfinite(temperature) or temperature < 0:
+        kind = "" if real else f" (a {type(temperature).__name__})"
         raise AttentionInputError(
             where,
             "temperature",
-            "`temperature` must be >= 0 (0 is greedy).",
+            f"`temperature` must be a finite number >= 0 (0 is greedy), got {temperature!r}{kind}.",
             got=f"temperature={temperature!r}",
-            expected="0 (greedy) or a float > 0 (sampling)",
+            expected="0 (greedy) or a finite number > 0 (sampling)",
+            fix="temperature=float(t) for a tensor; a very large temperature samples "
+            "uniformly, which is rarely meant",
         )
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise AttentionInputError(

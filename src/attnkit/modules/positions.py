@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from attnkit.errors import AttentionInputError, shape_str
+from attnkit.errors import AttentionInputError, check_int, shape_str
 from attnkit.masks import alibi, alibi_slopes
 from attnkit.validate import can_read_values
 
@@ -154,6 +154,16 @@ class RotaryEmbedding(nn.Module):
                 expected=f"x (B, H, L, D >= {self.dim})",
                 fix="split heads first: attnkit.split_heads(x, num_heads)",
             )
+        if not x.is_floating_point():
+            raise AttentionInputError(
+                where,
+                "x",
+                f"RoPE rotates float vectors; x has dtype {x.dtype}, in which every rotated "
+                "value would be rounded to an integer.",
+                got=f"{shape_str('x', x, ('B', 'H', 'L', 'D'))} dtype={x.dtype}",
+                expected="x (B, H, L, D) float32, float64, bfloat16 or float16",
+                fix="x.float()",
+            )
         B, _, L, _ = x.shape
         pos = _positions(where, positions, B, L, x.device)  # (B', L)
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -190,6 +200,8 @@ class LearnedPositions(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        check_int("attnkit.LearnedPositions", "max_positions", max_positions)
+        check_int("attnkit.LearnedPositions", "dim", dim)
         self.max_positions = max_positions
         self.dim = dim
         self.weight = nn.Parameter(torch.empty(max_positions, dim, device=device, dtype=dtype))
@@ -199,6 +211,35 @@ class LearnedPositions(nn.Module):
         return f"max_positions={self.max_positions}, dim={self.dim}"
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        where = "attnkit.LearnedPositions"
+        if (
+            not isinstance(positions, torch.Tensor)
+            or positions.is_floating_point()
+            or positions.is_complex()
+            or positions.dtype == torch.bool
+        ):
+            got = (
+                f"{shape_str('positions', positions, None)} dtype={positions.dtype}"
+                if isinstance(positions, torch.Tensor)
+                else f"positions: {type(positions).__name__}"
+            )
+            raise AttentionInputError(
+                where,
+                "positions",
+                "`positions` must be a tensor of integer positions.",
+                got=got,
+                expected="an int64 tensor of positions 0 .. max_positions - 1",
+                fix="torch.arange(L), or positions.long() if they are whole numbers",
+            )
+        if positions.numel() and can_read_values(positions) and int(positions.min()) < 0:
+            raise AttentionInputError(
+                where,
+                "positions",
+                f"position {int(positions.min())} is negative.",
+                got=f"{shape_str('positions', positions, None)} min={int(positions.min())}",
+                expected="positions >= 0",
+                fix="count positions from 0 (a left-padded row: from its first real token)",
+            )
         if (
             positions.numel()
             and can_read_values(positions)  # not while torch.compile traces: no data branch
