@@ -213,10 +213,19 @@ def test_planning_a_dense_mask_refuses_above_the_limit(set_limit: SetLimit) -> N
     with pytest.raises(AttentionMemoryError) as info:
         attnkit.attention(q, q, q, mask=mask, backend="blocked")
     problem, _, _, fix = _parts(info.value)
+    assert problem.startswith(  # the dispatcher knows the planning's size now
+        "attnkit.attention: int64 prefix sums of the mask tensor, to plan its blocks would "
+        "take 0.0234 GiB (25,165,824 bytes)"
+    )
+    assert "pass the mask as a spec from attnkit.masks" in fix
+    with pytest.raises(AttentionMemoryError) as info:  # planning it directly: the masks' guard
+        masks.as_spec(mask).block_map(1024, 1024, 128)
+    problem, _, _, fix = _parts(info.value)
     assert problem.startswith(
         "attnkit.masks: planning the dense bool mask (1, 1, 1024, 1024) block by block"
     )
     assert "pass the mask as a spec from attnkit.masks" in fix
+    assert "backend='auto'" in fix
 
 
 def test_meta_tensors_allocate_nothing_and_are_never_refused(set_limit: SetLimit) -> None:
@@ -263,3 +272,28 @@ def test_the_default_is_half_of_memavailable(
     )
     meminfo.unlink()  # no /proc/meminfo (not Linux): no limit unless one is set
     assert attnkit.memory.memory_limit(cpu) is None
+
+
+def test_a_mask_tensor_whose_planning_does_not_fit_is_passed_over_by_auto(
+    set_limit: SetLimit,
+) -> None:
+    """blocked (and flex) plan a mask tensor from int64 prefix sums of its shape: explain
+    said blocked could serve, auto took it, and the masks raised. Now that memory is blocked's
+    L x S need: auto passes it over for sdpa, which takes the tensor as it is."""
+    set_limit(1 << 16)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 256, 16, generator=g)
+    m = torch.rand(256, 256, generator=g) > 0.5
+    e = attnkit.explain(q, q, q, mask=m)
+    assert e.chosen == "sdpa"
+    assert "blocked: cannot serve: int64 prefix sums of the mask tensor" in str(e)
+    out = attnkit.attention(q, q, q, mask=m)
+    torch.testing.assert_close(out, reference_attention(q, q, q, mask=m)[0].float())
+    with pytest.raises(AttentionMemoryError) as info:
+        attnkit.attention(q, q, q, mask=m, backend="blocked")
+    problem, _, _, fix = _parts(info.value)
+    assert problem.startswith(
+        "attnkit.attention: int64 prefix sums of the mask tensor, to plan its blocks would "
+    )
+    assert "pass the mask as a spec from attnkit.masks" in fix
+    assert "backend='auto'" in fix

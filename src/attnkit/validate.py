@@ -504,14 +504,21 @@ def too_big_error(
         ways.append("dropout_p=0.0")
     if call.mask_needs_grad:
         ways.append("a float mask that needs no gradient")
-    if ways:
-        fix = f"{'; '.join(ways)}: then the blocked backend runs it"
+    if backend in ("blocked", "flex"):  # its L x S memory is the planning of a mask tensor
+        fix = (
+            "pass the mask as a spec from attnkit.masks (key_mask(keep), padding(lengths), "
+            "causal(), document(ids), ...), planned from its rule with no L x S memory; or "
+            "backend='auto', which takes a backend that uses the tensor as it is"
+        )
     else:
-        fix = "backend='blocked' runs it"
-    fix += (
-        " without L x S tensors (a mask spec from attnkit.masks, block by block); or fewer "
-        "queries per call (a smaller L)"
-    )
+        if ways:
+            fix = f"{'; '.join(ways)}: then the blocked backend runs it"
+        else:
+            fix = "backend='blocked' runs it"
+        fix += (
+            " without L x S tensors (a mask spec from attnkit.masks, block by block); or fewer "
+            "queries per call (a smaller L)"
+        )
     d = call.dims
     spec = call.mask
     mask = "" if spec is None or spec.from_tensor else f"  mask={spec!r}"

@@ -183,6 +183,14 @@ class FlexBackend(Backend):
         entry.calls += 1
         return out, None
 
+    def dense_allocation(self, call: AttentionCall) -> tuple[int, str] | None:
+        """A mask tensor is planned from int64 prefix sums of its shape (a spec of rules needs
+        none): ``auto`` passes this backend over where they would not fit."""
+        nbytes = 0 if call.mask is None else call.mask.planning_bytes()
+        if not nbytes:
+            return None
+        return nbytes, "int64 prefix sums of the mask tensor, to plan its blocks"
+
     def check(self, call: AttentionCall) -> str | None:
         reason = unavailable()
         if reason is not None:

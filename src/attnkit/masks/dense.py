@@ -84,10 +84,14 @@ class DenseMask(MaskSpec):
         area = (qb - qa + 1) * (kb - ka + 1)
         return n > 0, n == area
 
+    def planning_bytes(self) -> int:
+        """The prefix sums: three int64 copies of the mask's shape."""
+        return 3 * 8 * self.ok.numel()
+
     def _check_sums(self) -> None:
         """The prefix sums take three int64 copies of the mask's shape: refuse them above
         attnkit's memory limit (:mod:`attnkit.memory`)."""
-        nbytes = 3 * 8 * self.ok.numel()
+        nbytes = self.planning_bytes()
         limit = exceeds(nbytes, self.ok.device)
         if limit is not None:
             raise refuse(
@@ -99,7 +103,8 @@ class DenseMask(MaskSpec):
                 got=f"{self!r} on {self.ok.device}",
                 fix="pass the mask as a spec from attnkit.masks (key_mask(keep), "
                 "padding(lengths), causal(), document(ids), ...), which is planned from its "
-                "rule; or a backend that takes the tensor as it is (backend='sdpa')",
+                "rule; or backend='auto', which takes a backend that uses the tensor as it is "
+                "(attnkit.explain(...) says which)",
             )
 
     def __repr__(self) -> str:

@@ -164,6 +164,13 @@ class MaskSpec:
         ``(1, nk)``; the results broadcast to ``(B', 1, nq, nk)``."""
         raise NotImplementedError
 
+    def planning_bytes(self) -> int:
+        """The bytes planning this spec block by block allocates beyond its rule: the int64
+        prefix sums of every dense mask inside it (:class:`~attnkit.masks.dense.DenseMask`),
+        0 for a spec of rules. The backends that plan blocks report it as their L x S memory,
+        so that ``auto`` passes them over where it is above attnkit's memory limit."""
+        return sum(v.planning_bytes() for v in vars(self).values() if isinstance(v, MaskSpec))
+
     def allows_all(self, L: int, S: int) -> bool:
         """Whether this spec allows every (query, key) pair of an ``L x S`` call and adds no
         bias, for every batch row and head: then it changes nothing and no mask need be made

@@ -195,6 +195,14 @@ class BlockedBackend(Backend):
         out, lse = forward_with_lse(qc, kc, vc, mask=call.mask, scale=call.scale, plan=plan)
         return with_sinks(out, lse, sinks)[0].to(q.dtype), None
 
+    def dense_allocation(self, call: AttentionCall) -> tuple[int, str] | None:
+        """A mask tensor is planned from int64 prefix sums of its shape (a spec of rules needs
+        none): ``auto`` passes this backend over where they would not fit."""
+        nbytes = 0 if call.mask is None else call.mask.planning_bytes()
+        if not nbytes:
+            return None
+        return nbytes, "int64 prefix sums of the mask tensor, to plan its blocks"
+
     def check(self, call: AttentionCall) -> str | None:
         if call.return_weights:
             return "it never forms the attention weights (return_weights=True)"
