@@ -497,3 +497,21 @@ def test_auto_takes_blocked_for_specs_and_explain_says_which_rule_fired() -> Non
         warnings.simplefilter("error")  # auto's blocked call raises no warning either
         out = attnkit.attention(q, q, q, mask=spec)
     assert _err(out, attnkit.attention(q, q, q, mask=spec, backend="math")) <= 1e-5
+
+
+def test_explain_says_why_a_big_plain_causal_call_is_not_blocked_s() -> None:
+    """A float64 causal call of 1024 x 1024 is big enough for the kernel's rule, but the kernel
+    does not read float64: the reason says that, not only the size threshold it meets."""
+    q = torch.randn(1, 2, 1024, 16, dtype=torch.float64)
+    e = attnkit.explain(q, q, q, causal=True)
+    assert e.chosen == "sdpa"
+    line = next(x for x in str(e).splitlines() if x.strip().startswith("blocked:"))
+    assert "this 1024 x 1024 call is plain causal, but attnkit's row-span kernel reads" in line
+    assert "(q is torch.float64)" in line
+    small = torch.randn(1, 2, 100, 16)
+    line = next(
+        x
+        for x in str(attnkit.explain(small, small, small, causal=True)).splitlines()
+        if x.strip().startswith("blocked:")
+    )
+    assert line.endswith("; this causal call is 100 x 100")

@@ -242,9 +242,14 @@ class BlockedBackend(Backend):
                 "measured 1.2-1.6x faster than SDPA's is_causal (benchmarks/kernel_spans.py)"
             )
         if not extras and (spec is None or spec.from_tensor or call.causal):
+            why = ""
+            if plain_causal and plan is not None:  # big enough, but the kernel does not run it
+                why = f"; this {L} x {S} call is plain causal, but {plan.spans.reason}"
+            elif call.causal and not big:
+                why = f"; this causal call is {L} x {S}"
             return False, (
                 "auto takes it for mask specs, soft-caps and sinks, and for plain causal "
-                "CPU calls its kernel runs from L x S = 1024 x 1024 (where it is faster)"
+                "CPU calls its kernel runs from L x S = 1024 x 1024 (where it is faster)" + why
             )
         pairs = current().min_pairs
         if pairs > L * S:
