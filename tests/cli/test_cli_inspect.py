@@ -416,6 +416,11 @@ def test_doctor() -> None:
         assert verdicts[(name, "float32", "cpu")].startswith("usable")
         assert verdicts[(name, "bfloat16", "cpu")].startswith("usable")
     assert verdicts[("sdpa", "float32", "cpu")] == "usable (auto's choice)"
+    # flex declines a call of one block (it would compile for nothing): said as that, not as
+    # the backend being unusable
+    assert verdicts[("flex", "float32", "cpu")].startswith(
+        "declines the probe call (not run): L = 8 and S = 8 fit in one 128 x 128 block"
+    )
 
 
 def test_doctor_names_the_cpu_features_and_the_low_precision_paths(

@@ -40,7 +40,9 @@ def _rows(rows: list[tuple[str, str]]) -> None:
 
 
 def _backend_verdict(name: str, dtype_name: str, device: str) -> str:
-    """``usable`` after a tiny call that matched a float64 reference, or why not."""
+    """``usable`` after a tiny call that matched a float64 reference; or why the backend
+    declined that call (which may be the call's size, as for flex, not the backend); or how it
+    failed."""
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 8, 16, generator=gen) for _ in range(3))  # (B, H, L, D)
@@ -49,8 +51,8 @@ def _backend_verdict(name: str, dtype_name: str, device: str) -> str:
     try:
         explanation = attnkit.explain(q, k, v)
         reason = explanation.verdicts.get(name)
-        if reason is not None:
-            return f"not usable: {reason}"
+        if reason is not None:  # about this tiny call (flex: one block), or the backend itself
+            return f"declines the probe call (not run): {reason}"
         out = attnkit.attention(q, k, v, backend=name)
     except Exception as e:  # a backend that breaks here is what doctor is for
         first = str(e).splitlines()[0] if str(e) else ""
