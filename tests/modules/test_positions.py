@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -110,6 +111,10 @@ def test_rope_bad_input_messages() -> None:
         RotaryEmbedding(8, layout="neox")  # type: ignore[arg-type]
     with pytest.raises(AttentionInputError, match="even int"):
         RotaryEmbedding(7)
+    for bad in ({"base": math.inf}, {"scaling": math.inf}, {"base": 0.0}, {"scaling": math.nan}):
+        with pytest.raises(AttentionInputError, match="must be a finite number > 0"):
+            RotaryEmbedding(8, **bad)  # type: ignore[arg-type]
+    assert RotaryEmbedding(8, base=np.float32(500.0)).base == 500.0
     with pytest.raises(AttentionInputError, match="D >= dim = 16") as e:
         RotaryEmbedding(16)(torch.randn(1, 2, 3, 8))
     assert "split_heads" in str(e.value)

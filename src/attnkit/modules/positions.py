@@ -15,6 +15,7 @@ Dimension legend: B batch, H heads, L length, D head dim, E model width, P max p
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -22,7 +23,7 @@ from torch import nn
 
 from attnkit.errors import AttentionInputError, check_int, shape_str
 from attnkit.masks import alibi, alibi_slopes
-from attnkit.validate import can_read_values
+from attnkit.validate import can_read_values, is_real
 
 __all__ = ["LearnedPositions", "RotaryEmbedding", "alibi", "alibi_slopes"]
 
@@ -123,9 +124,13 @@ class RotaryEmbedding(nn.Module):
                 "(dims 2i, 2i+1; RoFormer, GPT-J)",
             )
         for name, value in (("base", base), ("scaling", scaling)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            if not is_real(value) or not math.isfinite(value) or not value > 0:
                 raise AttentionInputError(
-                    where, name, f"`{name}` must be > 0.", got=f"{name}={value!r}", expected="> 0"
+                    where,
+                    name,
+                    f"`{name}` must be a finite number > 0.",
+                    got=f"{name}={value!r}",
+                    expected="a finite number > 0 (an infinite one rotates nothing)",
                 )
         self.dim = dim
         self.base = float(base)
