@@ -24,26 +24,19 @@ import torch
 from attnkit.models import GPT, GPTConfig
 
 
-def _positive(text: str) -> int:
-    """An argparse type: an int >= 1 (a count of tokens, sequences, repeats or threads)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} is not >= 1")
-    return n
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--new-tokens", type=_positive, default=256)
-    parser.add_argument("--prompt", type=_positive, default=16, help="prompt length in tokens")
-    parser.add_argument("--batch", type=_positive, default=1)
-    parser.add_argument("--repeats", type=_positive, default=3)
-    parser.add_argument("--threads", type=_positive, default=None, help="torch.set_num_threads")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--prompt", type=int, default=16, help="prompt length in tokens")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    for flag in ("new_tokens", "prompt", "batch", "repeats", "threads"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:  # counts: 0 would divide by zero or time nothing
+            parser.error(f"--{flag.replace('_', '-')} {value}: it must be at least 1")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 

@@ -13,10 +13,34 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Sequence
+from typing import TypeGuard
 
 import torch
 
-__all__ = ["AttentionInputError", "AttentionMaskWarning", "check_int", "shape_str", "warn_user"]
+__all__ = [
+    "AttentionInputError",
+    "AttentionMaskWarning",
+    "check_int",
+    "is_int_tensor",
+    "shape_str",
+    "tensor_got",
+    "warn_user",
+]
+
+
+def is_int_tensor(x: object) -> TypeGuard[torch.Tensor]:
+    """A tensor of integers: not bool, float or complex (token ids, positions)."""
+    return isinstance(x, torch.Tensor) and not (
+        x.is_floating_point() or x.is_complex() or x.dtype == torch.bool
+    )
+
+
+def tensor_got(name: str, x: object, dims: Sequence[str] | None) -> str:
+    """The ``got`` of an argument that should be a tensor: its named shape and dtype, or, for
+    anything else, its type."""
+    if isinstance(x, torch.Tensor):
+        return f"{shape_str(name, x, dims)} dtype={x.dtype}"
+    return f"{name}: {type(x).__name__}"
 
 
 def shape_str(name: str, t: torch.Tensor | Sequence[int], dims: Sequence[str] | None) -> str:

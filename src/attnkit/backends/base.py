@@ -9,7 +9,7 @@ import torch
 
 from attnkit.call import AttentionCall
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "mask_planning"]
 
 
 class Backend:
@@ -67,3 +67,13 @@ class Backend:
     def note(self, call: AttentionCall) -> str | None:
         """An extra line for :func:`attnkit.explain` (a plan, a compile state), or ``None``."""
         return None
+
+
+def mask_planning(call: AttentionCall) -> tuple[int, str] | None:
+    """The L x S memory of a backend that plans a mask block by block (``blocked``, ``flex``):
+    a mask tensor is planned from int64 prefix sums of its shape (a spec of rules needs none),
+    so that ``auto`` passes the backend over where they would not fit."""
+    nbytes = 0 if call.mask is None else call.mask.planning_bytes()
+    if not nbytes:
+        return None
+    return nbytes, "int64 prefix sums of the mask tensor, to plan its blocks"

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from attnkit.backends.base import Backend
+from attnkit.backends.base import Backend, mask_planning
 from attnkit.backends.sdpa import SdpaBackend
 from attnkit.call import AttentionCall
 from attnkit.masks import FULL, PARTIAL, MaskSpec, block_states
@@ -184,12 +184,7 @@ class FlexBackend(Backend):
         return out, None
 
     def dense_allocation(self, call: AttentionCall) -> tuple[int, str] | None:
-        """A mask tensor is planned from int64 prefix sums of its shape (a spec of rules needs
-        none): ``auto`` passes this backend over where they would not fit."""
-        nbytes = 0 if call.mask is None else call.mask.planning_bytes()
-        if not nbytes:
-            return None
-        return nbytes, "int64 prefix sums of the mask tensor, to plan its blocks"
+        return mask_planning(call)
 
     def check(self, call: AttentionCall) -> str | None:
         reason = unavailable()

@@ -13,9 +13,7 @@ attnkit.errors.AttentionInputError: attnkit.models.GPT: token ids must be in [0,
 
 from __future__ import annotations
 
-import torch
-
-from attnkit.errors import AttentionInputError, shape_str
+from attnkit.errors import AttentionInputError, is_int_tensor, tensor_got
 from attnkit.validate import can_read_values
 
 __all__ = ["check_token_ids"]
@@ -32,22 +30,12 @@ def check_token_ids(
     ``where`` names the model in the message; ``source``, when given, says where valid ids come
     from and opens the fix of a wrong-rank or wrong-dtype input.
     """
-    if (
-        not isinstance(input_ids, torch.Tensor)
-        or input_ids.dim() != 2
-        or input_ids.is_floating_point()
-        or input_ids.dtype == torch.bool
-    ):
-        got = (
-            f"{shape_str('input_ids', input_ids, ('B', 'T'))} dtype={input_ids.dtype}"
-            if isinstance(input_ids, torch.Tensor)
-            else f"input_ids: {type(input_ids).__name__}"
-        )
+    if not is_int_tensor(input_ids) or input_ids.dim() != 2:
         raise AttentionInputError(
             where,
             "input_ids",
             "`input_ids` must be a 2-D tensor of integer token ids.",
-            got=got,
+            got=tensor_got("input_ids", input_ids, ("B", "T")),
             expected="input_ids (B, T), int64",
             fix=UNSQUEEZE if source is None else f"{source}; {UNSQUEEZE}",
         )

@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from attnkit.errors import AttentionInputError, check_int, shape_str
+from attnkit.errors import AttentionInputError, check_int, is_int_tensor, shape_str, tensor_got
 from attnkit.masks import alibi, alibi_slopes
 from attnkit.validate import can_read_values, is_real
 
@@ -37,23 +37,16 @@ def _positions(
     if positions is None:
         return torch.arange(L, device=device)[None]  # (1, L)
     if (
-        not isinstance(positions, torch.Tensor)
-        or positions.is_floating_point()
-        or positions.dtype == torch.bool
+        not is_int_tensor(positions)
         or positions.dim() not in (1, 2)
         or positions.shape[-1] != L
         or (positions.dim() == 2 and positions.shape[0] not in (1, B))
     ):
-        got = (
-            f"{shape_str('positions', positions, None)} dtype={positions.dtype}"
-            if isinstance(positions, torch.Tensor)
-            else f"positions: {type(positions).__name__}"
-        )
         raise AttentionInputError(
             where,
             "positions",
             "`positions` must be integer positions (L,) or (B, L) matching the input.",
-            got=f"{got}  input (B={B}, L={L})",
+            got=f"{tensor_got('positions', positions, None)}  input (B={B}, L={L})",
             expected=f"an integer tensor of shape ({L},) or ({B}, {L})",
             fix="torch.arange(L) + offset, e.g. the number of tokens already in the KV cache",
         )
@@ -217,22 +210,12 @@ class LearnedPositions(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         where = "attnkit.LearnedPositions"
-        if (
-            not isinstance(positions, torch.Tensor)
-            or positions.is_floating_point()
-            or positions.is_complex()
-            or positions.dtype == torch.bool
-        ):
-            got = (
-                f"{shape_str('positions', positions, None)} dtype={positions.dtype}"
-                if isinstance(positions, torch.Tensor)
-                else f"positions: {type(positions).__name__}"
-            )
+        if not is_int_tensor(positions):
             raise AttentionInputError(
                 where,
                 "positions",
                 "`positions` must be a tensor of integer positions.",
-                got=got,
+                got=tensor_got("positions", positions, None),
                 expected="an int64 tensor of positions 0 .. max_positions - 1",
                 fix="torch.arange(L), or positions.long() if they are whole numbers",
             )

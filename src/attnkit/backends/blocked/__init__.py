@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from attnkit.backends.base import Backend
+from attnkit.backends.base import Backend, mask_planning
 from attnkit.backends.blocked import compiled, rowspan
 from attnkit.backends.blocked.blocks import (
     WHOLE,
@@ -196,12 +196,7 @@ class BlockedBackend(Backend):
         return with_sinks(out, lse, sinks)[0].to(q.dtype), None
 
     def dense_allocation(self, call: AttentionCall) -> tuple[int, str] | None:
-        """A mask tensor is planned from int64 prefix sums of its shape (a spec of rules needs
-        none): ``auto`` passes this backend over where they would not fit."""
-        nbytes = 0 if call.mask is None else call.mask.planning_bytes()
-        if not nbytes:
-            return None
-        return nbytes, "int64 prefix sums of the mask tensor, to plan its blocks"
+        return mask_planning(call)
 
     def check(self, call: AttentionCall) -> str | None:
         if call.return_weights:
