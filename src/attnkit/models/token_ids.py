@@ -2,6 +2,7 @@
 
 Dimension legend: B batch, T tokens, V vocabulary size.
 
+>>> import torch
 >>> check_token_ids("attnkit.models.GPT", torch.tensor([[0, 7]]), vocab_size=8)
 >>> check_token_ids("attnkit.models.GPT", torch.tensor([[0, 8]]), vocab_size=8)
 Traceback (most recent call last):

@@ -14,6 +14,7 @@ raised again here.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from collections.abc import Callable
@@ -86,7 +87,11 @@ def _worker(
                 should_stop=lambda: False,
             )
         except TrainingDivergedError as e:  # every rank stops at the same step
-            summary = e
+            # without its traceback: the exception would otherwise keep fit's frames, and with
+            # them its DistributedDataParallel wrapper, alive past destroy_process_group below
+            # (a rank then aborted at exit: "terminate called without an active exception")
+            summary = e.with_traceback(None)
+            gc.collect()
         if rank == 0:
             queue.put(summary)
     finally:
