@@ -96,7 +96,7 @@ def markers(dtype: str = "float32", intermediate: int | None = None) -> tuple[st
     (``<!-- hf_speed: start -->`` for the issue's model, ``<!-- hf_speed bfloat16 intermediate
     1: start -->`` for others)."""
     tag = "hf_speed" + ("" if dtype == "float32" else f" {dtype}")
-    if intermediate is not None and intermediate != MODEL["intermediate_size"]:
+    if intermediate is not None and intermediate != ISSUE_INTERMEDIATE:
         tag += f" intermediate {intermediate}"
     return f"<!-- {tag}: start -->", f"<!-- {tag}: end -->"
 

@@ -13,6 +13,7 @@ gradients ``rtol=1e-4, atol=1e-5`` (float32 throughout).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import re
 import sys
@@ -140,7 +141,9 @@ def test_register_hf_without_transformers_says_how_to_install(
 
 
 def test_register_hf_refuses_transformers_before_5_4(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transformers, "__version__", "4.57.6")
+    # the module register_hf imports now: after tests/models/test_bert.py built a BertModel,
+    # sys.modules holds another transformers module object than the one this file bound
+    monkeypatch.setattr(importlib.import_module("transformers"), "__version__", "4.57.6")
     with pytest.raises(ImportError, match=r"transformers 4\.57\.6 is installed") as info:
         register_hf()
     assert "q_length and q_offset" in str(info.value)

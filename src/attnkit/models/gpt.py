@@ -23,9 +23,10 @@ from attnkit.configs import derive_config
 from attnkit.errors import AttentionInputError, check_int, shape_str
 from attnkit.models.token_ids import check_token_ids
 from attnkit.modules.kv_cache import KVCache
+from attnkit.modules.masking import check_zero_one
 from attnkit.modules.positions import LearnedPositions
 from attnkit.modules.transformer import Activation, TransformerConfig, TransformerStack
-from attnkit.validate import can_read_values, is_real
+from attnkit.validate import is_real
 
 __all__ = ["GPT", "GPTConfig"]
 
@@ -289,19 +290,7 @@ class GPT(nn.Module):
                 got=f"{got}  {shape_str('input_ids', input_ids, ('B', 'T'))}",
                 expected="attention_mask (B, T), 1/True = a real token",
             )
-        if attention_mask.dtype != torch.bool and can_read_values(attention_mask):
-            odd = attention_mask[(attention_mask != 0) & (attention_mask != 1)]
-            if odd.numel():
-                values = sorted({int(x) for x in odd.tolist()})[:5]
-                raise AttentionInputError(
-                    where,
-                    "attention_mask",
-                    f"`attention_mask` holds values other than 0 and 1: {values}.",
-                    got=f"{shape_str('attention_mask', attention_mask, ('B', 'T'))} "
-                    f"dtype={attention_mask.dtype}, values {values}",
-                    expected="0 (padding) or 1 (a real token), as in Hugging Face",
-                    fix="attention_mask=(input_ids != pad_id); token ids are input_ids, not a mask",
-                )
+        check_zero_one(where, "attention_mask", attention_mask, ("B", "T"), "token")
         real = attention_mask != 0
         if kv_cache is not None:
             n = real.sum(dim=1, keepdim=True)

@@ -25,7 +25,7 @@ from attnkit.errors import AttentionInputError, shape_str, warn_user
 from attnkit.masks import MaskSpec, key_mask
 from attnkit.validate import can_read_values, warn_if_inverted_causal
 
-__all__ = ["Mask", "MaskArgs", "combine", "key_part", "module_mask"]
+__all__ = ["Mask", "MaskArgs", "check_zero_one", "combine", "key_part", "module_mask"]
 
 Mask = torch.Tensor | MaskSpec
 
@@ -217,22 +217,32 @@ def key_part(
                 fix="attention_mask.bool() if 1.0 means a real key; an additive float mask "
                 "goes in mask= (attnkit) or attn_mask= (torch)",
             )
-        if not torch.compiler.is_compiling() and t.device.type != "meta":
-            bad = t[(t != 0) & (t != 1)]
-            if bad.numel():
-                values = sorted({int(v) for v in bad.tolist()})[:5]
-                raise AttentionInputError(
-                    where,
-                    name,
-                    f"`attention_mask` holds values other than 0 and 1: {values}.",
-                    got=f"{shape_str(name, t, ('B', 'S'))} dtype={t.dtype}, values {values}",
-                    expected="0 (padding) or 1 (a real key), as in Hugging Face",
-                    fix="attention_mask=(ids != pad_id); token ids are input_ids, not a mask",
-                )
+        check_zero_one(where, name, t, ("B", "S"), "key")
         t = t != 0
     if S > 0:
         _warn_empty_rows(~t.any(dim=1), name)
     return t[:, None, None, :]  # (B, 1, 1, S), True = may attend
+
+
+def check_zero_one(
+    where: str, name: str, t: torch.Tensor, dims: tuple[str, ...], unit: str
+) -> None:
+    """An integer ``attention_mask`` (Hugging Face's form) holds only 0 (padding) and 1 (a real
+    ``unit``: key, token); token ids passed as the mask are the usual mistake. Not while
+    ``torch.compile`` traces (no data-dependent branch)."""
+    if t.dtype == torch.bool or not can_read_values(t):
+        return
+    bad = t[(t != 0) & (t != 1)]
+    if bad.numel():
+        values = sorted({int(v) for v in bad.tolist()})[:5]
+        raise AttentionInputError(
+            where,
+            name,
+            f"`{name}` holds values other than 0 and 1: {values}.",
+            got=f"{shape_str(name, t, dims)} dtype={t.dtype}, values {values}",
+            expected=f"0 (padding) or 1 (a real {unit}), as in Hugging Face",
+            fix=f"{name}=(ids != pad_id); token ids are input_ids, not a mask",
+        )
 
 
 def _attn_part(
