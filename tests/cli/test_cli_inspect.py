@@ -229,6 +229,10 @@ def test_show_text_api(tmp_path: Path, minilm: tuple[BertEncoder, Any]) -> None:
         (["show", ""], ["the text is empty", "at least one word"]),
         (["show", "   \n "], ["the text is empty"]),
         (["show", "\u200b"], ["the text is empty: it has no tokens besides [CLS] and [SEP]"]),
+        (  # an undecodable byte, as Python hands it over from the command line
+            ["show", "caf\udcff au lait"],
+            ["the text is not valid Unicode: character 3 is '\\udcff'", "as UTF-8"],
+        ),
         (
             ["show", LONG_TEXT],
             ["602 tokens", "more than the model's 512 positions", "add --truncate"],

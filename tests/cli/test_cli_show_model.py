@@ -239,6 +239,7 @@ def test_an_unloadable_checkpoint_is_one_line(checkpoints: dict[str, Path], tmp_
         (["--layer", "2"], ["layer 2 does not exist", "(llama) has 2 layers, numbered 0 to 1"]),
         (["--head", "4"], ["head 4 does not exist", "choose a head from 0 to 3"]),
         (["\u200b"], ["the text is empty"]),
+        (["caf\udcff"], ["the text is not valid Unicode: character 3 is '\\udcff'"]),
     ],
 )
 def test_show_model_bad_options_are_one_line(

@@ -30,7 +30,13 @@ from typing import Any
 import torch
 
 from attnkit.errors import AttentionInputError
-from attnkit.inspect.show import ShowResult, Truncation, check_out_dir, write_maps
+from attnkit.inspect.show import (
+    ShowResult,
+    Truncation,
+    check_out_dir,
+    check_unicode,
+    write_maps,
+)
 from attnkit.inspect.tracing import trace
 from attnkit.model_dir import HF_LOAD, HF_WEIGHTS
 from attnkit.model_dir import check_model_dir as check_files
@@ -247,6 +253,7 @@ def show_model(
             expected="a text with at least one word",
             fix="pass a text with at least one word",
         )
+    check_unicode(WHERE, text)
     path = Path(model_dir)
     config = check_model_dir(path)
     text_config = config.get_text_config()
