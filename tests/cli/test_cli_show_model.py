@@ -10,7 +10,11 @@ Dimension legend: N layers, H heads, T tokens, E hidden width.
 
 from __future__ import annotations
 
+import html
+import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,7 @@ import torch
 from click.testing import Result
 from typer.testing import CliRunner
 
+from attnkit import AttentionInputError
 from attnkit.cli import app
 from attnkit.inspect import show_hf
 
@@ -234,6 +239,7 @@ def test_an_unloadable_checkpoint_is_one_line(checkpoints: dict[str, Path], tmp_
         (["--layer", "2"], ["layer 2 does not exist", "(llama) has 2 layers, numbered 0 to 1"]),
         (["--head", "4"], ["head 4 does not exist", "choose a head from 0 to 3"]),
         (["\u200b"], ["the text is empty"]),
+        (["caf\udcff"], ["the text is not valid Unicode: character 3 is '\\udcff'"]),
     ],
 )
 def test_show_model_bad_options_are_one_line(
@@ -267,3 +273,149 @@ def test_a_model_that_drops_output_attentions_is_named_for_what_it_does(tmp_path
         'attn_implementation="eager" returns its weights',
     )
     assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# a hostile directory: never its code, never its pickles, never its links (the rule itself, and
+# attnkit's other loaders: tests/test_model_dir.py)
+
+
+def _evil_module(d: Path, module: str, marker: Path) -> None:
+    """``module``.py in ``d``: importing it creates ``marker``, then defines a working model."""
+    (d / f"{module}.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).touch()\n"
+        "from transformers import BertConfig, BertModel, BertTokenizerFast\n"
+        "class EvilConfig(BertConfig):\n    model_type = 'evil'\n"
+        "class Evil(BertModel):\n    config_class = EvilConfig\n"
+        "class EvilTokenizer(BertTokenizerFast):\n    pass\n"
+    )
+
+
+def _edit_json(file: Path, **fields: Any) -> None:
+    file.write_text(json.dumps(json.loads(file.read_text()) | fields))
+
+
+def _config_code(d: Path, marker: Path) -> str:
+    """A model type transformers does not know, its classes in the directory: transformers asks
+    whether to run modeling_evil.py, and runs it on "y"."""
+    _evil_module(d, "modeling_evil", marker)
+    auto_map = {"AutoConfig": "modeling_evil.EvilConfig", "AutoModel": "modeling_evil.Evil"}
+    _edit_json(d / "config.json", model_type="evil", auto_map=auto_map)
+    return "config.json"
+
+
+def _tokenizer_code(d: Path, marker: Path) -> str:
+    _evil_module(d, "tokenization_evil", marker)
+    auto_map = {"AutoTokenizer": [None, "tokenization_evil.EvilTokenizer"]}
+    _edit_json(d / "tokenizer_config.json", auto_map=auto_map)
+    return "tokenizer_config.json"
+
+
+def _code_file(d: Path, marker: Path) -> str:
+    _evil_module(d, "modeling_evil", marker)
+    return "modeling_evil.py"
+
+
+def _linked_config(d: Path, marker: Path) -> str:
+    outside = d.parent / "outside-config.json"
+    (d / "config.json").rename(outside)
+    (d / "config.json").symlink_to(outside)
+    return "config.json"
+
+
+def _pickled_weights(d: Path, marker: Path) -> str:
+    model = transformers.BertModel.from_pretrained(d)
+    (d / "model.safetensors").unlink()
+    torch.save(model.state_dict(), d / "pytorch_model.bin")
+    return "pytorch_model.bin"
+
+
+HOSTILE: dict[str, tuple[Any, str]] = {
+    "auto_map in config.json": (_config_code, "asks to run code from the directory (auto_map: "),
+    "auto_map in tokenizer_config.json": (_tokenizer_code, "asks to run code"),
+    "a .py file": (_code_file, "is code; attnkit never runs code from a model directory"),
+    "config.json a link out of it": (_linked_config, "is a symbolic link (to '"),
+    "pickled weights": (_pickled_weights, "is a pickle; attnkit never unpickles"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_a_hostile_directory_is_one_line_even_with_y_on_stdin(
+    case: str, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    make, says = HOSTILE[case]
+    path, marker, out = tmp_path / "ckpt", tmp_path / "MARKER", tmp_path / "out"
+    shutil.copytree(checkpoints["bert"], path)
+    name = make(path, marker)
+    result = runner.invoke(
+        app, ["show", TEXT, "--model", str(path), "--out", str(out)], input="y\ny\ny\n"
+    )
+    line = _check_one_line_error(result, f"{str(path / name)!r}", says)
+    assert result.stderr.splitlines() == [line]  # no prompt, not even the first progress step
+    assert not marker.exists()
+    assert not out.exists()
+    with pytest.raises(AttentionInputError, match="never"):  # the API refuses it the same way
+        show_hf.show_model(path, TEXT, out)
+    assert not marker.exists()
+
+
+def test_remote_code_never_runs_with_y_piped_to_the_process(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    path, marker = tmp_path / "ckpt", tmp_path / "MARKER"
+    shutil.copytree(checkpoints["bert"], path)
+    _config_code(path, marker)
+    _tokenizer_code(path, marker)
+    done = subprocess.run(
+        [sys.executable, "-m", "attnkit", "show", "--model", str(path), "--out", "out"],
+        input="y\n" * 4,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    assert done.stderr.splitlines() == [done.stderr.strip()]
+    assert done.stderr.startswith(f"attnkit: error: {str(path / 'config.json')!r} asks to run code")
+    assert "[y/N]" not in done.stderr
+    assert not marker.exists()
+    assert not (tmp_path / "out").exists()
+
+
+def test_transformers_is_told_never_to_run_code(
+    checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Behind the check, every transformers load passes trust_remote_code=False (the model:
+    use_safetensors=True too), so transformers refuses code the check did not see."""
+    seen: dict[str, dict[str, Any]] = {}
+    for auto in ("AutoConfig", "AutoTokenizer", "AutoModel"):
+        cls = getattr(transformers, auto)
+        real = cls.from_pretrained
+
+        def spy(*args: Any, _auto: str = auto, _real: Any = real, **kw: Any) -> Any:
+            seen[_auto] = kw
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(cls, "from_pretrained", spy)
+    show_hf.show_model(checkpoints["bert"], TEXT, tmp_path)
+    assert set(seen) == {"AutoConfig", "AutoTokenizer", "AutoModel"}
+    for auto, kw in seen.items():
+        assert kw["trust_remote_code"] is False, auto
+        assert kw["local_files_only"] is True, auto
+    assert seen["AutoModel"]["use_safetensors"] is True
+
+
+def test_the_model_name_on_the_page_is_text(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    """The directory's name reaches the page's title: escaped, and never read as a placeholder."""
+    path = tmp_path / "__DATA__ <b>&'\" __TITLE__ {{x}} $1 \\1"
+    shutil.copytree(checkpoints["bert"], path)
+    result = show_hf.show_model(path, "__SUBTITLE__ </script><!--", tmp_path / "out")
+    page = result.paths["html"].read_text(encoding="utf-8")
+    title = f"{path.name} (bert): __SUBTITLE__ </script><!--"
+    assert f"<title>{html.escape(title)}</title>" in page
+    assert f"<h1>{html.escape(title)}</h1>" in page
+    assert page.count('<script type="application/json" id="attn-data">') == 1
+    assert page.count("</script>") == 2  # the data block's and the page code's
+    assert "<!--" not in page

@@ -289,6 +289,27 @@ def test_tokens_are_shown_as_text(browser: Browser) -> None:
     browser.assert_no_errors()
 
 
+def test_a_hostile_title_and_tokens_stay_text(chromium: Chromium | None, tmp_path: Path) -> None:
+    """Placeholder names, a script end and a comment in the title and the tokens: the browser
+    shows them as text, and the page's own code runs with every map."""
+    hostile = "__DATA__ __TITLE__ </script><script>window.pwned=1</script><!-- $1 {{x}} \\"
+    tokens = [hostile, "__SUBTITLE__", "</script>", "<!--", "\u2028", "$&", "x"]
+    title = f"model: {hostile}"
+    att = np.full((N, H, len(tokens), len(tokens)), 1 / len(tokens), dtype=np.float32)
+    path = write_html(tmp_path / "attention.html", att, tokens, title=title)
+    session = open_page(chromium, path, len(tokens))
+    page = session.page
+    assert page.title() == title
+    assert page.locator("h1").text_content() == title
+    keys = page.eval_on_selector_all("#heatmap .key", "es => es.map(e => e.title)")
+    assert keys == tokens
+    assert page.evaluate("window.pwned") is None
+    assert page.locator("script").count() == 2  # the data block and the page's code
+    assert page.locator("#overview canvas.thumb").count() == N * (H + 1)
+    session.assert_no_errors()
+    page.close()
+
+
 @pytest.mark.parametrize(("layer", "head"), [(0, 0), (0, 2), (1, 1)])
 def test_heatmap_shows_the_selected_head(browser: Browser, layer: int, head: int) -> None:
     browser.show(layer, head)

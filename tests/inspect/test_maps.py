@@ -6,11 +6,13 @@ Dimension legend: N layers, H heads, T tokens, E hidden width.
 from __future__ import annotations
 
 import base64
+import html
 import json
 import re
 import subprocess
 import sys
 import zlib
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +211,57 @@ def test_html_escapes_tokens_and_title(tmp_path: Path) -> None:
         assert raw not in page
     assert "&lt;i&gt;A &amp; B&lt;/i&gt;" in page
     assert embedded_data(page)["tokens"] == tokens  # the escaped JSON decodes to the same text
+
+
+HOSTILE_TEXT = (
+    "__TITLE__ __SUBTITLE__ __DATA__ __NAME__ </script><script>alert(1)</script> <!-- -->"
+    " </title> \"q\" 'q' {{x}} {0} ${y} $1 \\1 \\g<0> %s & &amp; \u2028\u2029 \udcff end"
+)
+
+
+def _template() -> str:
+    folder, name = maps_module.TEMPLATE
+    path = resources.files("attnkit.inspect").joinpath(folder).joinpath(name)
+    return path.read_text(encoding="utf-8")
+
+
+def test_html_template_has_each_placeholder_where_expected() -> None:
+    template = _template()
+    assert re.findall(r"__([A-Z]+)__", template) == ["TITLE", "TITLE", "SUBTITLE", "DATA"]
+    assert "<title>__TITLE__</title>" in template
+    assert "<h1>__TITLE__</h1>" in template
+    assert '<script type="application/json" id="attn-data">__DATA__</script>' in template
+
+
+def test_html_fills_its_template_once_whatever_the_text(tmp_path: Path) -> None:
+    """Every placeholder name, a script end, a comment, quotes, braces, dollars, backslashes and
+    a lone surrogate (undecodable bytes) in the title and the tokens: the template's
+    placeholders are filled exactly once, the title is shown escaped, the JSON stays in its
+    block and decodes to the tokens."""
+    tokens = [HOSTILE_TEXT, "__DATA__", "</script>", "<!--", "\\", "$&", "\u2028", "\udcff"]
+    att = softmax_maps(2, 3, len(tokens))
+    title = "model __DATA__: " + HOSTILE_TEXT
+    page = write_html(tmp_path / "a.html", att, tokens, title=title).read_text(encoding="utf-8")
+    shown = html.escape(title.replace("\udcff", "\ufffd"))
+    parts = re.split(r"__[A-Z]+__", _template())  # the template's text around its placeholders
+    assert len(parts) == 5
+    subtitle = "2 layers × 3 heads, 8 tokens"
+    start = parts[0] + shown + parts[1] + shown + parts[2] + subtitle + parts[3]
+    assert page.startswith(start)  # the title twice, escaped; the subtitle once
+    assert page.endswith(parts[4])  # the page's code after the data block, untouched
+    data = page[len(start) : len(page) - len(parts[4])]  # the data block's content, whole
+    assert not re.search(r"[<>&\u2028\u2029]", data)
+    assert data.isascii()
+    payload = json.loads(data)
+    assert payload["tokens"] == tokens
+    assert (payload["layers"], payload["heads"]) == (2, 3)
+    for name in ("TITLE", "SUBTITLE", "DATA", "NAME"):  # the text's own, shown as text
+        placeholder = f"__{name}__"
+        in_text = 2 * title.count(placeholder) + sum(t.count(placeholder) for t in tokens)
+        assert page.count(placeholder) == in_text, placeholder
+    assert page.count("</script>") == 2
+    assert page.count("<script") == 2
+    assert "<!--" not in page
 
 
 # ---------------------------------------------------------------------------------------------

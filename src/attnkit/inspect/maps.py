@@ -24,6 +24,7 @@ import html
 import json
 import math
 import os
+import re
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -45,9 +46,12 @@ Float32: TypeAlias = "npt.NDArray[np.float32]"
 ATTENTION_DIMS = ("N", "H", "T", "T")
 HIDDEN_DIMS = ("T", "E")
 FILES = {"html": "attention.html", "png": "attention.png", "npz": "attention.npz"}
-# the HTML page, package data: inline CSS and vanilla JS; _html fills in __TITLE__, __SUBTITLE__
-# and __DATA__ (the maps as JSON in a <script> block, the weights as codes: see _quantise)
+# the HTML page, package data: inline CSS and vanilla JS; _page fills in __TITLE__ (twice),
+# __SUBTITLE__ and __DATA__ (the maps as JSON in a <script> block, the weights as codes: see
+# _quantise), all in one pass
 TEMPLATE = ("templates", "attention.html")
+PLACEHOLDER = re.compile(r"__([A-Z]+)__")
+SURROGATE = re.compile(r"[\ud800-\udfff]")  # a lone one: from undecodable bytes (surrogateescape)
 HTML_16BIT_MAX = 1 << 21  # up to this many weights N*H*T*T the HTML keeps 16-bit codes, then 8-bit
 PNG_DPI = 90
 PNG_MAP_IN = 1.0  # inches per heatmap in the PNG grid
@@ -316,7 +320,15 @@ def _quantise(att: Float32) -> tuple[int, npt.NDArray[np.float64], bytes]:
     return bits, scales, b"".join(parts)
 
 
-def _html(path: Path, att: Float32, toks: list[str], title: str | None) -> None:
+def _fill(template: str, values: dict[str, str]) -> str:
+    """``template`` with each ``__NAME__`` replaced by ``values[NAME]``, in one pass over the
+    template: a value is never searched for placeholders, so no text in it can become one."""
+    return PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+
+
+def _page(att: Float32, toks: list[str], title: str | None) -> str:
+    """The HTML page of the maps: the title HTML-escaped, the data JSON that cannot end its
+    ``<script>`` block, both filled into the template in one pass (:func:`_fill`)."""
     N, H, T, _ = att.shape
     bits, scales, codes = _quantise(att)
     payload = {
@@ -327,18 +339,25 @@ def _html(path: Path, att: Float32, toks: list[str], title: str | None) -> None:
         "scales": scales.tolist(),
         "codes": base64.b64encode(codes).decode("ascii"),
     }
-    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    # inside <script> only "</script" could end the data early; escaping every <, >, & is simpler
+    # ASCII JSON: a lone surrogate, U+2028 and U+2029 are escapes too. Inside <script> only
+    # "</script" or "<!--" could end or bend the data block; escaping every <, >, & is simpler
+    data = json.dumps(payload, ensure_ascii=True, separators=(",", ":"))
     data = data.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-    heading = html.escape(title if title is not None else "attention maps")
+    heading = SURROGATE.sub("\ufffd", title if title is not None else "attention maps")
     folder, name = TEMPLATE
     template = resources.files("attnkit.inspect").joinpath(folder).joinpath(name)
-    page = (
-        template.read_text(encoding="utf-8")
-        .replace("__TITLE__", heading)
-        .replace("__SUBTITLE__", f"{N} layers × {H} heads, {T} tokens")
-        .replace("__DATA__", data)
+    return _fill(
+        template.read_text(encoding="utf-8"),
+        {
+            "TITLE": html.escape(heading),
+            "SUBTITLE": f"{N} layers × {H} heads, {T} tokens",
+            "DATA": data,
+        },
     )
+
+
+def _html(path: Path, att: Float32, toks: list[str], title: str | None) -> None:
+    page = _page(att, toks, title)
     path.write_text(page, encoding="utf-8")
 
 

@@ -7,9 +7,9 @@ under :func:`attnkit.trace` with ``need_weights=True``, writes ``attention.html`
 ``attention.png`` and ``attention.npz`` with :func:`attnkit.inspect.write_all`, and returns a
 :class:`ShowResult`: the paths, the tokens, the shape trace of one layer's attention call and,
 for one head of that layer, the token each token attends to most. Every bad input (an empty text,
-too many tokens, an unwritable output directory, a layer or head the model does not have) raises
-:class:`~attnkit.AttentionInputError`; the output directory is checked before the model is
-loaded.
+a text with undecodable bytes, too many tokens, an unwritable output directory, a layer or head
+the model does not have) raises :class:`~attnkit.AttentionInputError`; the output directory is
+checked before the model is loaded.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ __all__ = [
     "TopAttention",
     "Truncation",
     "check_out_dir",
+    "check_unicode",
     "show_text",
 ]
 
@@ -152,6 +153,22 @@ def _empty_text(text: str) -> AttentionInputError:
     )
 
 
+def check_unicode(where: str, text: str) -> None:
+    """Refuse a text holding a lone surrogate: bytes the shell's encoding could not decode
+    (Python keeps them as U+DC80..U+DCFF), which no tokenizer takes."""
+    bad = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+    if bad is not None:
+        raise AttentionInputError(
+            where,
+            "text",
+            f"the text is not valid Unicode: character {bad} is {text[bad]!r}, a byte that "
+            "could not be decoded.",
+            got=f"text={text[:40]!r}",
+            expected="a text in UTF-8",
+            fix="pass the text as UTF-8 (e.g. iconv -t utf-8), or use a UTF-8 locale",
+        )
+
+
 def _check_index(name: str, value: int, count: int, what: str) -> None:
     if not 0 <= value < count:
         raise AttentionInputError(
@@ -259,6 +276,7 @@ def show_text(
     out = check_out_dir(out_dir)
     if not text.strip():
         raise _empty_text(text)
+    check_unicode(WHERE, text)
 
     report(STEPS[0])
     encoder, tokenizer = _load() if model is None else model

