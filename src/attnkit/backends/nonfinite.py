@@ -107,9 +107,12 @@ def nan_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 class _NanRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(rows)
+    def forward(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return x.masked_fill(rows, math.nan)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor, torch.Tensor], output: Any) -> None:
+        ctx.save_for_backward(inputs[1])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
