@@ -3,6 +3,12 @@
 It loops over batch and heads, maps query head h to key/value head h // (H // Hkv) explicitly,
 builds the end-aligned causal rule from indices, and zeroes rows with nothing to attend to.
 
+Non-finite inputs follow attnkit's rule, written out: a query row holding NaN or inf, and a
+query row allowed to see a key holding one, give NaN output and NaN weights; a query row allowed
+to see a value holding one gives NaN output (its weights, from q and k, stay finite); every
+other row is computed as if the bad entries were absent (they are zeroed first, so that a
+``0 * NaN`` of a row that cannot see them never happens).
+
 Tolerance rule used by the tests (after flash-attention's): a backend's error against this
 oracle, computed in float64, must be at most 2x (outputs) / 3x (gradients) the error of a naive
 run in the backend's own dtype, plus a small absolute floor for dtype rounding.
@@ -54,9 +60,19 @@ def reference_attention(
         allowed &= j <= i + (S - L)
     out = torch.zeros(B, H, L, Dv, dtype=dtype)
     weights = torch.zeros(B, H, L, S, dtype=dtype)
+    bad_q = ~torch.isfinite(q).all(dim=-1)  # (B, H, L)
+    bad_k = ~torch.isfinite(k).all(dim=-1)  # (B, Hkv, S)
+    bad_v = ~torch.isfinite(v).all(dim=-1)  # (B, Hkv, S)
+    q, k, v = (torch.where(torch.isfinite(t), t, 0.0) for t in (q, k, v))
+    nan_out = torch.zeros(B, H, L, dtype=torch.bool)
+    nan_weights = torch.zeros(B, H, L, dtype=torch.bool)
     for b in range(B):
         for h in range(H):
             hk = h // group
+            sees_k = (allowed[b, h] & bad_k[b, hk][None, :]).any(dim=1)  # (L,)
+            sees_v = (allowed[b, h] & bad_v[b, hk][None, :]).any(dim=1)
+            nan_weights[b, h] = bad_q[b, h] | sees_k
+            nan_out[b, h] = bad_q[b, h] | sees_k | sees_v
             s = (q[b, h] @ k[b, hk].T) * scale  # (L, S)
             if softcap is not None:
                 s = softcap * torch.tanh(s / softcap)
@@ -71,4 +87,5 @@ def reference_attention(
             w = torch.softmax(s[live], dim=1)  # (rows, S)
             weights[b, h, live] = w
             out[b, h, live] = w @ v[b, hk]  # rows with nothing keep output 0
-    return out, weights
+    out = out.masked_fill(nan_out[..., None], math.nan)
+    return out, weights.masked_fill(nan_weights[..., None], math.nan)

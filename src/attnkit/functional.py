@@ -7,12 +7,11 @@ Dk query/key head dim, Dv value head dim.
 
 from __future__ import annotations
 
-import math
 from typing import Literal, NamedTuple, overload
 
 import torch
 
-from attnkit.backends import choose
+from attnkit.backends import choose, nonfinite
 from attnkit.call import AttentionCall
 from attnkit.inspect.tracing import active_trace, record_attention
 from attnkit.masks import MaskSpec
@@ -117,7 +116,11 @@ def attention(
     Returns:
         ``(B, H, L, Dv)``; with ``return_weights=True`` an :class:`AttentionOutput`
         ``(output, weights)``. A query row with nothing to attend to gives output 0 and
-        gradient 0, never NaN.
+        gradient 0, never NaN. NaN or inf in q, k or v reaches exactly the rows that can see
+        it (eager calls on the CPU, :mod:`attnkit.backends.nonfinite`): a query row holding
+        one, or allowed to see a key holding one, gives NaN output and weights; a row allowed
+        to see a value holding one gives NaN output (its weights stay finite); other rows are
+        as if it were absent.
 
     Equivalent to (the ``math`` backend, shown for ``H == Hkv``)::
 
@@ -145,31 +148,8 @@ def run_call(call: AttentionCall, backend: str = "auto", where: str = WHERE) -> 
     """Run a call built by :func:`attnkit.validate.make_call` on ``backend`` ("auto" or a name):
     always ``(output, weights or None)``. The modules build their calls and run them here."""
     chosen = choose(call, backend, where)
-    out, weights = chosen.run(call)
-    out, weights = _nonfinite_queries(call, out, weights)
+    out, weights = nonfinite.serve(chosen, call)  # NaN or inf in q, k, v: NaN where it reaches
     trace = active_trace()
     if trace is not None:  # attnkit.trace() is active: record shapes (nothing is computed)
         record_attention(trace, call.q, call.k, call.v, out, chosen.name, chosen.fused)
     return AttentionOutput(out, weights)
-
-
-def _nonfinite_queries(
-    call: AttentionCall, out: torch.Tensor, weights: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A query row holding NaN or inf gives NaN, output and weights, whatever its mask. Its
-    scores are all NaN, which torch's fused CPU kernels (and the others, each its own way) take
-    for "masked" and answer with 0: a model that diverged would go on with zeros and finite
-    gradients, and a gradient scaler would not see it. Eager calls on the CPU only: the check
-    is one float32 sum of q (a few microseconds to a few hundred), then, only where it is not
-    finite, a per-row look; elsewhere it would wait for the device or branch on data."""
-    q = call.q
-    if call.explaining or q.device.type != "cpu" or torch.compiler.is_compiling():
-        return out, weights
-    if math.isfinite(float(q.detach().sum(dtype=torch.float32))):
-        return out, weights
-    bad = ~torch.isfinite(q.detach()).all(dim=-1, keepdim=True)  # (B, H, L, 1)
-    nan = torch.tensor(float("nan"), dtype=out.dtype)
-    out = torch.where(bad, nan, out)
-    if weights is not None:
-        weights = torch.where(bad, torch.tensor(float("nan"), dtype=weights.dtype), weights)
-    return out, weights

@@ -73,6 +73,27 @@ def test_flex_matches_the_oracle_and_compiles_once_per_shape_and_spec() -> None:
     assert not torch.equal(out2, out)
 
 
+def test_flex_gives_nan_to_exactly_the_rows_that_see_a_nonfinite_entry() -> None:
+    """NaN or inf in k, v or q: NaN in the rows that may attend to it (the oracle's rule),
+    every other row as without it. The same shape and spec structure as above: no new kernel."""
+    q, k, v, spec = _problem()
+    L, S = q.shape[2], k.shape[2]
+    k[0, 1, 50, 3] = math.nan
+    v[1, 0, 125, 0] = math.inf
+    q[1, 3, 20, 2] = -math.inf
+    out = attnkit.attention(q, k, v, mask=spec, backend="flex")
+    dense = spec.to_dense(L, S)
+    ref = reference_attention(q, k, v, mask=dense)[0]
+    naive = reference_attention(q, k, v, mask=dense, dtype=torch.float32)[0]
+    nan = ref.isnan().any(dim=-1)  # (B, H, L)
+    assert nan[0, 2:].any()
+    assert nan[1, :2].any()
+    assert not nan[0, :2].any()
+    assert torch.equal(out.isnan().all(dim=-1), nan)
+    err = (out[~nan].double() - ref[~nan]).abs().max().item()
+    assert err <= 2 * (naive[~nan].double() - ref[~nan]).abs().max().item() + 2e-6
+
+
 def _why(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> str | None:
     return attnkit.explain(q, k, v, **kw).verdicts["flex"]  # type: ignore[arg-type]
 

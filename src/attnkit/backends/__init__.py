@@ -20,11 +20,14 @@ masks.sliding_window(256))``:
    (:mod:`attnkit.memory`) is refused when named and passed over by ``auto``, which then takes
    the first backend that serves the call within the limit, its rule fired or not; if none
    does, :class:`~attnkit.AttentionMemoryError` says how much and the way out.
-3. ``backend.run(call)``: ``blocked`` plans the call once (:mod:`attnkit.backends.blocked.plan`:
-   attnkit's row-span kernel where the mask allows one run of keys per query row (for bfloat16
-   on a CPU with AVX512-BF16, its build on the CPU's bf16 dot products), else tiles of
-   torch's fused CPU kernel over the non-empty blocks; on CUDA, torch matmuls on those tiles)
-   and runs it forward (and backward, from the same plan) with autograd.
+3. ``backend.run(call)``, through :func:`attnkit.backends.nonfinite.serve` (NaN or inf in q, k
+   or v: the backend runs with them zeroed and the rows that could see them are set to NaN;
+   a finite call pays one sum per tensor): ``blocked`` plans the call once
+   (:mod:`attnkit.backends.blocked.plan`: attnkit's row-span kernel where the mask allows one
+   run of keys per query row (for bfloat16 on a CPU with AVX512-BF16, its build on the CPU's
+   bf16 dot products), else tiles of torch's fused CPU kernel over the non-empty blocks; on
+   CUDA, torch matmuls on those tiles) and runs it forward (and backward, from the same plan)
+   with autograd.
 
 Inside ``torch.compile`` (``fullgraph=True`` included) the dispatcher makes the same choice, and
 the choice traces: ``blocked`` runs as one custom op, ``attnkit::blocked_attention``

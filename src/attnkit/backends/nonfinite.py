@@ -1,0 +1,143 @@
+"""NaN or inf in q, k or v: NaN wherever it can reach, and nowhere else, on every backend.
+
+Dimension legend: B batch, H query heads, Hkv key/value heads, G = H // Hkv query heads per
+key/value head, L query length, S key length, n the key positions that hold a bad key or value.
+
+The rule (README's conventions table), as the float64 oracle computes it (``tests/oracle.py``):
+
+- a query row holding NaN or inf gives NaN output and NaN weights, whatever its mask;
+- a query row that may attend (after the mask: causal, spec, sliding window, padding) to a key
+  holding NaN or inf gives NaN output and NaN weights (its scores are not numbers);
+- a query row that may attend to a value holding NaN or inf gives NaN output (the whole row);
+  its weights, computed from q and k alone, stay what they are;
+- every other row is exactly what it would be if the bad keys and values were absent: a row
+  that cannot see them, and its gradient, do not depend on them.
+
+Left to themselves the backends each break it their own way: torch's fused CPU kernels and
+attnkit's take a NaN score for a masked one (a row that sees a NaN key comes out finite), and a
+plain ``weights @ v`` gives every row NaN when one value is NaN, rows that give it weight 0
+included (``0 * NaN``). So :func:`serve` runs the backend on inputs whose non-finite entries
+are zeroed, then sets the rows that saw them to NaN.
+
+Cost: the common all-finite call pays one float32 sum of each of q, k and v and one read of
+the total; only a call that holds a non-finite number pays the per-row work (which key
+positions are bad, and which query rows the mask lets see them, evaluated on those columns
+only). Eager calls on the CPU only: elsewhere the sum would wait for the device (or, inside
+``torch.compile``, branch on data), and the call runs as the backend computes it.
+
+A row set to NaN passes NaN back to the backend's backward wherever its gradient is not 0: a
+loss that reads it is NaN and so are the gradients (as in torch's eager math, so that a
+gradient scaler skips the step); a loss that does not read it gets the gradients of the rows
+it reads, exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from attnkit.backends.base import Backend
+from attnkit.call import AttentionCall
+
+__all__ = ["sees_keys", "serve"]
+
+#: (query row, bad key) pairs evaluated at once when finding the rows that see a bad key
+_CHUNK_PAIRS = 1 << 20
+
+
+def serve(backend: Backend, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``backend.run(call)`` under the rule above: ``(out, weights or None)``."""
+    if not _checked(call) or _all_finite(call):
+        return backend.run(call)
+    q, k, v = call.q, call.k, call.v
+    fq, fk = torch.isfinite(q.detach()), torch.isfinite(k.detach())
+    fv = fk if v is k else torch.isfinite(v.detach())
+    bad_q = ~fq.all(dim=-1)  # (B, H, L)
+    bad_k = ~fk.all(dim=-1)  # (B, Hkv, S)
+    bad_v = ~fv.all(dim=-1)  # (B, Hkv, S)
+    k_clean = _zeroed(k, fk)
+    v_clean = k_clean if v is k else _zeroed(v, fv)
+    out, weights = backend.run(replace(call, q=_zeroed(q, fq), k=k_clean, v=v_clean))
+    sees_kv = sees_keys(call, bad_k | bad_v)  # (B, H, L)
+    out = nan_rows(out, bad_q | sees_kv)
+    if weights is not None:  # NaN where a key was bad; a bad value leaves the weights as they are
+        only_v = bool((bad_v & ~bad_k).any())
+        weights = nan_rows(weights, bad_q | (sees_keys(call, bad_k) if only_v else sees_kv))
+    return out, weights
+
+
+def sees_keys(call: AttentionCall, bad: torch.Tensor) -> torch.Tensor:
+    """``(B, H, L)`` bool: query row ``(b, h, i)`` may attend, under the call's mask, to a key
+    position ``j`` with ``bad[b, h // G, j]`` (``bad`` is ``(B, Hkv, S)``). The mask is
+    evaluated on the bad positions' columns only (:meth:`~attnkit.masks.MaskSpec.allowed`),
+    never over ``L x S``."""
+    B, H, Hkv, L, S = call.dims.B, call.dims.H, call.dims.Hkv, call.dims.L, call.dims.S
+    dev = bad.device
+    cols = bad.any(dim=1).any(dim=0).nonzero().flatten()  # (n,) positions bad somewhere
+    seen = torch.zeros(B, H, L, dtype=torch.bool, device=dev)
+    if cols.numel() == 0 or L == 0:
+        return seen
+    bad_h = bad[:, :, cols].repeat_interleave(H // Hkv, dim=1)  # (B, H, n)
+    spec = call.mask
+    if spec is None:  # every row sees every key
+        return seen | bad_h.any(dim=-1, keepdim=True)
+    b = torch.arange(spec.batch or 1, device=dev).view(-1, 1, 1, 1)
+    h = torch.arange(spec.heads or 1, device=dev).view(1, -1, 1, 1)
+    i = torch.arange(L, device=dev).view(1, 1, L, 1)
+    step = max(1, _CHUNK_PAIRS // max(1, B * H * L))
+    for start in range(0, cols.numel(), step):
+        j = cols[start : start + step]
+        allowed = spec.allowed(b, h, i, j.view(1, 1, 1, -1), S - L)  # (B', H', L, n')
+        seen |= (allowed & bad_h[:, :, None, start : start + step]).any(dim=-1)
+    return seen
+
+
+def nan_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x (B, H, L, *)`` with the rows ``rows (B, H, L)`` set to NaN (``x`` itself when there
+    are none). Backward: the gradient of those rows is dropped where it is 0 and NaN where it is
+    not, so that a loss reading them gives NaN gradients, and one that does not is untouched."""
+    if not bool(rows.any()):
+        return x
+    out: torch.Tensor = _NanRows.apply(x, rows[..., None])  # type: ignore[no-untyped-call]
+    return out
+
+
+class _NanRows(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return x.masked_fill(rows, math.nan)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor, torch.Tensor], output: Any) -> None:
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (rows,) = ctx.saved_tensors
+        return grad.masked_fill(rows, 0.0).masked_fill(rows & (grad != 0), math.nan), None
+
+
+def _checked(call: AttentionCall) -> bool:
+    """The rule is applied here: an eager call on the CPU that computes something."""
+    if call.explaining or call.q.device.type != "cpu":
+        return False
+    return not torch.compiler.is_compiling()
+
+
+def _all_finite(call: AttentionCall) -> bool:
+    """One float32 sum of each of q, k, v, read once: finite means every entry is (a sum of
+    finite numbers that overflows sends the call down the exact path, which finds nothing)."""
+    total = call.q.detach().sum(dtype=torch.float32) + call.k.detach().sum(dtype=torch.float32)
+    if call.v is not call.k:
+        total = total + call.v.detach().sum(dtype=torch.float32)
+    return math.isfinite(float(total))
+
+
+def _zeroed(x: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """``x`` with its non-finite entries 0 (``x`` itself when it has none)."""
+    if bool(finite.all()):
+        return x
+    return torch.where(finite, x, torch.zeros((), dtype=x.dtype))
