@@ -12,7 +12,7 @@ from typing import Literal, NamedTuple, overload
 
 import torch
 
-from attnkit.backends import choose
+from attnkit.backends import choose, second_order
 from attnkit.call import AttentionCall
 from attnkit.inspect.tracing import active_trace, record_attention
 from attnkit.masks import MaskSpec
@@ -146,6 +146,8 @@ def run_call(call: AttentionCall, backend: str = "auto", where: str = WHERE) -> 
     always ``(output, weights or None)``. The modules build their calls and run them here."""
     chosen = choose(call, backend, where)
     out, weights = chosen.run(call)
+    if weights is None and not chosen.twice_differentiable:  # second derivatives: the math
+        out = second_order.wrap(call, chosen.name, out, where)  # backend's, or refused
     out, weights = _nonfinite_queries(call, out, weights)
     trace = active_trace()
     if trace is not None:  # attnkit.trace() is active: record shapes (nothing is computed)
