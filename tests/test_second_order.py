@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from oracle import reference_attention
 from torch.autograd import gradgradcheck
 from torch.autograd.functional import hessian, hvp
 
@@ -23,6 +22,7 @@ import attnkit
 from attnkit import AttentionInputError, AttentionMemoryError, masks
 from attnkit.backends import Backend, get_backend, register_backend, unregister_backend
 from attnkit.call import AttentionCall
+from oracle import reference_attention
 
 F64 = torch.float64
 L, S = 3, 4
@@ -227,7 +227,8 @@ def test_module_gradient_penalty_equals_math(module: str, backend: str) -> None:
         results.append([p.grad for p in m.parameters()])
     assert max(float(g.abs().max()) for g in results[0] if g is not None) > 1e-3
     for want, got in zip(*results, strict=True):
-        assert want is not None and got is not None
+        assert want is not None
+        assert got is not None
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 

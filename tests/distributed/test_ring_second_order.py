@@ -41,9 +41,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_ring_second_derivatives_equal_one_process(
-    ranks: list[dict[str, Any]], case: str
-) -> None:
+def test_ring_second_derivatives_equal_one_process(ranks: list[dict[str, Any]], case: str) -> None:
     for rank, res in enumerate(ranks):
         got = res[case]
         assert "exception" not in got, got.get("exception")

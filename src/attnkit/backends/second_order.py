@@ -107,7 +107,9 @@ def reference_grads(
     with torch.enable_grad():
         aliases = [None if t is None else t.view_as(t) for t in inputs]
         q, k, v, sinks, mask = aliases
-        assert q is not None and k is not None and v is not None
+        assert q is not None
+        assert k is not None
+        assert v is not None
         if mask is None and recompute.spec is not None:
             mask = recompute.spec.to_dense(L, S, device=q.device, dtype=c)
         if mask is not None and mask.is_floating_point():
@@ -117,12 +119,11 @@ def reference_grads(
             softcap=recompute.softcap, sinks=sinks,
         )  # fmt: skip
         wanted = [i for i, t in enumerate(aliases) if t is not None and needs[i]]
-        got = torch.autograd.grad(
-            out,
-            [aliases[i] for i in wanted],  # type: ignore[misc]
-            dout.to(c),
-            create_graph=True,
-            allow_unused=True,
+        targets = [t for i, t in enumerate(aliases) if t is not None and needs[i]]
+        got = (
+            torch.autograd.grad(out, targets, dout.to(c), create_graph=True, allow_unused=True)
+            if targets
+            else ()
         )
     grads: list[torch.Tensor | None] = [None] * len(inputs)
     for i, g in zip(wanted, got, strict=True):
