@@ -305,3 +305,23 @@ def test_torch_func_grad_still_runs_on_sdpa() -> None:
     got = torch.func.grad(loss("sdpa"))(t["q"])
     want = torch.func.grad(loss("math"))(t["q"])
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_blocked_compiled_with_the_eager_backend_gives_the_oracles_hessian() -> None:
+    """Under torch.compile the blocked backend is one custom op; with ``backend="eager"``
+    torch runs the op's registered backward eagerly, which now differentiates too (it raised:
+    the backward op had no autograd formula). AOT autograd refuses double backward itself."""
+    t = _tensors(Hkv=1)
+    spec = masks.causal() & masks.sliding_window(2)
+
+    def blocked(q: torch.Tensor) -> torch.Tensor:
+        return attnkit.attention(q, t["k"], t["v"], mask=spec, backend="blocked")
+
+    compiled = torch.compile(blocked, fullgraph=True, backend="eager")
+    got = hessian(lambda q: _loss(compiled(q), t["w"]), t["q"])
+    dense = spec.to_dense(L, S)
+    want = hessian(
+        lambda q: _loss(reference_attention(q, t["k"], t["v"], mask=dense)[0], t["w"]), t["q"]
+    )
+    assert want.abs().max() > 1e-3
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
