@@ -11,7 +11,7 @@ from typing import Literal, NamedTuple, overload
 
 import torch
 
-from attnkit.backends import choose, nonfinite
+from attnkit.backends import choose, nonfinite, second_order
 from attnkit.call import AttentionCall
 from attnkit.inspect.tracing import active_trace, record_attention
 from attnkit.masks import MaskSpec
@@ -149,6 +149,8 @@ def run_call(call: AttentionCall, backend: str = "auto", where: str = WHERE) -> 
     always ``(output, weights or None)``. The modules build their calls and run them here."""
     chosen = choose(call, backend, where)
     out, weights = nonfinite.serve(chosen, call)  # NaN or inf in q, k, v: NaN where it reaches
+    if weights is None and not chosen.twice_differentiable:  # second derivatives: the math
+        out = second_order.wrap(call, chosen.name, out, where)  # backend's, or refused
     trace = active_trace()
     if trace is not None:  # attnkit.trace() is active: record shapes (nothing is computed)
         record_attention(trace, call.q, call.k, call.v, out, chosen.name, chosen.fused)

@@ -27,6 +27,8 @@ Backward: K/V go around the ring again, and with each K/V shard travels the floa
 accumulator of that shard: each rank adds its queries' contribution and passes it on, so after
 ``P`` hops it comes back to the rank that owns the shard. Bytes sent per step of a pass, for
 ``g`` passes: ``2u/g`` forward, ``2u/g`` (K/V) + ``2u/g`` in float32 (dK/dV) backward.
+Where autograd records the backward (``create_graph=True``: a Hessian, a gradient penalty), the
+gradients are recomputed differentiably instead (:mod:`attnkit.distributed.second_order`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.autograd.function import FunctionCtx
 
 from attnkit.backends.blocked import backward_from_lse, forward_with_lse, merge
 from attnkit.backends.blocked.tiles import acc_dtype
@@ -51,6 +53,7 @@ from attnkit.distributed.faults import (
     float_bits,
 )
 from attnkit.distributed.ring_plan import WHERE, RingPlan
+from attnkit.distributed.second_order import ring_grads
 from attnkit.distributed.sharding import Chunk, Layout, group_rank_and_size
 from attnkit.errors import AttentionInputError
 from attnkit.masks import MaskSpec, as_spec
@@ -243,9 +246,11 @@ class _RingAttention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
+        if torch.is_grad_enabled():  # create_graph=True: gradients autograd can differentiate
+            needs = ctx.needs_input_grad  # type: ignore[attr-defined]
+            return (*ring_grads(ctx.plan, q, k, v, dout, needs), None)  # type: ignore[attr-defined]
         dq, dk, dv = _backward(ctx.plan, (q, k, v, out, lse), dout)  # type: ignore[attr-defined]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from attnkit.errors import AttentionInputError, check_int
+from attnkit.errors import AttentionInputError, check_dtype_arg, check_int
 from attnkit.functional import AttentionOutput, run_call
 from attnkit.heads import merge_heads, split_heads
 from attnkit.inspect.tracing import active_trace, record_module_end, record_module_start
@@ -62,6 +62,7 @@ class _Attention(nn.Module):
         super().__init__()
         where = f"attnkit.{type(self).__name__}"
         self._where = where
+        check_dtype_arg(where, dtype)
         E = check_int(where, "embed_dim", embed_dim)
         H = check_int(where, "num_heads", num_heads)
         Hkv = check_int(where, "num_kv_heads", H if num_kv_heads is None else num_kv_heads)
