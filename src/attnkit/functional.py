@@ -14,7 +14,7 @@ import torch
 
 from attnkit.backends import choose
 from attnkit.call import AttentionCall
-from attnkit.inspect.tracing import active_trace, record_attention
+from attnkit.inspect.tracing import record_attention, recording
 from attnkit.masks import MaskSpec
 from attnkit.validate import make_call
 
@@ -147,9 +147,8 @@ def run_call(call: AttentionCall, backend: str = "auto", where: str = WHERE) -> 
     chosen = choose(call, backend, where)
     out, weights = chosen.run(call)
     out, weights = _nonfinite_queries(call, out, weights)
-    trace = active_trace()
-    if trace is not None:  # attnkit.trace() is active: record shapes (nothing is computed)
-        record_attention(trace, call.q, call.k, call.v, out, chosen.name, chosen.fused)
+    if recording():  # attnkit.trace() is open: record shapes into this thread's traces
+        record_attention(call.q, call.k, call.v, out, chosen.name, chosen.fused)
     return AttentionOutput(out, weights)
 
 
