@@ -284,29 +284,50 @@ async def _async_attend() -> None:
 
 
 def test_a_compiled_call_records_into_the_trace_of_the_thread_that_runs_it() -> None:
-    """Dynamo cannot read whose trace is open: with a trace open the recording breaks the
-    graph and runs eagerly (the same steps as eager mode), another thread's compiled calls
-    stay out, and fullgraph=True, which allows no break, is refused with the fix."""
-    mha = attnkit.MultiHeadAttention(8, 2)
-    x = torch.randn(1, 3, 8)
-    with attnkit.trace() as eager:
-        mha(x)
-    compiled = torch.compile(mha, backend="eager")
-    compiled(x)  # no trace open: compiled without the hooks
-    with attnkit.trace() as t:
-        compiled(x)
+    """Under torch.compile(fullgraph=True), forward and backward: while a trace is open the
+    graph holds the recorders as ordered side-effect ops, which record at run time into the
+    traces of the thread that runs the graph (the same steps as eager mode; another thread's
+    calls stay out); once no trace is open the graph without them runs again."""
+    model = _Chain(
+        nn.Sequential(
+            attnkit.MultiHeadAttention(8, 2, causal=True), attnkit.MultiHeadAttention(8, 2)
+        )
+    )
+    x = torch.randn(1, 3, 8, requires_grad=True)
+    with attnkit.trace(model) as eager:
+        model(x)
+    ran: list[bool] = []  # per graph run: whether the graph holds the recorders
+
+    def backend(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> object:
+        records = "trace_attention" in gm.code
+
+        def run(*args: torch.Tensor) -> object:
+            ran.append(records)
+            return gm(*args)
+
+        return run
+
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    compiled(x)  # no trace open: compiled without the recorders
+    with attnkit.trace(model) as t:
+        compiled(x).sum().backward()
         other = threading.Thread(target=compiled, args=(x,))
         other.start()
         other.join()
+    compiled(x)
     assert _steps(t) == _steps(eager)
-    assert t.backends == ["sdpa"]
+    assert [s.where for s in t.steps] == [s.where for s in eager.steps]
+    assert {s.where for s in t.steps} == {"layers.0", "layers.1", "attention"}
+    assert t.backends == ["sdpa", "sdpa"]
+    assert ran == [False, True, True, False]
 
-    def plain(q: torch.Tensor) -> torch.Tensor:
-        return attnkit.attention(q, q, q)
 
-    full = torch.compile(plain, fullgraph=True, backend="eager")
-    q = torch.randn(1, 2, 3, 4)
-    full(q)  # no trace open: one graph
-    with attnkit.trace(), pytest.raises(torch._dynamo.exc.Unsupported) as info:
-        full(q)
-    assert "fix: compile without fullgraph=True while tracing" in str(info.value)
+class _Chain(nn.Module):
+    def __init__(self, layers: nn.Sequential) -> None:
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x).output
+        return x

@@ -17,10 +17,11 @@ not recorded; run its work in ``contextvars.copy_context().run`` (``asyncio.to_t
 to record them. Nested traces all record: a call inside both blocks is in both, numbered in
 each.
 
-Under ``torch.compile`` a call records the same steps, into the traces of the thread that runs
-it: while a trace is open (in any thread) the recording breaks the graph and runs eagerly, as
-dynamo cannot read a context variable; ``fullgraph=True``, which allows no break, is refused
-then, with the fix (compile without it while tracing, or trace the model uncompiled).
+Under ``torch.compile`` (``fullgraph=True`` and inductor included) a call records the same
+steps, into the traces of the thread that runs it: while a trace is open in any thread, the
+compiled graph holds the recorders as custom ops with an ordered side effect, which run when
+the graph runs (dynamo cannot read a context variable); once no trace is open, the graph
+without them runs again.
 
 With no trace open in any thread the hooks are one check of a module flag (``torch.compile``
 guards on it, so a compiled graph holds no trace code): nothing is recorded or computed.
@@ -36,8 +37,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-
-from attnkit.errors import AttentionInputError
 
 __all__ = ["Trace", "TraceStep", "active_trace", "trace"]
 
@@ -190,26 +189,11 @@ def recording() -> bool:
     recorders below (which record into the calling context's traces only).
 
     ``torch.compile`` guards on the flag, so a compiled model with no trace open has no trace
-    code in its graph. With a trace open, a compiled call records as an eager one: dynamo
-    cannot read a context variable (and a recording baked into a graph would be the compiling
-    thread's), so the recording breaks the graph and runs eagerly; under
-    ``fullgraph=True``, which allows no break, the call is refused with the fix."""
-    if not ANY_OPEN:
-        return False
-    if torch.compiler.is_compiling():
-        raise AttentionInputError(
-            "attnkit.trace",
-            "torch.compile(fullgraph=True)",
-            # dynamo's error under fullgraph names where and this problem: the fix is here too
-            "a trace is open (in this thread or another), and recording an attention call "
-            "reads which thread's traces are open, which a torch.compile graph cannot: the "
-            "recording breaks the graph, which fullgraph=True forbids; fix: compile without "
-            "fullgraph=True while tracing, or trace the model uncompiled.",
-            got="an attention call inside a torch.compile(fullgraph=True) graph",
-            expected="no graph break under fullgraph=True",
-            fix="compile without fullgraph=True while tracing, or trace the model uncompiled",
-        )
-    return True
+    code in its graph. With a trace open, a compiled graph calls the recorders as custom ops
+    with an ordered side effect (``attnkit::trace_*``): opaque to the compiler, never dropped
+    or reordered, run when the graph runs, in the context that runs it (dynamo cannot read a
+    context variable, and a recording traced into a graph would be the compiling thread's)."""
+    return ANY_OPEN
 
 
 def record_attention(
@@ -221,6 +205,69 @@ def record_attention(
     fused: bool,
 ) -> None:
     """Called by :func:`attnkit.attention` after it ran: into every trace of this context."""
+    if torch.compiler.is_compiling():
+        torch.ops.attnkit.trace_attention(q, k, v, out, backend, fused)
+    else:
+        _attention(q, k, v, out, backend, fused)
+
+
+def record_module_start(
+    module: nn.Module,
+    seq_first: bool,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    q_proj: torch.Tensor,
+    k_proj: torch.Tensor,
+    v_proj: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Called by the attention modules before attention: inputs (as the caller passed them:
+    ``(L, B, E)`` with ``seq_first``), projections, split heads; this opens a module call in
+    every trace of this context, which the attention call joins."""
+    args = (id(module), type(module).__name__, seq_first, query, key, value)
+    if torch.compiler.is_compiling():
+        torch.ops.attnkit.trace_module_start(*args, q_proj, k_proj, v_proj, q, k, v)
+    else:
+        _module_start(*args, q_proj, k_proj, v_proj, q, k, v)
+
+
+def record_module_end(
+    module: nn.Module,
+    merged: torch.Tensor,
+    out: torch.Tensor,
+    projected: bool,
+    returned: torch.Tensor | None = None,
+) -> None:
+    """Called by the attention modules after attention: merge heads, output projection, and
+    the output as returned where it differs (``(L, B, E)`` for a ``batch_first=False``
+    module). This closes the module call."""
+    args = (id(module), type(module).__name__, merged, out, projected, returned)
+    if torch.compiler.is_compiling():
+        torch.ops.attnkit.trace_module_end(*args)
+    else:
+        _module_end(*args)
+
+
+def record_module_abort() -> None:
+    """Called by the attention modules when their call raised: later calls in this context's
+    traces are not that module's."""
+    _MODULE_CALLS.set(())
+
+
+# the recorders' bodies, run eagerly (compiled graphs run them through the ops below)
+
+
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    backend: str,
+    fused: bool,
+) -> None:
     B, H, L, _ = q.shape
     S = k.shape[2]
     skipped = "fused kernel: never materialised" if fused else ""
@@ -237,7 +284,7 @@ def record_attention(
             t.add(call, "attention", step, name, dims, shape, note)
 
 
-def record_module_start(
+def _module_start(
     module_id: int,
     module_type: str,
     seq_first: bool,
@@ -251,9 +298,6 @@ def record_module_start(
     k: torch.Tensor,
     v: torch.Tensor,
 ) -> None:
-    """Called by the attention modules before attention: inputs (as the caller passed them:
-    ``(L, B, E)`` with ``seq_first``), projections, split heads; this opens a module call in
-    every trace of this context, which the attention call joins."""
     input_dims = {"query": ("B", "L", "E"), "key": ("B", "S", "Ek"), "value": ("B", "S", "Ev")}
     if seq_first:  # nn.MultiheadAttention's layout; the module works batch-first inside
         input_dims = {n: (d[1], d[0], d[2]) for n, d in input_dims.items()}
@@ -277,17 +321,14 @@ def record_module_start(
     _MODULE_CALLS.set(tuple(opened))
 
 
-def record_module_end(
+def _module_end(
     module_id: int,
     module_type: str,
     merged: torch.Tensor,
     out: torch.Tensor,
     projected: bool,
-    returned: torch.Tensor | None = None,
+    returned: torch.Tensor | None,
 ) -> None:
-    """Called by the attention modules after attention: merge heads, output projection, and
-    the output as returned where it differs (``(L, B, E)`` for a ``batch_first=False``
-    module). This closes the module call."""
     for t in _ACTIVE.get():
         current = t.current
         call = current if current is not None else t.n_calls
@@ -300,7 +341,35 @@ def record_module_end(
     _MODULE_CALLS.set(())
 
 
-def record_module_abort() -> None:
-    """Called by the attention modules when their call raised: later calls in this context's
-    traces are not that module's."""
-    _MODULE_CALLS.set(())
+def _nothing(*args: object) -> None:
+    """The recorder ops' fake form (shapes only): they return nothing."""
+
+
+def _ordered(op: str) -> None:
+    """Mark a recorder op as having an ordered side effect, so that no compiler pass drops it
+    (it returns nothing) or moves it past another (a module's steps come in order)."""
+    try:
+        from torch._library.effects import EffectType
+
+        torch.library._register_effectful_op(op, EffectType.ORDERED)
+    except (ImportError, AttributeError):  # torch before 2.13
+        from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+
+        overload = getattr(torch.ops.attnkit, op.removeprefix("attnkit::")).default
+        _register_effectful_op(overload, _EffectType.ORDERED)
+
+
+_TENSORS = "Tensor query, Tensor key, Tensor value, Tensor q_proj, Tensor k_proj, Tensor v_proj"
+for _name, _body, _schema in (
+    ("trace_attention", _attention, "Tensor q, Tensor k, Tensor v, Tensor out, str backend, "
+     "bool fused"),
+    ("trace_module_start", _module_start, "int module_id, str module_type, bool seq_first, "
+     f"{_TENSORS}, Tensor q, Tensor k, Tensor v"),
+    ("trace_module_end", _module_end, "int module_id, str module_type, Tensor merged, "
+     "Tensor out, bool projected, Tensor? returned"),
+):  # fmt: skip
+    _op = torch.library.custom_op(
+        f"attnkit::{_name}", _body, mutates_args=(), schema=f"({_schema}) -> ()"
+    )
+    _op.register_fake(_nothing)
+    _ordered(f"attnkit::{_name}")

@@ -190,9 +190,7 @@ class _Attention(nn.Module):
         k = split_heads(kp, self.num_kv_heads)  # (B, Hkv, S, Dk)
         v = split_heads(vp, self.num_kv_heads)  # (B, Hkv, S, Dv)
         if recording():  # attnkit.trace() is open: this thread's traces get the steps
-            record_module_start(
-                id(self), type(self).__name__, not self.batch_first, *given, qp, kp, vp, q, k, v
-            )
+            record_module_start(self, not self.batch_first, *given, qp, kp, vp, q, k, v)
         try:
             causal = self.causal
             if self.rope is not None or positions is not None or kv_cache is not None:
@@ -215,8 +213,7 @@ class _Attention(nn.Module):
             y = y.transpose(0, 1)  # (L, B, E)
         if recording():
             record_module_end(
-                id(self),
-                type(self).__name__,
+                self,
                 merged,
                 projected,
                 isinstance(self.out_proj, nn.Linear),
