@@ -29,6 +29,9 @@ skipping safe: a block called *empty* has no allowed pair, and a block called *f
 blocked pair (a combination may call a block *partial* that is in fact empty or full; a backend
 then evaluates the predicate inside it).
 
+``spec.digest()`` hashes a spec's content, its rule and the bytes of every tensor it holds, the
+same in any process for the same mask (``digest.py``): ring attention compares it across ranks.
+
 Where things live: the protocol, combinators and :func:`block_states` in ``spec.py``; the
 built-in rules in ``rules.py``; ALiBi in ``alibi.py``; the KV cache's per-sequence causal rule
 in ``sequence.py``; a mask tensor as a spec in ``dense.py``; :func:`row_spans` (a spec as one

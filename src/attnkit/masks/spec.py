@@ -131,6 +131,26 @@ class MaskSpec:
     #: bytes per ``(b, h, q, kv)`` pair that evaluating :meth:`allowed` over a whole grid
     #: allocates besides the mask itself, at most (int64 index arithmetic); see :meth:`dense_bytes`
     scratch_bytes: int = 16
+    #: attributes that are caches or derived from others, not content: :meth:`digest` skips them
+    digest_ignores: tuple[str, ...] = ()
+
+    def digest(self) -> str:
+        """A hex digest of the spec's content: its class and every value it holds, tensors by
+        their dtype, shape and bytes (on any device). Two specs have the same digest exactly
+        when they are the same rule over the same values, in any process; ring attention
+        compares them across ranks (see :mod:`attnkit.masks.digest`).
+
+        >>> import torch
+        >>> from attnkit.masks import document
+        >>> a, b = document(torch.tensor([0, 0, 1])), document(torch.tensor([0, 1, 1]))
+        >>> repr(a) == repr(b), a.digest() == b.digest()
+        (True, False)
+        >>> a.digest() == document(torch.tensor([0, 0, 1])).digest()
+        True
+        """
+        from attnkit.masks.digest import spec_digest
+
+        return spec_digest(self)
 
     def key(self) -> Hashable | None:
         """What identifies this spec in a cache (``None``: do not cache it)."""
