@@ -34,3 +34,18 @@ def edit_checkpoint(
     if drop is not None:
         del metadata[drop]
     save_file(tensors, str(path), metadata=metadata)
+
+
+def flip_bit(path: Path, tensor: str, bit: int = 0) -> None:
+    """Flip bit ``bit`` of the first byte of ``tensor``'s payload, in place, as a damaged disk
+    would: the header (and the checksums in it) stay as they were. Bit 0 of the first byte is the
+    lowest mantissa bit of a little-endian float, so the value stays finite."""
+    import json
+    import struct
+
+    data = bytearray(path.read_bytes())
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + size])
+    begin, _ = header[tensor]["data_offsets"]
+    data[8 + size + begin] ^= 1 << bit
+    path.write_bytes(bytes(data))

@@ -11,7 +11,9 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,7 +55,8 @@ def test_a_planted_link_is_replaced_and_its_target_untouched(tmp_path: Path, wri
 def _by_name(path: Path) -> None:
     with files.replacing(path) as tmp:
         assert tmp.parent == path.parent  # same directory: os.replace is a rename
-        assert tmp.name.startswith(".out.txt.") and tmp.name.endswith(".tmp")
+        assert tmp.name.startswith(".out.txt.")
+        assert tmp.name.endswith(".tmp")
         tmp.write_bytes(b"new")
 
 
@@ -97,22 +100,34 @@ def test_a_full_disk_on_a_new_file_says_nothing_was_left(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "new.png"
+
+    def fill(tmp: Path) -> None:
+        tmp.write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
     with pytest.raises(WriteError, match="no space left on device while writing") as e:
-        with files.replacing(path, what="plot", fix="free some space") as tmp:
-            tmp.write_bytes(b"half")
-            raise OSError(errno.ENOSPC, "No space left on device")
+        _write_with(path, fill, what="plot", fix="free some space")
     assert e.value.problem.endswith("; no file was left there.")
     assert e.value.fix == "free some space"
     assert _listing(tmp_path) == []
+
+
+def _write_with(path: Path, write: Callable[[Path], None], **kwargs: Any) -> None:
+    with files.replacing(path, **kwargs) as tmp:
+        write(tmp)
 
 
 def test_any_exception_removes_the_temporary_file(tmp_path: Path) -> None:
     path = tmp_path / "a.bin"
     path.write_bytes(b"old")
     for error in (KeyboardInterrupt, ValueError):
-        with pytest.raises(error), files.replacing(path) as tmp:
+
+        def fail(tmp: Path, error: type[BaseException] = error) -> None:
             tmp.write_bytes(b"half")
             raise error
+
+        with pytest.raises(error):
+            _write_with(path, fail)
         assert _listing(tmp_path) == ["a.bin"]
         assert path.read_bytes() == b"old"
 
@@ -156,7 +171,7 @@ def test_a_read_only_file_is_refused_not_replaced(
     path.chmod(0o444)
     # root may write any file; what a user without permission gets is what access() says
     monkeypatch.setattr(os, "access", lambda p, mode, **kw: False)
-    with pytest.raises(WriteError, match="the file is read-only; the previous results.json"):
+    with pytest.raises(WriteError, match=r"the file is read-only; the previous results\.json"):
         files.write_text(path, "new")
     assert path.read_text() == "keep"
     assert _listing(tmp_path) == ["results.json"]

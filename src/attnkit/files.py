@@ -227,9 +227,12 @@ def _mode(previous: os.stat_result | None) -> int:
     return 0o666 & ~_umask()
 
 
-def _fsync(path: Path) -> None:
+def _settle(path: Path, mode: int) -> None:
+    """Give the written file its permissions (again: a writer may have made its own file, as
+    safetensors does, with ``0o600``) and flush it to disk."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     try:
+        os.fchmod(fd, mode)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -274,14 +277,15 @@ def replacing(
         regular = previous is not None and stat.S_ISREG(previous.st_mode)
         if regular and not os.access(path, os.W_OK):
             raise PermissionError(errno.EACCES, "the file is read-only", str(path))
+        mode = _mode(previous)
         fd, name = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
         tmp = Path(name)
         try:
-            os.fchmod(fd, _mode(previous))
+            os.fchmod(fd, mode)
         finally:
             os.close(fd)
         yield tmp
-        _fsync(tmp)
+        _settle(tmp, mode)
         os.replace(tmp, path)
         tmp = None
     except OSError as e:

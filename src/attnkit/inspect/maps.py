@@ -23,6 +23,7 @@ replaced, never written through.
 from __future__ import annotations
 
 import base64
+import errno
 import html
 import json
 import math
@@ -189,6 +190,8 @@ def _writing(where: str, argument: str, path: Path) -> Iterator[None]:
     except files.WriteError as e:  # a file could not be replaced: said by this writer
         raise e.at(where, argument) from e.__cause__
     except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):  # a full disk reads as every writer says it
+            raise files.os_error(e, path, where=where, argument=argument, existed=False) from e
         raise AttentionInputError(
             where,
             argument,

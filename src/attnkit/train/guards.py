@@ -166,6 +166,30 @@ def run_bytes(config: Any, world_size: int = 1) -> dict[str, int]:
     return {"model": model, "batch": batch, "held-out": evaluation + data}
 
 
+_SIZES = (
+    "dim",
+    "num_layers",
+    "num_heads",
+    "length",
+    "vocab",
+    "batch_size",
+    "eval_size",
+    "test_size",
+)
+
+
+def _furthest_above_default(config: Any) -> str:
+    """The size setting of ``config`` with the largest ratio to its default: the one to name."""
+    from attnkit.train.tasks import make_task
+
+    task = make_task(config.task)  # the task's default sizes
+    defaults = {f.name: f.default for f in fields(config)} | {
+        "length": task.length,
+        "vocab": task.vocab,
+    }
+    return max(_SIZES, key=lambda name: getattr(config, name) / defaults[name])
+
+
 def check_memory(config: Any, device: torch.device, world_size: int = 1) -> None:
     """Refuse a run whose :func:`run_bytes` exceed attnkit's memory limit on ``device``
     (:func:`attnkit.memory.memory_limit`), before anything is allocated, naming the settings."""
@@ -174,10 +198,7 @@ def check_memory(config: Any, device: torch.device, world_size: int = 1) -> None
     limit = memory.exceeds(total, device)
     if limit is None:
         return
-    biggest = max(parts, key=lambda k: parts[k])
-    argument = {"model": "dim", "batch": "batch_size", "held-out": "test_size"}[biggest]
-    if argument == "test_size" and config.eval_size > config.test_size:
-        argument = "eval_size"
+    argument = _furthest_above_default(config)
     c = config
     what = (
         f"a run of dim={c.dim}, num_layers={c.num_layers}, num_heads={c.num_heads}, "
@@ -192,8 +213,8 @@ def check_memory(config: Any, device: torch.device, world_size: int = 1) -> None
         total,
         limit,
         got=", ".join(f"{k} {memory.format_bytes(v)}" for k, v in parts.items()),
-        fix=f"train a smaller model or batch ({argument} is the largest part here); a resumed "
-        "run keeps its checkpoint's settings, so start a new run instead",
+        fix=f"train a smaller run ({argument}={getattr(config, argument)} is the setting furthest "
+        "above its default); a resumed run keeps its checkpoint's settings, so start a new one",
     )
 
 
