@@ -40,6 +40,7 @@ from attnkit import files, memory
 from attnkit.errors import AttentionInputError
 from attnkit.files import WriteError
 from attnkit.train.checkpoint import CHECKPOINT_NAME, read_info
+from attnkit.train.tasks import Task, make_task
 
 __all__ = [
     "TrainingDivergedError",
@@ -131,11 +132,11 @@ def model_parameters(config: Any) -> int:
     >>> model_parameters(TrainConfig())
     103184
     """
-    task = config.make_task()
-    E, L = config.dim, config.num_layers
+    task: Task = config.make_task()
+    E, L, C = int(config.dim), int(config.num_layers), task.num_classes
     layer = 12 * E * E + 13 * E  # q, k, v, out (E x E + E each), 2 LayerNorms, MLP E -> 4E -> E
     embeddings = (task.vocab_size + task.length) * E
-    return embeddings + L * layer + 2 * E + E * task.num_classes + task.num_classes
+    return embeddings + L * layer + 2 * E + E * C + C
 
 
 _EVAL_CHUNK = 2048  # as attnkit.train.loop: sequences per forward pass in evaluation
@@ -180,8 +181,6 @@ _SIZES = (
 
 def _furthest_above_default(config: Any) -> str:
     """The size setting of ``config`` with the largest ratio to its default: the one to name."""
-    from attnkit.train.tasks import make_task
-
     task = make_task(config.task)  # the task's default sizes
     defaults = {f.name: f.default for f in fields(config)} | {
         "length": task.length,
