@@ -1,41 +1,40 @@
-"""Hostile and damaged checkpoints, and saves that fail: a flipped bit in a tensor's bytes, a stored
-config that would allocate terabytes or is not a run's config, a full disk while saving, and links
-planted where the run writes. Each is refused (one line and exit code 2 on the command line)
-before anything is allocated or overwritten.
+"""Hostile and damaged checkpoints: a flipped bit in a tensor's bytes, a stored config that would
+allocate terabytes or is not a run's config, and links planted where the run writes. Each is
+refused (one line and exit code 2 on the command line) before anything is allocated or
+overwritten. A full disk while saving: test_checkpoint_full_disk.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import os
-import shutil
 import stat
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from typer.testing import CliRunner, Result
+from typer.testing import CliRunner
 
 import attnkit
 import attnkit.train.loop as loop
 from attnkit import AttentionInputError
 from attnkit.cli import app
-from attnkit.files import WriteError
 from attnkit.train import (
     CHECKPOINT_NAME,
     TrainConfig,
     build,
     load_checkpoint,
     resume_config,
-    save_checkpoint,
     train,
     verify_checkpoint,
 )
-from attnkit.train.checkpoint import UncheckedCheckpointWarning, read_info
+from attnkit.train.checkpoint import UncheckedCheckpointWarning
+from checkpoints import TINY_RUN as TINY
+from checkpoints import copy_run as _copy
 from checkpoints import edit_checkpoint, flip_bit
+from checkpoints import one_line_error as _one_line_error
 
 _st = pytest.importorskip(
     "safetensors",
@@ -45,23 +44,6 @@ import safetensors.torch  # noqa: E402
 
 runner = CliRunner()
 
-TINY = TrainConfig(
-    task="reverse",
-    length=8,
-    vocab=8,
-    dim=32,
-    num_layers=1,
-    num_heads=2,
-    batch_size=64,
-    lr=1e-2,
-    warmup=10,
-    steps=10,
-    eval_every=10,
-    eval_size=500,
-    test_size=1000,
-    target=None,
-    checkpoint_every=2,
-)
 FIX = "resume from an intact copy, or start a new run with --overwrite"
 
 
@@ -71,24 +53,6 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("made") / "run"
     train(TINY, out, stop_at=2)
     return out
-
-
-def _copy(made: Path, tmp_path: Path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(made, out)
-    return out
-
-
-def _one_line_error(result: Result) -> str:
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output
-    assert result.exception is None or isinstance(result.exception, SystemExit)
-    lines = result.stderr.splitlines()
-    errors = [line for line in lines if line.startswith("attnkit: error: ")]
-    assert len(errors) == 1, result.stderr
-    assert lines[-1] == errors[0]  # before it only the progress lines of a run that trained
-    assert all(line.startswith("attnkit: step ") for line in lines[:-1]), result.stderr
-    return lines[-1]
 
 
 def _weights(path: Path) -> list[str]:
@@ -321,106 +285,6 @@ def test_the_parameter_count_without_a_model_is_exact() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# a full disk while saving
-
-
-def _full(*args: object, **kwargs: object) -> None:
-    raise OSError(errno.ENOSPC, "No space left on device")
-
-
-def _rust_full(*args: object, **kwargs: object) -> None:  # what safetensors raises for real
-    raise _st.SafetensorError(
-        "Error while serializing: I/O error: No space left on device (os error 28)"
-    )
-
-
-@pytest.mark.parametrize("fail", [_full, _rust_full], ids=["OSError", "SafetensorError"])
-def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(
-    fail: object, made: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    out = _copy(made, tmp_path)
-    path = out / CHECKPOINT_NAME
-    before = path.read_bytes()
-    _, model, opt = build(TINY.resolved())
-    load_checkpoint(path, model, opt)
-    monkeypatch.setattr(safetensors.torch, "save_file", fail)
-    with pytest.raises(WriteError) as e:
-        save_checkpoint(path, model, opt, step=3, finished=False, config={})
-    assert e.value.problem == (
-        f"no space left on device while writing {path}; the previous checkpoint is intact."
-    )
-    assert e.value.errno == errno.ENOSPC
-    assert path.read_bytes() == before
-    assert sorted(p.name for p in out.iterdir()) == [CHECKPOINT_NAME]  # no temporary file
-
-
-def test_a_full_disk_during_a_run_stops_it_in_one_line_exit_2(
-    made: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    out = _copy(made, tmp_path)
-    path = out / CHECKPOINT_NAME
-    saves = []
-    real = safetensors.torch.save_file
-
-    def second_fails(*args: Any, **kwargs: Any) -> None:  # step 4's save works, step 6's not
-        saves.append(1)
-        if len(saves) > 1:
-            _full()
-        real(*args, **kwargs)
-
-    monkeypatch.setattr(safetensors.torch, "save_file", second_fails)
-    with pytest.raises(WriteError) as e:
-        train(TINY, out, resume=True)
-    assert "no space left on device while writing" in e.value.problem
-    assert (e.value.where, e.value.argument) == ("attnkit train", "out")
-    assert e.value.fix == (
-        f"free some space on that disk, then continue with: attnkit train --resume --out {out}"
-    )
-    assert read_info(path).step == 4  # the last checkpoint that was written, intact
-    verify_checkpoint(path)
-    # through the command line: one line, exit 2
-    saves.clear()
-    monkeypatch.setattr(safetensors.torch, "save_file", _full)
-    line = _one_line_error(runner.invoke(app, ["train", "--resume", "--out", str(out)]))
-    assert line == (
-        f"attnkit: error: no space left on device while writing {path}; the previous checkpoint "
-        f"is intact. (fix: free some space on that disk, then continue with: attnkit train "
-        f"--resume --out {out})"
-    )
-    assert read_info(path).step == 4
-    assert sorted(p.name for p in out.iterdir()) == [CHECKPOINT_NAME]
-
-
-def test_a_full_disk_at_a_new_runs_first_save_is_one_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(safetensors.torch, "save_file", _full)
-    out = tmp_path / "run"
-    line = _one_line_error(runner.invoke(app, ["train", "--steps", "2", "--out", str(out)]))
-    assert line == (
-        f"attnkit: error: no space left on device while writing {out / CHECKPOINT_NAME}; no file "
-        "was left there. (fix: free some space on that disk, then start the run again)"
-    )
-    assert list(out.iterdir()) == []
-
-
-def test_a_full_disk_while_writing_the_maps_is_one_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import numpy as np
-
-    monkeypatch.setattr(np, "savez_compressed", _full)
-    out = tmp_path / "run"
-    line = _one_line_error(runner.invoke(app, ["train", "--steps", "2", "--out", str(out)]))
-    assert line.startswith(
-        f"attnkit: error: no space left on device while writing {out / 'attention.npz'}; no "
-        "file was left there. (fix: "
-    )
-    assert sorted(p.name for p in out.iterdir()) == [CHECKPOINT_NAME]  # saved before the maps
-    verify_checkpoint(out / CHECKPOINT_NAME)
-
-
-# ---------------------------------------------------------------------------------------------
 # links planted where the run writes
 
 
@@ -505,68 +369,3 @@ def test_checksums_are_of_the_bytes_safetensors_stores(tmp_path: Path) -> None:
         begin, end = json.loads(data[8 : 8 + size])["t"]["data_offsets"]
         stored = data[8 + size + begin : 8 + size + end]
         assert _digest(t) == hashlib.sha256(stored).hexdigest(), t.dtype
-
-
-# ---------------------------------------------------------------------------------------------
-# a real full disk: a tmpfs of 256 KiB holds one checkpoint of TINY (175 KiB), not two
-
-
-_FULL_DISK = """
-import json, subprocess, sys
-from pathlib import Path
-from attnkit.train import TrainConfig, train
-from attnkit.train.checkpoint import read_info
-
-if __name__ == "__main__":
-    out = Path(sys.argv[1]) / "run"
-    train(TrainConfig(**json.loads(sys.argv[2])), out, stop_at=1)
-    runs = []
-    for extra in ([], ["--ddp", "2"]):
-        cli = [sys.executable, "-m", "attnkit", "train", "--resume", "--out", str(out), *extra]
-        done = subprocess.run(cli, capture_output=True, text=True)
-        runs.append({"rc": done.returncode, "stderr": done.stderr,
-                     "step": read_info(out / "checkpoint.safetensors").step,
-                     "files": sorted(p.name for p in out.iterdir())})
-    print(json.dumps(runs))
-"""
-
-
-def _can_mount_tmpfs(where: Path) -> bool:
-    if shutil.which("unshare") is None or os.geteuid() != 0:
-        return False
-    import subprocess
-
-    probe = ["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {where}"]
-    return subprocess.run(probe, capture_output=True).returncode == 0
-
-
-def test_a_real_full_disk_is_one_line_and_keeps_the_checkpoint(tmp_path: Path) -> None:
-    """No monkeypatch: safetensors' own write fails with ENOSPC (a Rust error, ``os error
-    28``), in one process and in a ``--ddp 2`` rank."""
-    import subprocess
-    import sys
-
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if not _can_mount_tmpfs(disk):
-        pytest.skip("needs root and a mount namespace (unshare -m) for a small tmpfs")
-    script = tmp_path / "full_disk.py"
-    script.write_text(_FULL_DISK)
-    config = json.dumps(dataclasses.asdict(dataclasses.replace(TINY, checkpoint_every=1)))
-    inner = 'mount -t tmpfs -o size=256k tmpfs "$1" && exec "$2" "$3" "$1" "$4"'
-    command = ["unshare", "-m", "sh", "-c", inner, "sh", disk, sys.executable, script, config]
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr
-    path = disk / "run" / CHECKPOINT_NAME
-    for run in json.loads(done.stdout.splitlines()[-1]):
-        assert run["rc"] == 2, run["stderr"]
-        errors = [line for line in run["stderr"].splitlines() if "error" in line]
-        assert errors == [
-            f"attnkit: error: no space left on device while writing {path}; the previous "
-            f"checkpoint is intact. (fix: free some space on that disk, then continue with: "
-            f"attnkit train --resume --out {path.parent})"
-        ], run["stderr"]
-        assert "Traceback" not in run["stderr"]
-        assert run["step"] == 1
-        assert run["files"] == [CHECKPOINT_NAME]  # no temporary file left on the full disk
