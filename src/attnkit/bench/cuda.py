@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from attnkit import masks
+from attnkit import files, masks
 from attnkit.bench.workloads import BACKWARD_FACTOR, WORKLOADS, Workload, allowed_pairs
 from attnkit.errors import AttentionInputError
 from attnkit.masks import MaskSpec
@@ -406,4 +406,7 @@ def to_markdown(result: CudaResult) -> str:
 
 
 def write_json(result: CudaResult, path: Path) -> None:
-    path.write_text(json.dumps(asdict(result), indent=2))
+    """Write the result as JSON with :func:`attnkit.files.write_text` (a temporary file moved
+    into place; a link at ``path`` is replaced, never followed)."""
+    text = json.dumps(asdict(result), indent=2)
+    files.write_text(path, text, where="attnkit.bench.cuda.write_json", argument="path")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from attnkit import files
 from attnkit.bench.cuda import (
     CUDA_PEERS,
     CUDA_ROWS,
@@ -114,8 +115,11 @@ def main(
     table = to_markdown(result)
     echo(table)
     if json_out is not None:
-        write_json(result, json_out)
+        try:
+            write_json(result, json_out)
+        except files.WriteError as e:
+            raise e.at(WHERE, "--json") from e.__cause__
         echo(f"wrote {json_out}")
     if markdown is not None:
-        markdown.write_text(table + "\n")
+        files.write_text(markdown, table + "\n", where=WHERE, argument="--markdown")
         echo(f"wrote {markdown}")

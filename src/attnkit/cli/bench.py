@@ -13,6 +13,7 @@ import typer
 
 from attnkit.cli.app import check_output_file, command
 from attnkit.errors import AttentionInputError
+from attnkit.files import WriteError
 
 MIN_REPS = 5  # the fewest timed calls whose median the command publishes
 
@@ -220,12 +221,13 @@ def bench(
             min_call_ms=min_call_ms,
         )
     api.print_table(result)
-    if json_out is not None:
-        api.write_json(result, json_out)
-    if markdown is not None:
-        api.write_markdown(result, markdown)
-    if plot is not None:
-        api.write_plot(result, plot)
+    writers = ((json_out, "--json", api.write_json), (markdown, "--markdown", api.write_markdown))
+    for path, flag, write in (*writers, (plot, "--plot", api.write_plot)):
+        if path is not None:
+            try:  # each file replaced whole, never through a link (attnkit.files)
+                write(result, path)
+            except WriteError as e:  # a full disk: one line; the table above is the result
+                raise e.at("attnkit bench", flag) from e.__cause__
     for path in (json_out, markdown, plot):
         if path is not None:
             typer.echo(f"wrote {path}")
