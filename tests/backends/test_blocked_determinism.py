@@ -118,9 +118,13 @@ def test_the_kernel_reading_bfloat16_repeats_its_bits(Hkv: int) -> None:
             masks.causal() & (masks.sliding_window(128) | masks.padding(torch.tensor([64]))),
             torch.float32,
         ),
+        (
+            masks.causal() & (masks.sliding_window(128) | masks.padding(torch.tensor([64]))),
+            torch.bfloat16,
+        ),
         (masks.causal() & masks.sliding_window(256), torch.float64),
     ],
-    ids=["not one run per row", "float64"],
+    ids=["not one run per row", "not one run per row, bfloat16", "float64"],
 )
 def test_the_tile_path_repeats_its_bits(spec: MaskSpec, dtype: torch.dtype) -> None:
     q, k, v, _ = _inputs(dtype)
