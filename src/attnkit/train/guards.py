@@ -1,6 +1,6 @@
 """What a training run refuses before it starts, and how it stops without losing a run.
 
-Checked before any work (:meth:`attnkit.train.RunOptions.check` calls these), each with an
+Checked before any work (:meth:`attnkit.train.RunOptions.prepare` calls these), each with an
 :class:`~attnkit.AttentionInputError` that names the option:
 
 - the output directory: not empty, not a file, can be created and written; an existing

@@ -28,8 +28,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -37,28 +36,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import attnkit.train.guards as guards
 from attnkit.configs import derive_config
 from attnkit.errors import AttentionInputError
 from attnkit.files import WriteError
-from attnkit.train import guards
 from attnkit.train.checkpoint import (
     CHECKPOINT_NAME,
     load_checkpoint,
     read_info,
     save_checkpoint,
-    verify_checkpoint,
 )
 from attnkit.train.guards import TrainingDivergedError
-from attnkit.train.head_alignment import MapsReport, write_maps
 from attnkit.train.task_model import ModelConfig, TaskModel
 from attnkit.train.tasks import IGNORE, Accuracy, Task, accuracy_from_predictions, make_task
 
 __all__ = [
     "FitSummary",
     "Progress",
-    "RunOptions",
     "TrainConfig",
-    "TrainResult",
     "TrainingDivergedError",
     "build",
     "evaluate",
@@ -66,7 +61,6 @@ __all__ = [
     "held_out_set",
     "lr_at",
     "resume_config",
-    "train",
     "train_batch",
 ]
 
@@ -178,20 +172,6 @@ class FitSummary:
     seconds: float
 
 
-@dataclass(frozen=True)
-class TrainResult:
-    """What :func:`train` did: the fit, the final held-out test and the maps (not when
-    ``fit.stopped``), the checkpoint and the total wall time."""
-
-    config: TrainConfig
-    fit: FitSummary
-    test: Accuracy | None
-    maps: MapsReport | None
-    checkpoint: Path
-    world_size: int
-    seconds: float
-
-
 # ---------------------------------------------------------------------------------------------
 # the pieces
 
@@ -275,16 +255,6 @@ def resume_config(out: str | os.PathLike[str]) -> TrainConfig:
         past = ValueError(f"step {info.step} is past the run's {config.steps} steps")
         raise guards.saved_config_error(info.path, past)
     return config
-
-
-@contextmanager
-def _threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,105 +365,3 @@ def fit(
             break
     seconds = time.perf_counter() - t0
     return FitSummary(start, step, finished, reached, stopped, held_out, seconds)
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """How :func:`train` runs a config (every keyword of :func:`train` but ``progress``)."""
-
-    resume: bool = False
-    overwrite: bool = False
-    world_size: int = 1
-    device: str = "cpu"
-    threads: int = 1
-    stop_at: int | None = None
-
-    def check(self, config: TrainConfig, out: str | os.PathLike[str]) -> TrainConfig:
-        """Check a run without training; return the resolved config.
-
-        Raises :class:`~attnkit.AttentionInputError` for what :func:`train` would refuse: bad
-        settings, an unusable ``out``, an existing checkpoint in ``out`` without ``resume`` or
-        ``overwrite``, and on resume a checkpoint of another run, edited, or holding a NaN.
-        """
-        config = config.resolved()
-        device = guards.check_device(self.device, self.world_size)
-        guards.check_world(config.batch_size, self.world_size)
-        guards.check_memory(config, device, self.world_size)  # before anything is allocated
-        threads, stop_at = self.threads, self.stop_at
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise guards.config_error("threads", threads, "a positive int")
-        if stop_at is not None and (not isinstance(stop_at, int) or stop_at < 1):
-            raise guards.config_error("stop_at", stop_at, "a positive int, or None")
-        path = guards.check_out(out, resume=self.resume, overwrite=self.overwrite)
-        if self.resume:
-            guards.check_same_run(config, resume_config(path), path)
-            verify_checkpoint(path / CHECKPOINT_NAME)  # every tensor finite
-        return config
-
-
-def train(
-    config: TrainConfig,
-    out: str | os.PathLike[str],
-    *,
-    resume: bool = False,
-    overwrite: bool = False,
-    world_size: int = 1,
-    device: str = "cpu",
-    threads: int = 1,
-    stop_at: int | None = None,
-    progress: Callable[[Progress], None] | None = None,
-) -> TrainResult:
-    """Train a :class:`TaskModel` on ``config.task``; checkpoint, test and write maps to ``out``.
-
-    - ``resume``: continue the run whose checkpoint is in ``out`` (``config`` must be its config,
-      see :func:`resume_config`).
-    - ``overwrite``: start a new run in an ``out`` that holds another run's checkpoint, which
-      the new run's first checkpoint replaces. Without it (or ``resume``) that is refused.
-    - ``world_size``: the number of processes (DistributedDataParallel over gloo, CPU).
-    - ``threads``: torch threads per process. One is the default: on these small matrices a
-      second thread costs more in synchronisation than it gains, many times over when the CPU is
-      shared.
-    - ``stop_at``: stop after this step with a checkpoint, as if interrupted.
-    - ``progress``: called with a :class:`Progress` after each step (in this process).
-
-    After the fit (unless it stopped early), the trained model is checked on ``test_size``
-    fresh held-out sequences and the attention maps of one of them are written to ``out``
-    (``attention.html``, ``.png``, ``.npz``; see :func:`attnkit.train.head_alignment.write_maps`).
-
-    Raises :class:`~attnkit.train.guards.TrainingDivergedError` at the first non-finite loss,
-    before that step is taken; the checkpoint in ``out`` is then the run's last good one.
-    """
-    t0 = time.perf_counter()
-    options = RunOptions(resume, overwrite, world_size, device, threads, stop_at)
-    config = options.check(config, out)
-    out = Path(out)
-    dev = torch.device(device)
-    out.mkdir(parents=True, exist_ok=True)
-    emit = progress or (lambda p: None)
-    with _threads(threads):
-        if world_size == 1:
-            with guards.sigint_stops() as should_stop:
-                summary = fit(
-                    config,
-                    out,
-                    resume=resume,
-                    rank=0,
-                    world_size=1,
-                    device=dev,
-                    stop_at=stop_at,
-                    emit=emit,
-                    should_stop=should_stop,
-                )
-        else:
-            from attnkit.train.ddp import spawn
-
-            summary = spawn(config, out, options, emit)
-        test = maps = None
-        if not summary.stopped:
-            task, model, _ = build(config, dev)
-            load_checkpoint(out / CHECKPOINT_NAME, model)
-            test_x, test_y = held_out_set(config, task, test=True)
-            test = evaluate(model, test_x, test_y)
-            maps = write_maps(task, model, test_x[0], out)  # the first test sequence
-    seconds = time.perf_counter() - t0
-    return TrainResult(config, summary, test, maps, out / CHECKPOINT_NAME, world_size, seconds)
