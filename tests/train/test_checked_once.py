@@ -75,6 +75,16 @@ def test_the_command_line_checks_a_resumed_run_once(
     assert dict(calls) == ONCE
 
 
+def test_the_command_line_checks_a_new_run_once(
+    stopped: Path, tmp_path: Path, calls: Counter[str]
+) -> None:
+    out = copy_run(stopped, tmp_path)  # --overwrite: a new run over the stopped one
+    result = runner.invoke(app, ["train", "--overwrite", "--steps", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "trained 2 steps in " in result.stdout
+    assert dict(calls) == {"check_out": 1}  # nothing of the old run is read
+
+
 def test_train_checks_a_resumed_run_once(
     stopped: Path, tmp_path: Path, calls: Counter[str]
 ) -> None:

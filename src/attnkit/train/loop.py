@@ -65,7 +65,6 @@ __all__ = [
 ]
 
 _EVAL, _TEST, _STEP = 1, 2, 3  # streams of the data generators
-_EVAL_CHUNK = 2048  # sequences per forward pass in evaluation
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _MAX_LR = _FLOAT32_MAX / 10  # AdamW's first step, lr / (1 - beta1), must fit in float32
 
@@ -235,8 +234,8 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Accuracy:
     model.eval()
     device = next(model.parameters()).device
     preds = [
-        model(x[i : i + _EVAL_CHUNK].to(device)).logits.argmax(dim=-1).cpu()  # (chunk, T)
-        for i in range(0, x.shape[0], _EVAL_CHUNK)
+        model(x[i : i + guards.EVAL_CHUNK].to(device)).logits.argmax(dim=-1).cpu()  # (chunk, T)
+        for i in range(0, x.shape[0], guards.EVAL_CHUNK)
     ]
     model.train(was_training)
     return accuracy_from_predictions(torch.cat(preds), y)
@@ -279,13 +278,10 @@ def fit(
     ``should_stop`` is asked after every step (Ctrl-C in a one-process run). With
     ``world_size > 1`` the process group must be initialised (see :mod:`attnkit.train.ddp`).
     """
-    import torch.distributed as dist
-
     task, model, optimizer = build(config, device)
-    path = out / CHECKPOINT_NAME
     step, finished = 0, False
     if resume:
-        info = load_checkpoint(path, model, optimizer)
+        info = load_checkpoint(out / CHECKPOINT_NAME, model, optimizer)
         step, finished = info.step, info.finished
     start = step
     net: nn.Module = model
@@ -300,59 +296,25 @@ def fit(
     t0 = time.perf_counter()
     if lead:
         emit(Progress(step, config.steps, None, None, 0.0))
-
     saved = step if resume else None  # the step of this run's last checkpoint
-
-    def save() -> None:  # on every rank: the ranks hold the same weights and stop together
-        nonlocal saved
-        bad = guards.first_non_finite(model)
-        if bad is not None:
-            what = f"parameter {bad} became NaN or infinite"
-            raise TrainingDivergedError(
-                guards.diverged(what, step, config.steps, out, saved), step, saved
-            )
-        if lead:
-            try:
-                save_checkpoint(
-                    path, model, optimizer, step=step, finished=finished, config=asdict(config)
-                )
-            except WriteError as e:  # a full disk: one line, the last checkpoint intact
-                raise guards.save_failed(e, out, saved) from e
-        saved = step
-
     if finished and lead:  # a finished run resumed: nothing to train, report where it stands
         held_out = evaluate(model, eval_x, eval_y)
         reached = config.target is not None and held_out.sequence >= config.target
     model.train()
     while not finished and step < config.steps:
         x, y = train_batch(config, task, step, rank=rank, world_size=world_size)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(config, step)
-        logits = net(x.to(device)).logits  # (B/N, T, C)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), ignore_index=IGNORE)
-        shown = loss.detach().clone()
-        if world_size > 1:
-            dist.all_reduce(shown)
-            shown /= world_size
+        loss, shown = _losses(net, x.to(device), y.to(device), world_size)
         if not bool(torch.isfinite(shown)):  # the same verdict on every rank: stop, take no step
             what = f"the training loss is {float(shown)}"
             message = guards.diverged(what, step + 1, config.steps, out, saved)
             raise TrainingDivergedError(message, step + 1, saved)
-        optimizer.zero_grad(set_to_none=True)
-        torch.autograd.backward(loss)  # DDP averages the gradients over the ranks here
-        if config.clip is not None:
-            nn.utils.clip_grad_norm_(model.parameters(), config.clip)
-        optimizer.step()
+        _update(config, model, optimizer, loss, step)
         step += 1
         evaluated = step % config.eval_every == 0 or step == config.steps
         if evaluated:
-            flag = torch.zeros(1)
-            if lead:
-                held_out = evaluate(model, eval_x, eval_y)
-                flag[0] = float(config.target is not None and held_out.sequence >= config.target)
-            if world_size > 1:
-                dist.broadcast(flag, src=0)
-            reached = bool(flag.item())
+            reached, now = _reached(config, model, eval_x, eval_y, lead, world_size)
+            if now is not None:  # rank 0's evaluation
+                held_out = now
         finished = reached or step == config.steps
         stopped = not finished and ((stop_at is not None and step >= stop_at) or should_stop())
         if lead:
@@ -360,8 +322,97 @@ def fit(
             shown_acc = held_out if evaluated else None
             emit(Progress(step, config.steps, float(shown.item()), shown_acc, seconds))
         if finished or stopped or step % config.checkpoint_every == 0:
-            save()
+            saved = _save(config, model, optimizer, out, step, finished, saved, lead)
         if stopped:
             break
     seconds = time.perf_counter() - t0
     return FitSummary(start, step, finished, reached, stopped, held_out, seconds)
+
+
+def _losses(
+    net: nn.Module, x: torch.Tensor, y: torch.Tensor, world_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's loss on its shard ``x, y (B/N, T)``, and the mean over the ranks (what is
+    reported and checked: the same on every rank)."""
+    import torch.distributed as dist
+
+    logits = net(x).logits  # (B/N, T, C)
+    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+    shown = loss.detach().clone()
+    if world_size > 1:
+        dist.all_reduce(shown)
+        shown /= world_size
+    return loss, shown
+
+
+def _update(
+    config: TrainConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss: torch.Tensor,
+    step: int,
+) -> None:
+    """Optimizer step ``step`` (0-based) from ``loss``: its learning rate, clipped gradients."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(config, step)
+    optimizer.zero_grad(set_to_none=True)
+    torch.autograd.backward(loss)  # DDP averages the gradients over the ranks here
+    if config.clip is not None:
+        nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+    optimizer.step()
+
+
+def _reached(
+    config: TrainConfig,
+    model: nn.Module,
+    eval_x: torch.Tensor,
+    eval_y: torch.Tensor,
+    lead: bool,
+    world_size: int,
+) -> tuple[bool, Accuracy | None]:
+    """Whether the run reached its target, as rank 0 found on the eval set (broadcast to every
+    rank), and on rank 0 that evaluation (``None`` on the others)."""
+    import torch.distributed as dist
+
+    flag = torch.zeros(1)
+    held_out = None
+    if lead:
+        held_out = evaluate(model, eval_x, eval_y)
+        flag[0] = float(config.target is not None and held_out.sequence >= config.target)
+    if world_size > 1:
+        dist.broadcast(flag, src=0)
+    return bool(flag.item()), held_out
+
+
+def _save(
+    config: TrainConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    out: Path,
+    step: int,
+    finished: bool,
+    saved: int | None,
+    lead: bool,
+) -> int:
+    """The checkpoint of ``step``, written by rank 0 once every rank found its weights finite
+    (the ranks hold the same weights and stop together); returns ``step``, the run's last
+    checkpoint now. ``saved``: the one before (``None`` when the run wrote none)."""
+    bad = guards.first_non_finite(model)
+    if bad is not None:
+        what = f"parameter {bad} became NaN or infinite"
+        raise TrainingDivergedError(
+            guards.diverged(what, step, config.steps, out, saved), step, saved
+        )
+    if lead:
+        try:
+            save_checkpoint(
+                out / CHECKPOINT_NAME,
+                model,
+                optimizer,
+                step=step,
+                finished=finished,
+                config=asdict(config),
+            )
+        except WriteError as e:  # a full disk: one line, the last checkpoint intact
+            raise guards.save_failed(e, out, saved) from e
+    return step

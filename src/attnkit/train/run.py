@@ -65,11 +65,9 @@ class RunOptions:
         whose checkpoint is in ``out``, where each setting given must be the checkpoint's.
         ``out`` is checked first, then the settings."""
         path = guards.check_out(out, resume=self.resume, overwrite=self.overwrite)
-        if self.resume:  # the checkpoint's settings, except those given
-            saved: TrainConfig | None = resume_config(path)
-            config = replace(saved, **given)
-        else:
-            saved, config = None, TrainConfig(**given)
+        saved = resume_config(path) if self.resume else None
+        # on resume the checkpoint's settings, except those given
+        config = TrainConfig(**given) if saved is None else replace(saved, **given)
         return self._checked(self._check_settings(config), path, saved)
 
     def _check_settings(self, config: TrainConfig) -> TrainConfig:
