@@ -1,11 +1,9 @@
 """The CPU's instruction sets and the path bfloat16/float16 attention takes on it.
 
 torch's bfloat16 and float16 matmuls are fast only where the CPU multiplies those types itself
-(AVX512-BF16 or AMX for bfloat16, AVX512-FP16 or AMX-FP16 for float16). On a CPU with only
-AVX2 or AVX-512F, torch's bf16 GEMM runs one to two orders of magnitude below its float32
-GEMM (measured on an AVX2 CPU: about 13x slower for a 512^3 matmul, and
-``F.scaled_dot_product_attention``'s bf16 backward 11x slower than its float32 one). So every
-CPU call in bfloat16 or float16 takes one of three paths, chosen once per process and dtype:
+(AVX512-BF16 or AMX for bfloat16, AVX512-FP16 or AMX-FP16 for float16); elsewhere they run far
+below float32 (docs/low_precision.md has the measurements). So every CPU call in bfloat16 or
+float16 takes one of three paths, chosen once per process and dtype:
 
 ``native``
     the CPU has the type's dot-product instructions: the tensors stay in their dtype. bfloat16
@@ -225,11 +223,10 @@ def to_float32(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
     The buffer is kept between calls (grown to the largest call up to :data:`KEEP_BYTES`, freed
     by :func:`release_buffers`; larger calls get fresh tensors, so no more is held): a fresh
-    float32 tensor of tens of MB costs more in page faults than the conversion itself (measured
-    on an AVX2 CPU for 8.4M bfloat16 values: 48 ms into a new tensor, 12 ms into a reused one).
-    The copies are valid until this thread's next call:
-    only code that is done with them before it returns may use this (the ``blocked`` backend's
-    kernels; autograd never saves them). A buffer made under ``torch.inference_mode`` (an
+    float32 tensor of tens of MB costs more in page faults than the conversion itself (see
+    docs/low_precision.md). The copies are valid until this thread's next call: only code that
+    is done with them before it returns may use this (the ``blocked`` backend's kernels;
+    autograd never saves them). A buffer made under ``torch.inference_mode`` (an
     inference tensor, which cannot be written outside it) is replaced outside it.
     """
     total = sum(t.numel() for t in ts)

@@ -2,7 +2,7 @@
 
 Dimension legend: B batch, L length, H heads, D head dim, E = H * D model width.
 
-Why ``view`` before ``transpose`` (seed 004): a projection writes each token's ``E`` features
+Why ``view`` before ``transpose``: a projection writes each token's ``E`` features
 contiguously, head after head. ``view(B, L, H, D)`` only relabels that memory (token, head,
 feature), and ``transpose(1, 2)`` then brings the heads forward for a batched matmul. The other
 order (``view(B, H, L, D)`` straight away) runs without error but mixes tokens into heads.

@@ -258,7 +258,7 @@ def trace(
     ] = 0,
     causal: Annotated[bool, typer.Option("--causal", help="Apply the causal mask.")] = False,
 ) -> None:
-    """Print the shape of every step of one MultiHeadAttention call (seed 004's demo)."""
+    """Print the shape of every step of one MultiHeadAttention call."""
     kv = heads if kv_heads is None else kv_heads
     sizes = {"--batch": batch, "--seq": seq, "--d-model": d_model, "--heads": heads}
     sizes |= {"--kv-heads": kv, "--cross-len": cross_len}

@@ -1,10 +1,11 @@
 """``attnkit train``: train a small attnkit transformer end to end, then write its attention maps.
 
-The command is thin: :func:`attnkit.train.train` does the work, after
-:meth:`attnkit.train.RunOptions.check` has checked every option: a bad one, an unusable ``--out`` or
-an ``--out`` that holds a run (without ``--resume`` or ``--overwrite``) ends the command with
-one line and exit code 2 before any work. Only typer is imported at the top; torch, the
-training package, rich and matplotlib load when the command runs.
+The command is thin: :meth:`attnkit.train.RunOptions.prepare_given` checks every option once: a
+bad one, an unusable ``--out`` or an ``--out`` that holds a run (without ``--resume`` or
+``--overwrite``) ends the command with one line and exit code 2 before any work; then
+:func:`attnkit.train.train` does the work on that checked run, without checking it again. Only
+typer is imported at the top; torch, the training package, rich and matplotlib load when the
+command runs.
 """
 
 from __future__ import annotations
@@ -222,7 +223,7 @@ def train(
 ) -> None:
     """Train a small transformer on a task that needs attention; write its attention maps."""
     import time
-    from dataclasses import asdict, replace
+    from dataclasses import asdict
 
     started = time.perf_counter()
 
@@ -230,23 +231,17 @@ def train(
         CHECKPOINT_NAME,
         DistributedTrainingError,
         RunOptions,
-        TrainConfig,
         TrainingDivergedError,
-        resume_config,
     )
     from attnkit.train import train as run
-    from attnkit.train.guards import check_out
 
     with _one_line_warnings():  # an old checkpoint (no checksums): one line, once
-        path = check_out(out, resume=resume, overwrite=overwrite)
         asked: dict[str, Any] = {"task": task, "steps": steps, "seed": seed}
-        if resume:  # the checkpoint's settings, except those given on the command line
-            given = {k: v for k, v in asked.items() if _given(ctx, k)}
-            config = replace(resume_config(path), **given)
-        else:
-            config = TrainConfig(**asked).resolved()
+        # on resume the checkpoint's settings, except those given on the command line
+        given = {k: v for k, v in asked.items() if _given(ctx, k)} if resume else asked
         options = RunOptions(resume, overwrite, world_size=ddp, device=device, threads=threads)
-        config = options.check(config, path)  # all of it checked before the header
+        checked = options.prepare_given(out, given)  # all of it, once, before the header
+        config, path = checked.config, checked.out
         if overwrite and (path / CHECKPOINT_NAME).exists():
             typer.echo(
                 f"attnkit: note: --overwrite: this new run's first checkpoint replaces the one in "
@@ -256,7 +251,7 @@ def train(
         typer.echo(_header(config, ddp, threads, device))
         try:
             with _progress_bar(config.task) as progress:
-                result = run(config, path, progress=progress, **asdict(options))
+                result = run(config, path, progress=progress, checked=checked, **asdict(options))
         except (DistributedTrainingError, TrainingDivergedError) as e:
             typer.echo(f"attnkit: error: {e}", err=True)
             raise typer.Exit(EXIT_FAILED) from None

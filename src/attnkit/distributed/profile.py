@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-__all__ = ["RingProfile", "RingStep", "profile"]
+__all__ = ["RingProfile", "RingStep", "active_profile", "profile"]
 
 _ACTIVE: list[RingProfile] = []
 
@@ -55,6 +55,11 @@ class RingProfile:
             for s in self.steps
         ]
         return "\n".join([head, *rows])
+
+
+def active_profile() -> RingProfile | None:
+    """The innermost profile active on this rank (the one the ring records into), or ``None``."""
+    return _ACTIVE[-1] if _ACTIVE else None
 
 
 @contextmanager

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from attnkit.backends.blocked import BlockAt
-from attnkit.distributed import profile as _profile
 from attnkit.distributed.faults import Pending, exchange, wait_all
+from attnkit.distributed.profile import RingStep, active_profile
 from attnkit.distributed.sharding import Chunk, Layout
 from attnkit.masks import MaskSpec
 
@@ -114,12 +114,13 @@ class RingPlan:
         pairs: int,
         skipped: int,
     ) -> None:
-        if not _profile._ACTIVE:
+        prof = active_profile()
+        if prof is None:
             return
         cpu0, wall0 = clock
         wall = time.perf_counter() - wall0 - wait_s
-        _profile._ACTIVE[-1].steps.append(
-            _profile.RingStep(
+        prof.steps.append(
+            RingStep(
                 phase,
                 self.part,
                 step,

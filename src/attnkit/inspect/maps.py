@@ -440,9 +440,9 @@ def write_html(
     Each map is stored compactly: its weights as integer codes scaled to the map's largest weight,
     deflated and base64-encoded. The codes are 16-bit up to 2**21 weights in all (6 x 12 maps of
     170 tokens), 8-bit beyond; the readout shows a weight as ``≈ w ± e``, ``e`` half a code step.
-    The size depends on how well the maps compress, at most about 4/3 byte a weight beyond 2**21:
-    all-MiniLM-L6-v2's 6 x 12 maps of a 512-token text take about 5 MB. The page inflates the
-    codes with the browser's ``DecompressionStream`` (every major browser since 2023).
+    The size depends on how well the maps compress, at most about 4/3 byte a weight beyond 2**21
+    (README.md gives the size of a real page). The page inflates the codes with the browser's
+    ``DecompressionStream`` (in every major browser).
 
     >>> import tempfile
     >>> import numpy as np

@@ -6,7 +6,7 @@ Dk query/key head dim, Dv value head dim, E model width (Ek, Ev: key and value i
 While a trace is active, :func:`attnkit.attention` records its inputs, the scores and weights
 (shapes; a fused backend never materialises them, and the trace says so), its output and the
 backend that ran; the attention modules add their inputs, projections, split heads, merge and
-output projection. ``print(t)`` renders the table, as seed 004 prints it by hand.
+output projection. ``print(t)`` renders the table of every step and its shape.
 
 Whose calls a trace records: those made in the context that entered it, as
 :mod:`contextvars` defines contexts. That is the thread that entered the ``with`` block, and

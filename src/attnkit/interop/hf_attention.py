@@ -59,7 +59,7 @@ __all__ = [
 WHERE = "attnkit.interop.register_hf"
 #: the transformers versions whose mask and attention interfaces attnkit uses (the `hf` extra)
 SUPPORTED = "transformers>=5.4,<6"
-_LOWEST = (5, 4)  # 5.4 gave the mask interface q_length / q_offset (before: cache_position)
+_LOWEST = (5, 4)  # the first with the mask interface's q_length / q_offset arguments
 INSTALL = "pip install 'attnkit[hf]'"
 
 #: ``config.model_type`` of the models whose code hands the mask from the mask function to
@@ -443,7 +443,7 @@ def hf_attention(
             ``(H,)``), which go to :func:`attnkit.attention` as ``softcap`` and ``sinks``;
             ``output_attentions`` (else ``module.config.output_attentions``) asks for the
             weights. ``position_bias`` raises :class:`~attnkit.AttentionInputError`: attnkit
-            does not compute it yet.
+            does not compute it.
 
     Returns:
         ``(output (B, L, H, D) contiguous, weights (B, H, L, S) or None)``.

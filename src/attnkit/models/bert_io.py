@@ -25,7 +25,7 @@ from attnkit.models.bert import BertConfig, BertEncoder
 from attnkit.models.weight_names import rename_weights
 
 if TYPE_CHECKING:
-    from tokenizers import Tokenizer
+    from tokenizers import Encoding, Tokenizer
 
 __all__ = [
     "EncodedBatch",
@@ -134,8 +134,8 @@ def load_bert(
         )
     config = BertConfig.from_json(paths[0])
     weights = hf_bert_state_dict(load_file(str(paths[1])))
-    # Built on the CPU and overwritten: a "meta" build would skip the random init (0.3 s) but
-    # its first normal_() imports torch._dynamo (3 s).
+    # Built on the CPU and overwritten, not on "meta": a meta build skips the random init, but
+    # its first normal_() imports torch._dynamo, which takes longer (docs/models.md).
     model = BertEncoder(config)
     expected = {name: p.shape for name, p in model.state_dict().items()}
     missing = sorted(set(expected) - set(weights))
@@ -222,6 +222,28 @@ class EncodedBatch(NamedTuple):
     tokens: list[list[str]]  # each text's tokens, [CLS] ... [SEP], without padding
 
 
+def _encode_batch(
+    tokenizer: Tokenizer, batch: list[str], truncate_at: int | None
+) -> list[Encoding]:
+    """``tokenizer.encode_batch(batch)`` without padding, truncated at ``truncate_at`` tokens
+    when given; the tokenizer's own truncation and padding settings are restored after."""
+    saved_truncation, saved_padding = tokenizer.truncation, tokenizer.padding
+    try:
+        tokenizer.no_padding()
+        if truncate_at is not None:
+            tokenizer.enable_truncation(truncate_at)
+        else:
+            tokenizer.no_truncation()
+        encodings: list[Encoding] = tokenizer.encode_batch(batch)
+    finally:
+        tokenizer.no_truncation()
+        if saved_truncation is not None:
+            tokenizer.enable_truncation(**saved_truncation)
+        if saved_padding is not None:
+            tokenizer.enable_padding(**saved_padding)
+    return encodings
+
+
 def encode(
     texts: list[str] | str,
     tokenizer: Tokenizer,
@@ -261,20 +283,7 @@ def encode(
             got=f"max_length={max_length!r}",
             expected=f"an int > {specials}, usually the model's max_position_embeddings",
         )
-    saved_truncation, saved_padding = tokenizer.truncation, tokenizer.padding
-    try:
-        tokenizer.no_padding()
-        if truncate:
-            tokenizer.enable_truncation(max_length)
-        else:
-            tokenizer.no_truncation()
-        encodings = tokenizer.encode_batch(batch)
-    finally:
-        tokenizer.no_truncation()
-        if saved_truncation is not None:
-            tokenizer.enable_truncation(**saved_truncation)
-        if saved_padding is not None:
-            tokenizer.enable_padding(**saved_padding)
+    encodings = _encode_batch(tokenizer, batch, max_length if truncate else None)
     for i, (text, enc) in enumerate(zip(batch, encodings, strict=True)):
         label = "the text" if isinstance(texts, str) else f"text {i}"
         if all(enc.special_tokens_mask):

@@ -29,7 +29,7 @@ from attnkit.inspect.tracing import (
     record_module_start,
     recording,
 )
-from attnkit.modules.checks import check_batch, check_input
+from attnkit.modules.checks import check_batch, check_head_sizes, check_input
 from attnkit.modules.kv_cache import KVCache
 from attnkit.modules.masking import Mask, MaskArgs, combine, module_mask
 from attnkit.modules.positions import RotaryEmbedding
@@ -68,43 +68,8 @@ class _Attention(nn.Module):
         where = f"attnkit.{type(self).__name__}"
         self._where = where
         check_dtype_arg(where, dtype)
-        E = check_int(where, "embed_dim", embed_dim)
-        H = check_int(where, "num_heads", num_heads)
-        Hkv = check_int(where, "num_kv_heads", H if num_kv_heads is None else num_kv_heads)
-        if head_dim is None and E % H != 0:
-            divisors = [h for h in range(1, E + 1) if E % h == 0]
-            raise AttentionInputError(
-                where,
-                "embed_dim",
-                f"embed_dim={E} is not divisible by num_heads={H}.",
-                got=f"embed_dim={E}  num_heads={H}",
-                expected="embed_dim % num_heads == 0 (each head gets embed_dim // num_heads)",
-                fix=f"choose num_heads from {divisors[-8:]}, or pass head_dim=... explicitly",
-            )
-        if H % Hkv != 0:
-            raise AttentionInputError(
-                where,
-                "num_kv_heads",
-                f"num_kv_heads={Hkv} does not divide num_heads={H}.",
-                got=f"num_heads={H}  num_kv_heads={Hkv}",
-                expected="num_heads % num_kv_heads == 0 (grouped-query attention)",
-                fix="num_kv_heads=1 is multi-query; num_kv_heads=num_heads is plain multi-head",
-            )
-        if (
-            isinstance(dropout, bool)
-            or not isinstance(dropout, (int, float))
-            or not (0.0 <= dropout < 1.0)
-        ):
-            raise AttentionInputError(
-                where,
-                "dropout",
-                f"`dropout` must be in [0, 1), got {dropout!r}.",
-                got=f"dropout={dropout!r}",
-                expected="0 <= dropout < 1 (the probability of dropping an attention weight)",
-                fix="dropout=0.0 turns it off",
-            )
-        Dk = check_int(where, "head_dim", E // H if head_dim is None else head_dim)
-        Dv = check_int(where, "v_head_dim", Dk if v_head_dim is None else v_head_dim)
+        sizes = (embed_dim, num_heads, num_kv_heads, head_dim, v_head_dim)
+        E, H, Hkv, Dk, Dv = check_head_sizes(where, *sizes, dropout=dropout)
         self.embed_dim = E
         self.num_heads = H
         self.num_kv_heads = Hkv
@@ -376,12 +341,12 @@ class MultiHeadAttention(_Attention):
 
 
 class SelfAttention(_Attention):
-    """Single-head self-attention without output projection, as written by hand in seed 000.
+    """Single-head self-attention without output projection, as the tutorials write it by hand.
 
     ``x (B, L, E) -> (B, L, v_head_dim)``; queries and keys are ``Linear(E, head_dim)``
-    projections of ``x``, values ``Linear(E, v_head_dim)`` (default ``head_dim``; seed 003
-    uses d_q = d_k = 24 and d_v = 28), no bias by default. The mask keywords are those of
-    :class:`MultiHeadAttention`. Returns :class:`~attnkit.AttentionOutput`.
+    projections of ``x``, values ``Linear(E, v_head_dim)`` (default ``head_dim``; the
+    walk-through of :mod:`attnkit.walkthrough` uses 24 and 28), no bias by default. The mask
+    keywords are those of :class:`MultiHeadAttention`. Returns :class:`~attnkit.AttentionOutput`.
 
     >>> SelfAttention(256, 64)(torch.randn(32, 50, 256)).output.shape
     torch.Size([32, 50, 64])

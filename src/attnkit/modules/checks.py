@@ -1,4 +1,4 @@
-"""The input checks of the attention modules, and their messages.
+"""The checks of the attention modules' arguments and inputs, and their messages.
 
 Dimension legend: B batch, L query length, S key length, E model width.
 """
@@ -11,12 +11,66 @@ from attnkit.errors import (
     DTYPE_NAMES,
     DTYPES,
     AttentionInputError,
+    check_int,
     dtype_error,
     rank_error,
     shape_str,
 )
 
-__all__ = ["check_batch", "check_input"]
+__all__ = ["check_batch", "check_head_sizes", "check_input"]
+
+
+def check_head_sizes(
+    where: str,
+    embed_dim: object,
+    num_heads: object,
+    num_kv_heads: object,
+    head_dim: object,
+    v_head_dim: object,
+    *,
+    dropout: object,
+) -> tuple[int, int, int, int, int]:
+    """A module's sizes ``(E, H, Hkv, Dk, Dv)``, defaults filled in, once each is a positive
+    int, ``E`` splits into ``H`` heads (unless ``head_dim`` is given), ``Hkv`` divides ``H``
+    and ``dropout`` is in ``[0, 1)``."""
+    E = check_int(where, "embed_dim", embed_dim)
+    H = check_int(where, "num_heads", num_heads)
+    Hkv = check_int(where, "num_kv_heads", H if num_kv_heads is None else num_kv_heads)
+    if head_dim is None and E % H != 0:
+        divisors = [h for h in range(1, E + 1) if E % h == 0]
+        raise AttentionInputError(
+            where,
+            "embed_dim",
+            f"embed_dim={E} is not divisible by num_heads={H}.",
+            got=f"embed_dim={E}  num_heads={H}",
+            expected="embed_dim % num_heads == 0 (each head gets embed_dim // num_heads)",
+            fix=f"choose num_heads from {divisors[-8:]}, or pass head_dim=... explicitly",
+        )
+    if H % Hkv != 0:
+        raise AttentionInputError(
+            where,
+            "num_kv_heads",
+            f"num_kv_heads={Hkv} does not divide num_heads={H}.",
+            got=f"num_heads={H}  num_kv_heads={Hkv}",
+            expected="num_heads % num_kv_heads == 0 (grouped-query attention)",
+            fix="num_kv_heads=1 is multi-query; num_kv_heads=num_heads is plain multi-head",
+        )
+    if (
+        isinstance(dropout, bool)
+        or not isinstance(dropout, (int, float))
+        or not (0.0 <= dropout < 1.0)
+    ):
+        raise AttentionInputError(
+            where,
+            "dropout",
+            f"`dropout` must be in [0, 1), got {dropout!r}.",
+            got=f"dropout={dropout!r}",
+            expected="0 <= dropout < 1 (the probability of dropping an attention weight)",
+            fix="dropout=0.0 turns it off",
+        )
+    Dk = check_int(where, "head_dim", E // H if head_dim is None else head_dim)
+    Dv = check_int(where, "v_head_dim", Dk if v_head_dim is None else v_head_dim)
+    return E, H, Hkv, Dk, Dv
 
 
 def check_input(

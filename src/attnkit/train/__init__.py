@@ -3,7 +3,9 @@
 - :mod:`~attnkit.train.tasks`: the tasks (``reverse``, ``sort``, ``kv_recall``), their seeded data
   and a held-out split that is disjoint from training by construction.
 - :mod:`~attnkit.train.task_model`: embeddings + :class:`attnkit.modules.TransformerStack` + a head.
-- :mod:`~attnkit.train.loop`: AdamW, evaluation, early stop, resume.
+- :mod:`~attnkit.train.run`: :func:`train`, a whole run: its options checked once, then the
+  fit, the held-out test and the maps.
+- :mod:`~attnkit.train.loop`: the training loop: AdamW, evaluation, early stop, resume.
 - :mod:`~attnkit.train.ddp`: ``--ddp N``, DistributedDataParallel over gloo.
 - :mod:`~attnkit.train.checkpoint`: safetensors checkpoints of the model and the optimizer.
 - :mod:`~attnkit.train.guards`: what a run refuses before it starts, and how it stops (a
@@ -32,15 +34,13 @@ from attnkit.train.head_alignment import (
 from attnkit.train.loop import (
     FitSummary,
     Progress,
-    RunOptions,
     TrainConfig,
-    TrainResult,
     build,
     evaluate,
     fit,
     resume_config,
-    train,
 )
+from attnkit.train.run import CheckedRun, RunOptions, TrainResult, train
 from attnkit.train.task_model import ModelConfig, ModelOutput, TaskModel
 from attnkit.train.tasks import TASKS, Accuracy, KVRecall, Reverse, Sort, Task, make_task
 
@@ -48,6 +48,7 @@ __all__ = [
     "CHECKPOINT_NAME",
     "TASKS",
     "Accuracy",
+    "CheckedRun",
     "CheckpointInfo",
     "DistributedTrainingError",
     "FitSummary",

@@ -21,8 +21,8 @@ with what is wrong, never a traceback.
 **Checksums.** The metadata field ``checksums`` holds the SHA-256 of every tensor's bytes (a
 JSON object, tensor name to hex digest), computed when saving. :func:`load_checkpoint` and
 :func:`verify_checkpoint` (so ``--resume``) recompute them and refuse a tensor whose bytes
-changed, naming it: one flipped bit in a weight is caught. A checkpoint written before
-checksums existed still loads, with one :class:`UncheckedCheckpointWarning`; its next save
+changed, naming it: one flipped bit in a weight is caught. A checkpoint without the
+``checksums`` field still loads, with one :class:`UncheckedCheckpointWarning`; its next save
 adds them.
 
 **Writing.** A checkpoint is written with :func:`attnkit.files.replacing`: to a new temporary
@@ -30,8 +30,8 @@ file next to it, synced, then moved into place, so an interrupted or failed save
 one :class:`~attnkit.files.WriteError`, "no space left on device while writing ...; the
 previous checkpoint is intact") never leaves a broken checkpoint, and a symbolic link planted
 at the checkpoint's name is replaced, never written through. A temporary file that a killed
-save left behind (``.checkpoint.safetensors.*.tmp``, or ``checkpoint.safetensors.tmp`` from
-older versions) is removed by the next save or load of that checkpoint.
+save left behind (``.checkpoint.safetensors.*.tmp``, or the fixed name
+``checkpoint.safetensors.tmp``) is removed by the next save or load of that checkpoint.
 """
 
 from __future__ import annotations

@@ -28,14 +28,8 @@ import torch
 
 from attnkit.files import WriteError
 from attnkit.train.checkpoint import UncheckedCheckpointWarning
-from attnkit.train.loop import (
-    FitSummary,
-    Progress,
-    RunOptions,
-    TrainConfig,
-    TrainingDivergedError,
-    fit,
-)
+from attnkit.train.guards import TrainingDivergedError
+from attnkit.train.loop import FitSummary, Progress, TrainConfig, fit
 
 __all__ = ["INIT_TIMEOUT_S", "DistributedTrainingError", "spawn"]
 
@@ -112,10 +106,15 @@ def _worker(
 def spawn(
     config: TrainConfig,
     out: Path,
-    options: RunOptions,
+    *,
+    world_size: int,
+    resume: bool,
+    threads: int,
+    stop_at: int | None,
     emit: Callable[[Progress], None],
 ) -> FitSummary:
-    """Run :func:`~attnkit.train.loop.fit` on ``options.world_size`` spawned processes.
+    """Run :func:`~attnkit.train.loop.fit` on ``world_size`` spawned processes, each with
+    ``threads`` torch threads (the run checked already, see :class:`attnkit.train.RunOptions`).
 
     Rank 0's progress reports are passed to ``emit`` here, in the calling process.
     """
@@ -125,9 +124,7 @@ def spawn(
     from torch.multiprocessing.spawn import ProcessException, start_processes
 
     queue = mp.get_context("spawn").Queue()
-    world_size = options.world_size
-    run = (options.resume, options.threads, options.stop_at)
-    args = (world_size, _free_port(), config, out, *run, queue)
+    args = (world_size, _free_port(), config, out, resume, threads, stop_at, queue)
     context = start_processes(  # type: ignore[no-untyped-call]
         _worker, args=args, nprocs=world_size, join=False, start_method="spawn"
     )

@@ -1,6 +1,6 @@
 """What a training run refuses before it starts, and how it stops without losing a run.
 
-Checked before any work (:meth:`attnkit.train.RunOptions.check` calls these), each with an
+Checked before any work (:meth:`attnkit.train.RunOptions.prepare` calls these), each with an
 :class:`~attnkit.AttentionInputError` that names the option:
 
 - the output directory: not empty, not a file, can be created and written; an existing
@@ -43,6 +43,7 @@ from attnkit.train.checkpoint import CHECKPOINT_NAME, read_info
 from attnkit.train.tasks import Task, make_task
 
 __all__ = [
+    "EVAL_CHUNK",
     "TrainingDivergedError",
     "check_complete",
     "check_device",
@@ -111,8 +112,8 @@ def is_number(value: object) -> bool:
 
 def check_complete(stored: dict[str, Any], config: Any) -> None:
     """On resume: the checkpoint's settings ``stored`` name every field of ``config`` (a
-    ``TrainConfig`` built from them), with the task's sizes filled in. A missing one would be
-    silently taken from today's defaults."""
+    ``TrainConfig`` built from them), with the task's sizes filled in. A missing one would
+    otherwise be taken, silently, from the defaults of the attnkit that resumes."""
     for f in fields(config):
         if f.name not in stored or (f.name in ("length", "vocab") and stored[f.name] is None):
             raise AttentionInputError(
@@ -139,7 +140,7 @@ def model_parameters(config: Any) -> int:
     return embeddings + L * layer + 2 * E + E * C + C
 
 
-_EVAL_CHUNK = 2048  # as attnkit.train.loop: sequences per forward pass in evaluation
+EVAL_CHUNK = 2048  # sequences per forward pass in evaluation (the loop and run_bytes)
 _DRAW = 12  # a held-out draw samples (HOLDOUT_EVERY + 2) x n sequences to keep n
 
 
@@ -161,7 +162,7 @@ def run_bytes(config: Any, world_size: int = 1) -> dict[str, int]:
     model = 4 * P * (4 if world_size == 1 else 5) * world_size  # DDP: a gradient bucket copy
     batch = 4 * B * T * (L * (16 * E + 3 * H * T) + 3 * E + 3 * C)
     n = max(config.eval_size, config.test_size)
-    chunk = min(_EVAL_CHUNK, n)
+    chunk = min(EVAL_CHUNK, n)
     evaluation = 4 * chunk * T * (8 * E + 2 * H * T + C)
     data = 8 * T * (2 * (config.eval_size + config.test_size) + 3 * _DRAW * n)
     return {"model": model, "batch": batch, "held-out": evaluation + data}

@@ -28,8 +28,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -37,28 +36,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import attnkit.train.guards as guards
 from attnkit.configs import derive_config
 from attnkit.errors import AttentionInputError
 from attnkit.files import WriteError
-from attnkit.train import guards
 from attnkit.train.checkpoint import (
     CHECKPOINT_NAME,
     load_checkpoint,
     read_info,
     save_checkpoint,
-    verify_checkpoint,
 )
 from attnkit.train.guards import TrainingDivergedError
-from attnkit.train.head_alignment import MapsReport, write_maps
 from attnkit.train.task_model import ModelConfig, TaskModel
 from attnkit.train.tasks import IGNORE, Accuracy, Task, accuracy_from_predictions, make_task
 
 __all__ = [
     "FitSummary",
     "Progress",
-    "RunOptions",
     "TrainConfig",
-    "TrainResult",
     "TrainingDivergedError",
     "build",
     "evaluate",
@@ -66,12 +61,10 @@ __all__ = [
     "held_out_set",
     "lr_at",
     "resume_config",
-    "train",
     "train_batch",
 ]
 
 _EVAL, _TEST, _STEP = 1, 2, 3  # streams of the data generators
-_EVAL_CHUNK = 2048  # sequences per forward pass in evaluation
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _MAX_LR = _FLOAT32_MAX / 10  # AdamW's first step, lr / (1 - beta1), must fit in float32
 
@@ -178,20 +171,6 @@ class FitSummary:
     seconds: float
 
 
-@dataclass(frozen=True)
-class TrainResult:
-    """What :func:`train` did: the fit, the final held-out test and the maps (not when
-    ``fit.stopped``), the checkpoint and the total wall time."""
-
-    config: TrainConfig
-    fit: FitSummary
-    test: Accuracy | None
-    maps: MapsReport | None
-    checkpoint: Path
-    world_size: int
-    seconds: float
-
-
 # ---------------------------------------------------------------------------------------------
 # the pieces
 
@@ -255,8 +234,8 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Accuracy:
     model.eval()
     device = next(model.parameters()).device
     preds = [
-        model(x[i : i + _EVAL_CHUNK].to(device)).logits.argmax(dim=-1).cpu()  # (chunk, T)
-        for i in range(0, x.shape[0], _EVAL_CHUNK)
+        model(x[i : i + guards.EVAL_CHUNK].to(device)).logits.argmax(dim=-1).cpu()  # (chunk, T)
+        for i in range(0, x.shape[0], guards.EVAL_CHUNK)
     ]
     model.train(was_training)
     return accuracy_from_predictions(torch.cat(preds), y)
@@ -275,16 +254,6 @@ def resume_config(out: str | os.PathLike[str]) -> TrainConfig:
         past = ValueError(f"step {info.step} is past the run's {config.steps} steps")
         raise guards.saved_config_error(info.path, past)
     return config
-
-
-@contextmanager
-def _threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,13 +278,10 @@ def fit(
     ``should_stop`` is asked after every step (Ctrl-C in a one-process run). With
     ``world_size > 1`` the process group must be initialised (see :mod:`attnkit.train.ddp`).
     """
-    import torch.distributed as dist
-
     task, model, optimizer = build(config, device)
-    path = out / CHECKPOINT_NAME
     step, finished = 0, False
     if resume:
-        info = load_checkpoint(path, model, optimizer)
+        info = load_checkpoint(out / CHECKPOINT_NAME, model, optimizer)
         step, finished = info.step, info.finished
     start = step
     net: nn.Module = model
@@ -330,59 +296,25 @@ def fit(
     t0 = time.perf_counter()
     if lead:
         emit(Progress(step, config.steps, None, None, 0.0))
-
     saved = step if resume else None  # the step of this run's last checkpoint
-
-    def save() -> None:  # on every rank: the ranks hold the same weights and stop together
-        nonlocal saved
-        bad = guards.first_non_finite(model)
-        if bad is not None:
-            what = f"parameter {bad} became NaN or infinite"
-            raise TrainingDivergedError(
-                guards.diverged(what, step, config.steps, out, saved), step, saved
-            )
-        if lead:
-            try:
-                save_checkpoint(
-                    path, model, optimizer, step=step, finished=finished, config=asdict(config)
-                )
-            except WriteError as e:  # a full disk: one line, the last checkpoint intact
-                raise guards.save_failed(e, out, saved) from e
-        saved = step
-
     if finished and lead:  # a finished run resumed: nothing to train, report where it stands
         held_out = evaluate(model, eval_x, eval_y)
         reached = config.target is not None and held_out.sequence >= config.target
     model.train()
     while not finished and step < config.steps:
         x, y = train_batch(config, task, step, rank=rank, world_size=world_size)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(config, step)
-        logits = net(x.to(device)).logits  # (B/N, T, C)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), ignore_index=IGNORE)
-        shown = loss.detach().clone()
-        if world_size > 1:
-            dist.all_reduce(shown)
-            shown /= world_size
+        loss, shown = _losses(net, x.to(device), y.to(device), world_size)
         if not bool(torch.isfinite(shown)):  # the same verdict on every rank: stop, take no step
             what = f"the training loss is {float(shown)}"
             message = guards.diverged(what, step + 1, config.steps, out, saved)
             raise TrainingDivergedError(message, step + 1, saved)
-        optimizer.zero_grad(set_to_none=True)
-        torch.autograd.backward(loss)  # DDP averages the gradients over the ranks here
-        if config.clip is not None:
-            nn.utils.clip_grad_norm_(model.parameters(), config.clip)
-        optimizer.step()
+        _update(config, model, optimizer, loss, step)
         step += 1
         evaluated = step % config.eval_every == 0 or step == config.steps
         if evaluated:
-            flag = torch.zeros(1)
-            if lead:
-                held_out = evaluate(model, eval_x, eval_y)
-                flag[0] = float(config.target is not None and held_out.sequence >= config.target)
-            if world_size > 1:
-                dist.broadcast(flag, src=0)
-            reached = bool(flag.item())
+            reached, now = _reached(config, model, eval_x, eval_y, lead, world_size)
+            if now is not None:  # rank 0's evaluation
+                held_out = now
         finished = reached or step == config.steps
         stopped = not finished and ((stop_at is not None and step >= stop_at) or should_stop())
         if lead:
@@ -390,110 +322,97 @@ def fit(
             shown_acc = held_out if evaluated else None
             emit(Progress(step, config.steps, float(shown.item()), shown_acc, seconds))
         if finished or stopped or step % config.checkpoint_every == 0:
-            save()
+            saved = _save(config, model, optimizer, out, step, finished, saved, lead)
         if stopped:
             break
     seconds = time.perf_counter() - t0
     return FitSummary(start, step, finished, reached, stopped, held_out, seconds)
 
 
-@dataclass(frozen=True)
-class RunOptions:
-    """How :func:`train` runs a config (every keyword of :func:`train` but ``progress``)."""
+def _losses(
+    net: nn.Module, x: torch.Tensor, y: torch.Tensor, world_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's loss on its shard ``x, y (B/N, T)``, and the mean over the ranks (what is
+    reported and checked: the same on every rank)."""
+    import torch.distributed as dist
 
-    resume: bool = False
-    overwrite: bool = False
-    world_size: int = 1
-    device: str = "cpu"
-    threads: int = 1
-    stop_at: int | None = None
-
-    def check(self, config: TrainConfig, out: str | os.PathLike[str]) -> TrainConfig:
-        """Check a run without training; return the resolved config.
-
-        Raises :class:`~attnkit.AttentionInputError` for what :func:`train` would refuse: bad
-        settings, an unusable ``out``, an existing checkpoint in ``out`` without ``resume`` or
-        ``overwrite``, and on resume a checkpoint of another run, edited, or holding a NaN.
-        """
-        config = config.resolved()
-        device = guards.check_device(self.device, self.world_size)
-        guards.check_world(config.batch_size, self.world_size)
-        guards.check_memory(config, device, self.world_size)  # before anything is allocated
-        threads, stop_at = self.threads, self.stop_at
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise guards.config_error("threads", threads, "a positive int")
-        if stop_at is not None and (not isinstance(stop_at, int) or stop_at < 1):
-            raise guards.config_error("stop_at", stop_at, "a positive int, or None")
-        path = guards.check_out(out, resume=self.resume, overwrite=self.overwrite)
-        if self.resume:
-            guards.check_same_run(config, resume_config(path), path)
-            verify_checkpoint(path / CHECKPOINT_NAME)  # every tensor finite
-        return config
+    logits = net(x).logits  # (B/N, T, C)
+    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+    shown = loss.detach().clone()
+    if world_size > 1:
+        dist.all_reduce(shown)
+        shown /= world_size
+    return loss, shown
 
 
-def train(
+def _update(
     config: TrainConfig,
-    out: str | os.PathLike[str],
-    *,
-    resume: bool = False,
-    overwrite: bool = False,
-    world_size: int = 1,
-    device: str = "cpu",
-    threads: int = 1,
-    stop_at: int | None = None,
-    progress: Callable[[Progress], None] | None = None,
-) -> TrainResult:
-    """Train a :class:`TaskModel` on ``config.task``; checkpoint, test and write maps to ``out``.
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss: torch.Tensor,
+    step: int,
+) -> None:
+    """Optimizer step ``step`` (0-based) from ``loss``: its learning rate, clipped gradients."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(config, step)
+    optimizer.zero_grad(set_to_none=True)
+    torch.autograd.backward(loss)  # DDP averages the gradients over the ranks here
+    if config.clip is not None:
+        nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+    optimizer.step()
 
-    - ``resume``: continue the run whose checkpoint is in ``out`` (``config`` must be its config,
-      see :func:`resume_config`).
-    - ``overwrite``: start a new run in an ``out`` that holds another run's checkpoint, which
-      the new run's first checkpoint replaces. Without it (or ``resume``) that is refused.
-    - ``world_size``: the number of processes (DistributedDataParallel over gloo, CPU).
-    - ``threads``: torch threads per process. One is the default: on these small matrices a
-      second thread costs more in synchronisation than it gains, many times over when the CPU is
-      shared.
-    - ``stop_at``: stop after this step with a checkpoint, as if interrupted.
-    - ``progress``: called with a :class:`Progress` after each step (in this process).
 
-    After the fit (unless it stopped early), the trained model is checked on ``test_size``
-    fresh held-out sequences and the attention maps of one of them are written to ``out``
-    (``attention.html``, ``.png``, ``.npz``; see :func:`attnkit.train.head_alignment.write_maps`).
+def _reached(
+    config: TrainConfig,
+    model: nn.Module,
+    eval_x: torch.Tensor,
+    eval_y: torch.Tensor,
+    lead: bool,
+    world_size: int,
+) -> tuple[bool, Accuracy | None]:
+    """Whether the run reached its target, as rank 0 found on the eval set (broadcast to every
+    rank), and on rank 0 that evaluation (``None`` on the others)."""
+    import torch.distributed as dist
 
-    Raises :class:`~attnkit.train.guards.TrainingDivergedError` at the first non-finite loss,
-    before that step is taken; the checkpoint in ``out`` is then the run's last good one.
-    """
-    t0 = time.perf_counter()
-    options = RunOptions(resume, overwrite, world_size, device, threads, stop_at)
-    config = options.check(config, out)
-    out = Path(out)
-    dev = torch.device(device)
-    out.mkdir(parents=True, exist_ok=True)
-    emit = progress or (lambda p: None)
-    with _threads(threads):
-        if world_size == 1:
-            with guards.sigint_stops() as should_stop:
-                summary = fit(
-                    config,
-                    out,
-                    resume=resume,
-                    rank=0,
-                    world_size=1,
-                    device=dev,
-                    stop_at=stop_at,
-                    emit=emit,
-                    should_stop=should_stop,
-                )
-        else:
-            from attnkit.train.ddp import spawn
+    flag = torch.zeros(1)
+    held_out = None
+    if lead:
+        held_out = evaluate(model, eval_x, eval_y)
+        flag[0] = float(config.target is not None and held_out.sequence >= config.target)
+    if world_size > 1:
+        dist.broadcast(flag, src=0)
+    return bool(flag.item()), held_out
 
-            summary = spawn(config, out, options, emit)
-        test = maps = None
-        if not summary.stopped:
-            task, model, _ = build(config, dev)
-            load_checkpoint(out / CHECKPOINT_NAME, model)
-            test_x, test_y = held_out_set(config, task, test=True)
-            test = evaluate(model, test_x, test_y)
-            maps = write_maps(task, model, test_x[0], out)  # the first test sequence
-    seconds = time.perf_counter() - t0
-    return TrainResult(config, summary, test, maps, out / CHECKPOINT_NAME, world_size, seconds)
+
+def _save(
+    config: TrainConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    out: Path,
+    step: int,
+    finished: bool,
+    saved: int | None,
+    lead: bool,
+) -> int:
+    """The checkpoint of ``step``, written by rank 0 once every rank found its weights finite
+    (the ranks hold the same weights and stop together); returns ``step``, the run's last
+    checkpoint now. ``saved``: the one before (``None`` when the run wrote none)."""
+    bad = guards.first_non_finite(model)
+    if bad is not None:
+        what = f"parameter {bad} became NaN or infinite"
+        raise TrainingDivergedError(
+            guards.diverged(what, step, config.steps, out, saved), step, saved
+        )
+    if lead:
+        try:
+            save_checkpoint(
+                out / CHECKPOINT_NAME,
+                model,
+                optimizer,
+                step=step,
+                finished=finished,
+                config=asdict(config),
+            )
+        except WriteError as e:  # a full disk: one line, the last checkpoint intact
+            raise guards.save_failed(e, out, saved) from e
+    return step
