@@ -33,7 +33,7 @@ import torch
 
 from attnkit.bench.workloads import Inputs, Workload
 
-__all__ = ["PEERS", "Peer", "peer_names"]
+__all__ = ["OUTSIDE", "PEERS", "Peer", "peer_names", "step"]
 
 GiB = 1 << 30
 
@@ -58,14 +58,24 @@ class Case:
 
 
 def _dense(inputs: Inputs, L: int, S: int) -> torch.Tensor | None:
-    """The spec as a dense bool mask ``(B', 1, L, S)`` (True = may attend)."""
+    """The spec as a dense bool mask ``(B', 1, L, S)`` (True = may attend), on the inputs'
+    device."""
     if inputs.spec is None:
         return None
-    return inputs.spec.to_dense(L, S)
+    return inputs.spec.to_dense(L, S, device=inputs.q.device)
 
 
-def _mask_batch(inputs: Inputs) -> int:
-    return 1 if inputs.spec is None or inputs.spec.batch is None else inputs.spec.batch
+def step(fn: Fn, inputs: Inputs, backward: bool, params: list[torch.Tensor]) -> None:
+    """One timed step of a peer's call ``fn``: forward only under ``no_grad``, or forward and
+    the backward of ones (the gradients of the inputs and of ``params`` cleared first)."""
+    if not backward:
+        with torch.no_grad():
+            fn()
+        return
+    for t in (inputs.q, inputs.k, inputs.v, *params):
+        t.grad = None
+    out = fn()
+    out.backward(torch.ones_like(out))  # type: ignore[no-untyped-call]
 
 
 class Peer:
