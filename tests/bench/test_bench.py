@@ -193,7 +193,7 @@ def test_each_row_has_its_default_peers() -> None:
         "attnkit",
         "attnkit-blocked",
         "attnkit-fp32",
-    ]  # bfloat16 rows: attnkit's own float32 on the same call, which the masks group's bf16 bars compare with
+    ]  # bfloat16 rows: attnkit's own float32 on the same call, which the masks bars compare with
     assert bench.row_peers("module", 512, "float32") == ["torch-mha", "attnkit-mha"]
     why = PEERS["attnkit-fp32"].skip(WORKLOADS["window"], 64, torch.float32, False, 8 << 30)
     assert why == "the row is float32: attnkit-fp32 would be the attnkit peer again"
@@ -392,6 +392,29 @@ def test_row_selection() -> None:
     assert picked == [("causal", 1024, "bfloat16", "fwd"), ("causal", 1024, "bfloat16", "fwd+bwd")]
     full = bench.plan_rows(full=True)
     assert len(full) == len(WORKLOADS) * 4 * 2 * 2
+
+
+def test_the_old_group_name_still_works_on_the_command_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``-g issue14`` is ``-g masks`` on the command line, with a line on stderr saying so; the
+    library knows ``masks`` only."""
+    asked: list[list[tuple[str, int, str, str]]] = []
+
+    def run(rows: list[tuple[str, int, str, str]], **kwargs: object) -> BenchResult:
+        asked.append(list(rows))
+        return BenchResult({}, 1.0, [], 5)
+
+    monkeypatch.setattr(bench, "run", run)
+    args = ["bench", "--dtype", "bfloat16", "--mode", "fwd+bwd", "--no-memory"]
+    for group in ("issue14", "masks"):
+        result = CliRunner().invoke(app, [*args, "-g", group])
+        assert result.exit_code == 0, result.output
+        said = "attnkit bench: -g issue14 is now -g masks (the old name will go)"
+        assert (said in result.stderr) == (group == "issue14")
+    assert asked == [[("window", 4096, "bfloat16", "fwd+bwd")]] * 2
+    with pytest.raises(AttentionInputError, match="'issue14' is not one of acceptance, masks"):
+        bench.plan_rows(groups=["issue14"])
 
 
 def test_peers_say_why_they_skip() -> None:

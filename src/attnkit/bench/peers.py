@@ -15,9 +15,12 @@ Peers (what people write without attnkit):
 
 attnkit: ``attnkit`` (``backend="auto"``), ``attnkit-<name>`` for each registered backend,
 ``attnkit-fp32`` (``auto`` on float32 copies of a bfloat16 row's inputs: attnkit's float32 speed
-on the same call, which the bfloat16 bars of issue 14 compare against; the copies are made
-before the timed calls, and count in its peak memory) and ``attnkit-mha``
+on the same call, which the ``masks`` group's bfloat16 bars compare against; the copies are
+made before the timed calls, and count in its peak memory) and ``attnkit-mha``
 (:class:`attnkit.MultiHeadAttention`, module rows).
+
+The GPU bench (:mod:`attnkit.bench.cuda`) calls the same peers on inputs on the GPU;
+:func:`step` is one timed call of a peer, forward or forward + backward, on both.
 
 A peer that cannot run a case says why (:meth:`Peer.skip`): no backward, a dtype it lacks, or
 the memory its dense tensors would take over the run's cap.

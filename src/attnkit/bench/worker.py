@@ -15,7 +15,7 @@
   the inputs take (``VmHWM`` from ``/proc/self/status``). A peer that compiles (flex) runs once
   first; the peak is then reset (``/proc/self/clear_refs``), so the compile is not counted.
   Likewise attnkit's C++ kernel is loaded before the baseline is read, in every memory process
-  whichever peer it measures: loading it (about 4 MiB, once per process) is not a call's memory.
+  whichever peer it measures: loading it (once per process) is not a call's memory.
 """
 
 from __future__ import annotations

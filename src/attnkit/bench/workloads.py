@@ -52,7 +52,7 @@ class Workload:
     D: int = 64
     module: bool = False  #: a module row: nn.MultiheadAttention against attnkit's module
     #: the peers a run without ``-p`` times on this workload (``None``: the suite's default
-    #: peers); set where a default peer would take minutes a call (a dense mask at 32 heads)
+    #: peers); set where a default peer would be far too slow (a dense mask at 32 heads)
     peers: tuple[str, ...] | None = None
     window: int = 256  #: the width of the sliding window (``window``, ``gqa-window``)
 
