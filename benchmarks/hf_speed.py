@@ -66,6 +66,7 @@ import torch
 
 import attnkit
 import attnkit.interop
+from attnkit import files
 from attnkit.bench.machine import describe_features, machine
 
 IMPLS = ("sdpa", "attnkit")
@@ -557,11 +558,11 @@ def write_markdown(
     """Into ``path`` between the markers of the dtype and MLP width (:func:`markers`; the
     prose around stays), or as the whole file."""
     start, end = markers(dtype, intermediate)
-    old = path.read_text() if path.exists() else ""
+    old = files.read_own_text(path)  # a regular file only: a link there is replaced
     if start in old and end in old:
         head, rest = old.split(start, 1)
         text = head + start + "\n" + text + end + rest.split(end, 1)[1]
-    path.write_text(text)
+    files.write_text(path, text, argument="--markdown")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -625,7 +626,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         if path is not None and not path.parent.is_dir():
             ap.error(f"{flag} {path}: the directory {path.parent} does not exist")
     if args.markdown is not None and args.markdown.exists():
-        text = args.markdown.read_text()
+        text = files.read_own_text(args.markdown)
         start, end = markers(args.dtype, args.intermediate)
         if (start in text) != (end in text) or (text and start not in text):
             ap.error(
@@ -655,12 +656,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     text = report(result)
     print(text, end="")
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
-    if args.markdown is not None:
-        write_markdown(text, args.markdown, args.dtype, args.intermediate)
-        print(f"wrote {args.markdown}")
+    try:  # each file replaced whole, never written through a link (attnkit.files)
+        if args.json is not None:
+            files.write_text(args.json, json.dumps(result, indent=2) + "\n", argument="--json")
+            print(f"wrote {args.json}")
+        if args.markdown is not None:
+            write_markdown(text, args.markdown, args.dtype, args.intermediate)
+            print(f"wrote {args.markdown}")
+    except files.WriteError as e:  # a full disk: one line, exit 2
+        print(f"hf_speed.py: error: {e.problem}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

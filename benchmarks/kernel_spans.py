@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import attnkit
-from attnkit import masks
+from attnkit import files, masks
 from attnkit.backends import blocked
 
 BACKWARD_FACTOR = 3.5
@@ -166,8 +166,8 @@ def main() -> None:
         results.append(row)
         print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        text = json.dumps(results, indent=1)  # replaced whole, never via a link
+        files.write_text(args.json, text, argument="--json")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import attnkit
+from attnkit import files
 
 CASES = [
     # name, (B, H, L, Dk), causal
@@ -91,8 +92,8 @@ def main() -> None:
             f"{r['overhead_us']:7.1f} us"
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+        text = json.dumps(results, indent=2)  # replaced whole, never via a link
+        files.write_text(args.json, text, argument="--json")
 
 
 if __name__ == "__main__":

@@ -18,14 +18,81 @@ from typing import TypeGuard
 import torch
 
 __all__ = [
+    "DTYPES",
     "AttentionInputError",
     "AttentionMaskWarning",
+    "check_dtype_arg",
     "check_int",
+    "dtype_error",
     "is_int_tensor",
     "shape_str",
     "tensor_got",
     "warn_user",
 ]
+
+
+#: the dtypes attnkit computes in; q, k, v, float masks, sinks and module inputs of any other
+#: dtype (float8, complex, integers, bool) are refused before any backend sees them
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+DTYPE_NAMES = "float16, bfloat16, float32 or float64"
+
+
+def dtype_error(
+    where: str,
+    name: str,
+    dtype: torch.dtype,
+    got: str,
+    *,
+    fix_int: str | None = None,
+    expected: str | None = None,
+) -> AttentionInputError | None:
+    """``None`` when attnkit computes in ``dtype`` (:data:`DTYPES`); else the error for the
+    argument ``name`` of that dtype, naming the dtypes attnkit computes in (``got`` is the
+    message's ``got``; ``fix_int`` the fix for an integer or bool tensor, default a cast;
+    ``expected`` what the argument takes, when it is more than those dtypes)."""
+    if dtype in DTYPES:
+        return None
+    if dtype.is_complex:
+        problem = (
+            f"`{name}` has dtype {dtype}; attention takes real floating-point tensors (a softmax "
+            "over complex scores is not defined)."
+        )
+        fix = (
+            f"{name}.real, or the real and imaginary parts as features: "
+            f"torch.view_as_real({name}).flatten(-2)"
+        )
+    elif dtype.is_floating_point:
+        problem = (
+            f"`{name}` has dtype {dtype}, which attnkit does not compute in (none of its "
+            "backends has kernels for it)."
+        )
+        fix = (
+            f"{name}.to(torch.bfloat16) or .float(): dequantize float8 values (with their scale) "
+            "before attention"
+        )
+    else:
+        problem = f"`{name}` has dtype {dtype}; attention needs floating-point inputs."
+        fix = fix_int if fix_int is not None else f"{name}.float()"
+    computes = f"{DTYPE_NAMES} (the dtypes attnkit computes in)"
+    return AttentionInputError(
+        where, name, problem, got=got, expected=computes if expected is None else expected,
+        fix=fix,
+    )  # fmt: skip
+
+
+def check_dtype_arg(where: str, dtype: object, name: str = "dtype") -> None:
+    """A ``dtype=`` argument (a module's, a cache's): ``None`` or one of :data:`DTYPES`."""
+    if dtype is None or dtype in DTYPES:
+        return
+    raise AttentionInputError(
+        where,
+        name,
+        f"`{name}` is {dtype}, which attnkit does not compute in.",
+        got=f"{name}={dtype!r}",
+        expected=f"None (torch's default dtype) or {DTYPE_NAMES}",
+        fix=f"{name}=torch.bfloat16 (or float16, float32, float64); float8 weights are "
+        "dequantized before use",
+    )
 
 
 def is_int_tensor(x: object) -> TypeGuard[torch.Tensor]:

@@ -11,9 +11,9 @@ from typing import Literal, NamedTuple, overload
 
 import torch
 
-from attnkit.backends import choose, nonfinite
+from attnkit.backends import choose, nonfinite, second_order
 from attnkit.call import AttentionCall
-from attnkit.inspect.tracing import active_trace, record_attention
+from attnkit.inspect.tracing import record_attention, recording
 from attnkit.masks import MaskSpec
 from attnkit.validate import make_call
 
@@ -149,7 +149,8 @@ def run_call(call: AttentionCall, backend: str = "auto", where: str = WHERE) -> 
     always ``(output, weights or None)``. The modules build their calls and run them here."""
     chosen = choose(call, backend, where)
     out, weights = nonfinite.serve(chosen, call)  # NaN or inf in q, k, v: NaN where it reaches
-    trace = active_trace()
-    if trace is not None:  # attnkit.trace() is active: record shapes (nothing is computed)
-        record_attention(trace, call.q, call.k, call.v, out, chosen.name, chosen.fused)
+    if weights is None and not chosen.twice_differentiable:  # second derivatives: the math
+        out = second_order.wrap(call, chosen.name, out, where)  # backend's, or refused
+    if recording():  # attnkit.trace() is open: record shapes into this thread's traces
+        record_attention(call.q, call.k, call.v, out, chosen.name, chosen.fused)
     return AttentionOutput(out, weights)

@@ -19,7 +19,14 @@ import torch
 
 from attnkit.call import AttentionCall, Dims
 from attnkit.cpu import path_for
-from attnkit.errors import AttentionInputError, rank_error, shape_str, warn_user
+from attnkit.errors import (
+    DTYPE_NAMES,
+    AttentionInputError,
+    dtype_error,
+    rank_error,
+    shape_str,
+    warn_user,
+)
 from attnkit.masks import MaskSpec, as_spec
 from attnkit.memory import AttentionMemoryError, refuse
 
@@ -63,15 +70,15 @@ def _check_tensor(name: str, t: object, where: str) -> torch.Tensor:
             expected="a torch.Tensor",
             fix=f"convert it first, e.g. torch.as_tensor({name}, dtype=torch.float32)",
         )
-    if not t.is_floating_point():
-        raise AttentionInputError(
-            where,
-            name,
-            f"`{name}` has dtype {t.dtype}; attention needs floating-point inputs.",
-            got=f"{name}.dtype = {t.dtype}",
-            expected="float16, bfloat16, float32 or float64",
-            fix=f"{name}.float() (integer token ids need an nn.Embedding before attention)",
-        )
+    error = dtype_error(
+        where,
+        name,
+        t.dtype,
+        f"{name}.dtype = {t.dtype}",
+        fix_int=f"{name}.float() (integer token ids need an nn.Embedding before attention)",
+    )
+    if error is not None:
+        raise error
     return t
 
 
@@ -290,8 +297,12 @@ def _validate_sinks(sinks: object, q: torch.Tensor, dims: Dims, where: str) -> N
         got = f"{shape_str('sinks', sinks, None)}  q (B={dims.B}, H={dims.H}, L={dims.L})"
         fix = "one learned logit per query head, e.g. nn.Parameter(torch.zeros(H))"
     elif sinks.dtype != q.dtype or sinks.device != q.device:
-        problem = "`sinks` has another dtype or device than q; attnkit never casts."
         got = f"sinks {sinks.dtype} on {sinks.device}, q {q.dtype} on {q.device}"
+        computes = f"{want} (attnkit computes in {DTYPE_NAMES})"
+        error = dtype_error(where, "sinks", sinks.dtype, got, expected=computes)
+        if error is not None:  # float8, complex, integers: not a dtype attnkit computes in
+            raise error
+        problem = "`sinks` has another dtype or device than q; attnkit never casts."
         fix = f"sinks.to(dtype={q.dtype}, device={str(q.device)!r})"
     else:
         return
@@ -367,6 +378,17 @@ def _validate_mask(
             "or a spec from attnkit.masks",
             fix="torch.as_tensor(mask, dtype=torch.bool)",
         )
+    if mask.is_floating_point() or mask.is_complex():  # float8, complex: not computed in
+        error = dtype_error(
+            where,
+            "mask",
+            mask.dtype,
+            f"{mask_dims_str(mask)} dtype={mask.dtype}",
+            expected=f"a bool mask (True = may attend) or a float mask of q's dtype {q.dtype} "
+            f"(attnkit computes in {DTYPE_NAMES})",
+        )
+        if error is not None:
+            raise error
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise AttentionInputError(
             where,

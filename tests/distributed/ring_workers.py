@@ -6,7 +6,8 @@ rank writes ``OUTDIR/SCENARIO-WORLD/rank{r}.json``. A scenario's processes are k
 and the test runs the script under a hard ``subprocess.run(timeout=...)``, so a bug that hangs
 can never hang the test run.
 
-Scenarios: ``correctness`` (every case of CASES, then the shape-mismatch check), ``dies``
+Scenarios: ``correctness`` (every case of CASES, then the shape-mismatch check and masks or
+settings whose contents differ between ranks), ``dies``
 (rank 1 exits between forward and backward), ``absent`` (the last rank never calls).
 """
 
@@ -197,6 +198,67 @@ def run_mismatch(rank: int) -> dict[str, Any]:
     return {"raised": None, "message": ""}
 
 
+class _Near(masks.MaskSpec):
+    """A user's spec holding a function (its digest reads the function's code)."""
+
+    def __init__(self, size: int) -> None:
+        self.rule = lambda d: d < size
+
+    def allowed(self, b, h, q, kv, off):  # type: ignore[no-untyped-def]
+        return self.rule((q + off - kv).abs())
+
+    def block_bounds(self, q_lo, q_hi, k_lo, k_hi, off):  # type: ignore[no-untyped-def]
+        every = torch.ones(q_lo.shape[0], k_lo.shape[1], dtype=torch.bool)
+        return every[None, None], ~every[None, None]
+
+    def __repr__(self) -> str:
+        return "near()"
+
+
+def run_disagreements(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 passes a mask (or scale) whose repr is every other rank's but whose contents
+    differ: every rank must raise the same AttentionInputError, at once (not a RingError after
+    the timeout), and equal masks built apart must pass."""
+    N, odd = 8 * world, rank == 1
+    ids = torch.zeros(N, dtype=torch.long)
+    ids[N // 2 + (1 if odd else 0) :] = 1  # one token changes document on rank 1
+    keep = torch.ones(2, N, dtype=torch.bool)
+    keep[1, 3 if odd else 4] = False
+    dense = torch.ones(N, N, dtype=torch.bool).tril()
+    dense[-1, 0] = not odd
+    q = akd.shard(torch.randn(2, 2, N, 4, generator=torch.Generator().manual_seed(0)))
+
+    def ring(**kw: Any) -> torch.Tensor:
+        return akd.ring_attention(q, q, q, timeout=FAULT_TIMEOUT_S, **kw)
+
+    calls: dict[str, Callable[[], object]] = {
+        "document": lambda: ring(mask=masks.document(ids)),
+        "causal_document": lambda: ring(mask=masks.causal() & masks.document(ids)),
+        "key_mask": lambda: ring(mask=masks.key_mask(keep)),
+        "dense": lambda: ring(mask=masks.as_spec(dense)),
+        "key_padding_mask": lambda: akd.SequenceParallel(
+            attnkit.MultiHeadAttention(8, 2), timeout=FAULT_TIMEOUT_S
+        )(akd.shard(torch.randn(2, N, 8)), key_padding_mask=~keep),
+        "scale": lambda: ring(scale=0.5 + (1e-12 if odd else 0.0)),
+        # the same contents in tensors built apart, and a user's spec holding a function
+        "same": lambda: ring(mask=masks.document(torch.zeros(N, dtype=torch.long)) & _Near(3)),
+    }
+    res: dict[str, Any] = {}
+    for name, call in calls.items():
+        try:
+            call()
+            res[name] = {"raised": None, "message": ""}
+        except Exception as e:
+            res[name] = {"raised": type(e).__name__, "message": str(e)}
+    specs = {"document": masks.document(ids), "key_mask": masks.key_mask(keep)}
+    specs["dense"] = masks.as_spec(dense)
+    try:  # what the messages should show (the calls above are checked on their own)
+        res["digests"] = {name: spec.digest() for name, spec in specs.items()}
+    except Exception:
+        res["digests"] = {"exception": traceback.format_exc()}
+    return res
+
+
 def correctness(rank: int, world: int) -> dict[str, Any]:
     res: dict[str, Any] = {}
     for case in CASES:
@@ -212,6 +274,7 @@ def correctness(rank: int, world: int) -> dict[str, Any]:
         ("roundtrip", lambda: run_roundtrip(world)),
         ("module", lambda: run_module(world)),
         ("mismatch", lambda: run_mismatch(rank)),
+        ("disagreements", lambda: run_disagreements(rank, world)),
     ):
         t0 = time.perf_counter()
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -163,3 +164,53 @@ def test_rank_that_never_calls_is_named_within_the_timeout(results: dict[str, An
         assert f"rank {rank} of 3 waited" in got["message"]
         assert "for rank 2 (timeout 4 s)" in got["message"]
         assert "rank 2 has exited, hung, or never made this call" in got["message"]
+
+
+MASKS_THAT_DIFFER = ("document", "causal_document", "key_mask", "dense", "key_padding_mask")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", MASKS_THAT_DIFFER)
+def test_masks_whose_contents_differ_raise_on_every_rank(
+    results: dict[str, Any], world: int, case: str
+) -> None:
+    """Rank 1's mask has the same repr as the others' and other contents (issue 22, item 10):
+    every rank raises the same AttentionInputError before any K/V moves (not a RingError
+    after the timeout), naming the mask, which ranks hold which digest, and the fix."""
+    ranks = _ranks(results, f"correctness:{world}")
+    messages = set()
+    for rank, res in enumerate(ranks):
+        got = res["disagreements"]
+        assert "exception" not in got, got.get("exception")
+        assert got[case]["raised"] == "AttentionInputError", got[case]
+        message = got[case]["message"]
+        assert f"the {world} ranks disagree on 'mask'" in message
+        assert re.search(rf"rank {rank}: [^\n]*  <- this rank\n", message)
+        assert "this rank's mask: " in message
+        assert "shard the data, never the mask" in message
+        messages.add(message.replace("  <- this rank", ""))  # the same on every rank
+    assert len(messages) == 1
+    assert "exception" not in ranks[0]["disagreements"]["digests"]
+    digests = [res["disagreements"]["digests"].get(case) for res in ranks]
+    if digests[0] is not None:  # the specs the test built (SequenceParallel builds its own)
+        mine, theirs = digests[1][:16], digests[0][:16]
+        assert mine != theirs
+        assert all(d[:16] == theirs for r, d in enumerate(digests) if r != 1)
+        others = [str(r) for r in range(world) if r != 1]
+        who = f"ranks {', '.join(others[:-1])} and {others[-1]} have" if world > 2 else "rank 0 has"
+        assert f"{who} mask=#{theirs}; rank 1 has mask=#{mine}." in messages.pop()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_scales_that_differ_in_the_last_bits_raise_and_equal_masks_pass(
+    results: dict[str, Any], world: int
+) -> None:
+    for res in _ranks(results, f"correctness:{world}"):
+        got = res["disagreements"]
+        assert got["scale"]["raised"] == "AttentionInputError", got["scale"]
+        message = got["scale"]["message"]
+        assert f"the {world} ranks disagree on 'scale'" in message
+        assert "rank 1 has scale=0.500000000001" in message
+        assert "pass the same scale= on every rank" in message
+        # equal contents in tensors built apart, with a user's spec holding a function
+        assert got["same"] == {"raised": None, "message": ""}

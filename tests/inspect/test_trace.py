@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -104,7 +108,7 @@ def test_nothing_is_recorded_outside_a_trace() -> None:
     mha(torch.randn(1, 2, 16))
     assert t.steps == []
     assert trace_module.active_trace() is None
-    assert trace_module._ACTIVE == []
+    assert trace_module._ACTIVE.get() == ()
 
 
 def test_trace_is_closed_when_the_block_raises() -> None:
@@ -113,7 +117,7 @@ def test_trace_is_closed_when_the_block_raises() -> None:
             raise RuntimeError("boom")
     except RuntimeError:
         pass
-    assert trace_module._ACTIVE == []
+    assert trace_module._ACTIVE.get() == ()
 
 
 def test_a_seq_first_module_records_the_tensors_as_passed_and_returned() -> None:
@@ -152,3 +156,178 @@ def test_a_module_call_that_raises_leaves_no_call_open() -> None:
     plain = [s for s in t.steps if s.where == "attention"]
     assert plain
     assert {s.call for s in plain} == {2}
+
+
+# Whose calls a trace records (attnkit issue 22, item 11): the calling thread's and its
+# asyncio tasks', never another thread's.
+
+
+def _attend(n: int) -> None:
+    q = torch.randn(1, 2, 3, 4)
+    for _ in range(n):
+        attnkit.attention(q, q, q)
+
+
+def test_a_trace_records_only_its_own_threads_calls_while_8_threads_attend() -> None:
+    """The main thread traces 3 calls while 8 threads attend (those in even threads inside
+    traces of their own, opened at the same time): every trace holds exactly its own
+    thread's calls, and a module call's attention step joins its own module call."""
+    n_threads = 8
+    opened = threading.Barrier(n_threads + 1)  # every thread's trace (if any) is open
+    done = threading.Barrier(n_threads + 1)  # every thread made all its calls
+    traces: dict[int, attnkit.Trace] = {}
+    errors: list[BaseException] = []
+    mha = attnkit.MultiHeadAttention(8, 2)
+
+    def work(i: int) -> None:
+        try:
+            if i % 2 == 0:
+                with attnkit.trace() as t:
+                    traces[i] = t
+                    opened.wait()
+                    _attend(i + 1)
+                    mha(torch.randn(1, 3, 8))
+                    done.wait()
+            else:
+                opened.wait()
+                _attend(5)
+                mha(torch.randn(1, 3, 8))
+                done.wait()
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+            opened.abort()
+            done.abort()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
+    with attnkit.trace() as main:
+        for th in threads:
+            th.start()
+        opened.wait()
+        _attend(3)
+        done.wait()
+    for th in threads:
+        th.join()
+    assert errors == []
+    assert main.backends == ["sdpa"] * 3
+    assert len(main.steps) == 3 * 6
+    assert [s.call for s in main.steps if s.step == "output"] == [1, 2, 3]
+    for i, t in traces.items():
+        plain, module = i + 1, i + 2  # the thread's plain calls, then its module call
+        assert t.backends == ["sdpa"] * module
+        assert len(t.steps) == plain * 6 + 17
+        assert [s.call for s in t.steps] == [c for c in range(1, plain + 1) for _ in range(6)] + [
+            module
+        ] * 17
+
+
+def test_a_thread_started_inside_a_trace_is_not_recorded_unless_it_runs_in_its_context() -> None:
+    """Python threads start in an empty context: their calls are not the trace's. Work run in
+    a copy of the tracing context (contextvars.copy_context().run, as asyncio.to_thread
+    does) is recorded."""
+    with attnkit.trace() as t:
+        _attend(1)
+        plain = threading.Thread(target=_attend, args=(4,))
+        plain.start()
+        plain.join()
+        assert t.backends == ["sdpa"]
+        ctx = contextvars.copy_context()
+        copied = threading.Thread(target=ctx.run, args=(_attend, 2))
+        copied.start()
+        copied.join()
+    assert [s.call for s in t.steps if s.step == "output"] == [1, 2, 3]
+
+
+def test_nested_traces_each_record_every_call_inside_their_block() -> None:
+    """A call inside both blocks is in both, numbered in each; the inner trace holds only the
+    calls inside its block, the outer every call inside its own."""
+    mha = attnkit.MultiHeadAttention(8, 2)
+    with attnkit.trace() as outer:
+        _attend(1)
+        with attnkit.trace() as inner:
+            mha(torch.randn(1, 3, 8))
+            _attend(1)
+        _attend(1)
+    assert outer.backends == ["sdpa"] * 4
+    assert inner.backends == ["sdpa"] * 2
+    assert [s.call for s in inner.steps] == [1] * 17 + [2] * 6
+    assert [s.call for s in outer.steps] == [1] * 6 + [2] * 17 + [3] * 6 + [4] * 6
+    assert [s.step for s in outer.steps[6:29]] == [s.step for s in inner.steps]
+    assert trace_module._ACTIVE.get() == ()
+
+
+def test_asyncio_tasks_record_into_the_trace_of_the_task_that_opened_it() -> None:
+    """Two tasks trace at once, their calls interleaved by awaits: each trace holds its own
+    task's calls; a task created inside a trace records into it."""
+
+    async def traced(n: int) -> attnkit.Trace:
+        with attnkit.trace() as t:
+            for _ in range(n):
+                _attend(1)
+                await asyncio.sleep(0)
+        return t
+
+    async def main() -> tuple[attnkit.Trace, attnkit.Trace, attnkit.Trace]:
+        with attnkit.trace() as outer:
+            a, b = await asyncio.gather(traced(2), traced(5))
+            await asyncio.create_task(asyncio.sleep(0))
+            await asyncio.get_running_loop().create_task(_async_attend())
+        return outer, a, b
+
+    outer, a, b = asyncio.run(main())
+    assert len(a.backends) == 2
+    assert len(b.backends) == 5
+    assert len(outer.backends) == 2 + 5 + 1
+
+
+async def _async_attend() -> None:
+    _attend(1)
+
+
+def test_a_compiled_call_records_into_the_trace_of_the_thread_that_runs_it() -> None:
+    """Under torch.compile(fullgraph=True), forward and backward: while a trace is open the
+    graph holds the recorders as ordered side-effect ops, which record at run time into the
+    traces of the thread that runs the graph (the same steps as eager mode; another thread's
+    calls stay out); once no trace is open the graph without them runs again."""
+    model = _Chain(
+        nn.Sequential(
+            attnkit.MultiHeadAttention(8, 2, causal=True), attnkit.MultiHeadAttention(8, 2)
+        )
+    )
+    x = torch.randn(1, 3, 8, requires_grad=True)
+    with attnkit.trace(model) as eager:
+        model(x)
+    ran: list[bool] = []  # per graph run: whether the graph holds the recorders
+
+    def backend(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> object:
+        records = "trace_attention" in gm.code
+
+        def run(*args: torch.Tensor) -> object:
+            ran.append(records)
+            return gm(*args)
+
+        return run
+
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    compiled(x)  # no trace open: compiled without the recorders
+    with attnkit.trace(model) as t:
+        compiled(x).sum().backward()
+        other = threading.Thread(target=compiled, args=(x,))
+        other.start()
+        other.join()
+    compiled(x)
+    assert _steps(t) == _steps(eager)
+    assert [s.where for s in t.steps] == [s.where for s in eager.steps]
+    assert {s.where for s in t.steps} == {"layers.0", "layers.1", "attention"}
+    assert t.backends == ["sdpa", "sdpa"]
+    assert ran == [False, True, True, False]
+
+
+class _Chain(nn.Module):
+    def __init__(self, layers: nn.Sequential) -> None:
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x).output
+        return x

@@ -28,6 +28,10 @@ masks.sliding_window(256))``:
    bf16 dot products), else tiles of torch's fused CPU kernel over the non-empty blocks; on
    CUDA, torch matmuls on those tiles) and runs it forward (and backward, from the same plan)
    with autograd.
+4. :func:`attnkit.functional.run_call` hands the output of a backend whose graph does not
+   differentiate twice (``twice_differentiable``: all but ``math``) to
+   :mod:`attnkit.backends.second_order`, so that a second derivative (``create_graph=True``)
+   is the math backend's; first derivatives stay the backend's own.
 
 Inside ``torch.compile`` (``fullgraph=True`` included) the dispatcher makes the same choice, and
 the choice traces: ``blocked`` runs as one custom op, ``attnkit::blocked_attention``

@@ -23,6 +23,10 @@ class Backend:
         priorities: per device type (``call.device_type``), a priority that replaces
             ``priority`` there, e.g. ``{"cuda": 40}``; devices not listed use ``priority``.
         fused: it never materialises the ``(B, H, L, S)`` scores (for traces and docs).
+        twice_differentiable: its output's autograd graph differentiates any number of times
+            (plain torch ops, as ``math``), and is left as it is. Otherwise (the default) a
+            second derivative (``create_graph=True``) is the math backend's, recomputed
+            (:mod:`attnkit.backends.second_order`); first derivatives stay the backend's own.
 
     Every method takes the validated :class:`~attnkit.AttentionCall` and nothing else.
     """
@@ -32,6 +36,7 @@ class Backend:
     priority: int | None = None
     priorities: dict[str, int | None] = {}  # noqa: RUF012 (read-only class data)
     fused: bool = False
+    twice_differentiable: bool = False
 
     def priority_on(self, device_type: str) -> int | None:
         """This backend's place in ``auto``'s order on ``device_type`` (``None``: not in it)."""

@@ -17,13 +17,14 @@ import torch.nn.functional as F
 from attnkit.backends.base import Backend
 from attnkit.call import AttentionCall
 
-__all__ = ["MathBackend"]
+__all__ = ["MathBackend", "attend"]
 
 
 class MathBackend(Backend):
     name = "math"
     description = "reference: matmul, softmax, matmul in plain PyTorch (returns weights)"
     priority = 10
+    twice_differentiable = True  # plain torch ops: autograd differentiates them again
 
     def rule(self, call: AttentionCall) -> tuple[bool, str] | None:
         """On CUDA, say why the dense fallback was taken: every backend before it refused."""
@@ -52,37 +53,63 @@ class MathBackend(Backend):
         q, k, v = call.q, call.k, call.v
         if call.upcast:  # fp32-upcast: no bf16/fp16 matmul on a CPU without their instructions
             q, k, v = q.float(), k.float(), v.float()
-        B, H, L, Dk = q.shape
-        Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
-        G = H // Hkv
-        # Grouped-query heads without copying K/V: the G query heads of one key/value head are
-        # stacked along the length, so one matmul per key/value head serves all of them.
-        qg = q.reshape(B, Hkv, G * L, Dk)  # (B, Hkv, G*L, Dk)
-        scores = (qg @ k.transpose(-2, -1)).view(B, H, L, S) * call.scale  # (B, H, L, S)
-        if call.softcap is not None:  # Gemma 2's logit soft-cap, before the mask
-            scores = torch.tanh(scores / call.softcap) * call.softcap
-        mask = call.dense_mask()
-        if mask is not None and mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        elif mask is not None:
-            scores = scores + mask
-        if call.sinks is not None:  # one more logit per head in every row's denominator
-            sink = call.sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, L, 1)
-            weights = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :S]
-        else:
-            # A query row with nothing to attend to is all -inf; softmax would give NaN. Give
-            # it scores of 0 (finite), then zero its weights: its output and gradient are 0.
-            row_ok = (scores > float("-inf")).any(dim=-1, keepdim=True)  # (B, H, L, 1)
-            weights = torch.where(row_ok, scores, 0.0).softmax(dim=-1)  # (B, H, L, S)
-            weights = torch.where(row_ok, weights, 0.0)
-        if call.dropout_p > 0.0:
-            weights = F.dropout(weights, p=call.dropout_p)
-        out = weights.view(B, Hkv, G * L, S) @ v  # (B, Hkv, G*L, Dv)
+        out, weights = attend(
+            q, k, v, call.dense_mask(), call.scale,
+            softcap=call.softcap, sinks=call.sinks, dropout_p=call.dropout_p,
+        )  # fmt: skip
         dtype = call.q.dtype  # the input dtype (out and weights were float32 on fp32-upcast)
         weights_out = weights.to(dtype) if call.return_weights else None
-        return out.view(B, H, L, Dv).to(dtype), weights_out
+        return out.to(dtype), weights_out
 
     def note(self, call: AttentionCall) -> str | None:
         if call.upcast:
             return "computes in float32 on float32 copies of q, k, v (fp32-upcast)"
         return None
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The math backend's computation: ``out (B, H, L, Dv)`` and ``weights (B, H, L, S)``,
+    in q's dtype, from plain torch ops (so autograd differentiates it any number of times).
+
+    ``mask`` broadcasts to ``(B, H, L, S)``: bool (True = may attend), float (added to the
+    scores) or ``None``; ``softcap``, ``sinks`` and ``dropout_p`` as in
+    :func:`attnkit.attention`. Nothing is validated. A query row with nothing to attend to
+    gives weights, output and gradient 0. The backends' second derivatives
+    (:mod:`attnkit.backends.second_order`) are this function's.
+    """
+    B, H, L, Dk = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = H // Hkv
+    # Grouped-query heads without copying K/V: the G query heads of one key/value head are
+    # stacked along the length, so one matmul per key/value head serves all of them.
+    qg = q.reshape(B, Hkv, G * L, Dk)  # (B, Hkv, G*L, Dk)
+    scores = (qg @ k.transpose(-2, -1)).view(B, H, L, S) * scale  # (B, H, L, S)
+    if softcap is not None:  # Gemma 2's logit soft-cap, before the mask
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask
+    if sinks is not None:  # one more logit per head in every row's denominator
+        sink = sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, L, 1)
+        weights = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :S]
+    else:
+        # A query row with nothing to attend to is all -inf; softmax would give NaN. Give
+        # it scores of 0 (finite), then zero its weights: its output and gradient are 0.
+        row_ok = (scores > float("-inf")).any(dim=-1, keepdim=True)  # (B, H, L, 1)
+        weights = torch.where(row_ok, scores, 0.0).softmax(dim=-1)  # (B, H, L, S)
+        weights = torch.where(row_ok, weights, 0.0)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    out = weights.view(B, Hkv, G * L, S) @ v  # (B, Hkv, G*L, Dv)
+    return out.view(B, H, L, Dv), weights

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from attnkit import files
 from attnkit.bench.results import BenchResult, Entry, acceptance
 
 __all__ = [
@@ -223,7 +224,10 @@ def to_markdown(result: BenchResult) -> str:
 
 
 def write_json(result: BenchResult, path: Path) -> None:
-    path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    """Write the result as JSON (with :func:`attnkit.files.write_text`, as every writer here:
+    a temporary file moved into place; a link at ``path`` is replaced, never followed)."""
+    text = json.dumps(result.to_json(), indent=2) + "\n"
+    files.write_text(path, text, where="attnkit.bench.write_json", argument="path")
 
 
 START, END = "<!-- attnkit bench: start -->", "<!-- attnkit bench: end -->"
@@ -231,13 +235,14 @@ START, END = "<!-- attnkit bench: start -->", "<!-- attnkit bench: end -->"
 
 def write_markdown(result: BenchResult, path: Path) -> None:
     """Write the markdown report; into an existing file that has the markers
-    ``<!-- attnkit bench: start -->`` / ``end -->``, only between them (the prose around stays)."""
+    ``<!-- attnkit bench: start -->`` / ``end -->``, only between them (the prose around stays).
+    The existing file is read only when it is a regular file, never through a link."""
     report = to_markdown(result)
-    text = path.read_text() if path.exists() else ""
+    text = files.read_own_text(path)
     if START in text and END in text:
         head, rest = text.split(START, 1)
         report = head + START + "\n" + report + END + rest.split(END, 1)[1]
-    path.write_text(report)
+    files.write_text(path, report, where="attnkit.bench.write_markdown", argument="path")
 
 
 def write_plot(result: BenchResult, path: Path) -> None:
@@ -267,5 +272,8 @@ def write_plot(result: BenchResult, path: Path) -> None:
     ax.set_title("attnkit bench: " + machine_line(result)[:110], fontsize=8)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        with files.replacing(path, where="attnkit.bench.write_plot", argument="path") as tmp:
+            fig.savefig(tmp, dpi=110, format=path.suffix.lstrip(".").lower() or "png")
+    finally:
+        plt.close(fig)

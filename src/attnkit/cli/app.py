@@ -9,7 +9,9 @@ option never costs a run.
 
 from __future__ import annotations
 
+import errno
 import functools
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -108,19 +110,25 @@ def _path_error(
 
 
 def check_output_file(where: str, option: str, path: Path) -> None:
-    """Refuse an output file that cannot be written: its directory missing or not a directory,
-    the path a directory, or no permission. Probes by opening the file for appending (nothing
-    is written; a file that did not exist is removed again).
+    """Refuse an output file that cannot be written: its directory missing, not a directory or
+    reached through a link another user planted (:func:`attnkit.files.check_directory`), the
+    path a directory, no permission, or an existing file that is read-only. Probes with a
+    temporary file in the directory (removed again); ``path`` itself is never opened, so a link
+    there is never followed (the writer replaces it, see :mod:`attnkit.files`).
 
     >>> check_output_file("attnkit bench", "--json", Path("/nope/x.json"))
     Traceback (most recent call last):
     attnkit.errors.AttentionInputError: attnkit bench: --json /nope/x.json: the directory /nope ...
     """
+    import tempfile
+
+    from attnkit import files
+
     expected = "a file path in an existing, writable directory"
     if str(path) == "":
         raise _path_error(where, option, "''", "is empty.", expected, f"pass {option} FILE")
     parent = path.parent
-    if path.is_dir():
+    if path.is_dir() and not path.is_symlink():
         raise _path_error(
             where, option, path, f"{path} is a directory.", expected, f"pass {option} {path}/NAME"
         )
@@ -142,10 +150,16 @@ def check_output_file(where: str, option: str, path: Path) -> None:
             expected,
             "write into a directory",
         )
-    existed = path.exists()
     try:
-        with open(path, "a"):
-            pass
+        files.check_directory(parent, where=where, argument=option)
+        fd, name = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(name)
+        read_only = path.is_file() and not path.is_symlink() and not os.access(path, os.W_OK)
+        if read_only:
+            raise PermissionError(errno.EACCES, "the file is read-only")
+    except files.WriteError as e:
+        raise _path_error(where, option, path, e.problem, expected, e.fix or "") from None
     except OSError as e:
         raise _path_error(
             where,
@@ -155,5 +169,3 @@ def check_output_file(where: str, option: str, path: Path) -> None:
             expected,
             "write somewhere you have permission to",
         ) from None
-    if not existed:
-        path.unlink(missing_ok=True)

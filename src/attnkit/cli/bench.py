@@ -16,6 +16,7 @@ import typer
 
 from attnkit.cli.app import check_output_file, command
 from attnkit.errors import AttentionInputError
+from attnkit.files import WriteError
 
 if TYPE_CHECKING:
     from attnkit.bench.results import BenchResult
@@ -183,6 +184,7 @@ def bench(
     (docs/benchmarks.md).
     """
     from attnkit import bench as api
+    from attnkit.bench.plan import CUDA_WHERE
 
     outputs = {"--json": json_out, "--markdown": markdown, "--plot": plot}
     if device != "cpu":  # the GPU bench (attnkit.bench.cuda)
@@ -209,12 +211,14 @@ def bench(
         _check_outputs(outputs)
         result = _run_cpu(rows, peers, reps, memory, cap_gib, gemm_size, min_call_ms)
     api.print_table(result)
-    if json_out is not None:
-        api.write_json(result, json_out)
-    if markdown is not None:
-        api.write_markdown(result, markdown)
-    if plot is not None:
-        api.write_plot(result, plot)
+    where = "attnkit bench" if device == "cpu" else CUDA_WHERE
+    writers = ((json_out, "--json", api.write_json), (markdown, "--markdown", api.write_markdown))
+    for path, flag, write in (*writers, (plot, "--plot", api.write_plot)):
+        if path is not None:
+            try:  # each file replaced whole, never through a link (attnkit.files)
+                write(result, path)
+            except WriteError as e:  # a full disk: one line; the table above is the result
+                raise e.at(where, flag) from e.__cause__
     for path in (json_out, markdown, plot):
         if path is not None:
             typer.echo(f"wrote {path}")

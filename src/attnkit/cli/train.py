@@ -149,6 +149,32 @@ def _report(result: TrainResult, seconds: float) -> None:
     )
 
 
+@contextmanager
+def _one_line_warnings() -> Iterator[None]:
+    """A checkpoint without checksums (an older attnkit's) is said once, on one line:
+    ``attnkit: warning: ...``; other warnings are shown as Python shows them."""
+    import warnings
+
+    from attnkit.train.checkpoint import UncheckedCheckpointWarning
+
+    shown: set[str] = set()
+    with warnings.catch_warnings():
+        previous = warnings.showwarning
+
+        def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+            if not issubclass(category, UncheckedCheckpointWarning):
+                previous(message, category, *args, **kwargs)
+                return
+            text = " ".join(str(message).split())
+            if text not in shown:
+                shown.add(text)
+                typer.echo(f"attnkit: warning: {text}", err=True)
+
+        warnings.showwarning = show
+        warnings.simplefilter("always", UncheckedCheckpointWarning)
+        yield
+
+
 def _given(ctx: typer.Context, name: str) -> bool:
     """Whether option ``name`` was given on the command line (not left at its default)."""
     source = ctx.get_parameter_source(name)
@@ -211,32 +237,33 @@ def train(
     from attnkit.train import train as run
     from attnkit.train.guards import check_out
 
-    path = check_out(out, resume=resume, overwrite=overwrite)
-    asked: dict[str, Any] = {"task": task, "steps": steps, "seed": seed}
-    if resume:  # the checkpoint's settings, except those given on the command line
-        given = {k: v for k, v in asked.items() if _given(ctx, k)}
-        config = replace(resume_config(path), **given)
-    else:
-        config = TrainConfig(**asked).resolved()
-    options = RunOptions(resume, overwrite, world_size=ddp, device=device, threads=threads)
-    config = options.check(config, path)  # all of it checked before the header
-    if overwrite and (path / CHECKPOINT_NAME).exists():
-        typer.echo(
-            f"attnkit: note: --overwrite: this new run's first checkpoint replaces the one in "
-            f"{path}",
-            err=True,
-        )
-    typer.echo(_header(config, ddp, threads, device))
-    try:
-        with _progress_bar(config.task) as progress:
-            result = run(config, path, progress=progress, **asdict(options))
-    except (DistributedTrainingError, TrainingDivergedError) as e:
-        typer.echo(f"attnkit: error: {e}", err=True)
-        raise typer.Exit(EXIT_FAILED) from None
-    _report(result, time.perf_counter() - started)
-    if result.fit.stopped:
-        typer.echo(
-            f"attnkit train: stopped at step {result.fit.step} of {result.config.steps}, "
-            f"checkpoint saved; continue with: attnkit train --resume --out {path}"
-        )
-        raise typer.Exit(EXIT_INTERRUPTED)
+    with _one_line_warnings():  # an old checkpoint (no checksums): one line, once
+        path = check_out(out, resume=resume, overwrite=overwrite)
+        asked: dict[str, Any] = {"task": task, "steps": steps, "seed": seed}
+        if resume:  # the checkpoint's settings, except those given on the command line
+            given = {k: v for k, v in asked.items() if _given(ctx, k)}
+            config = replace(resume_config(path), **given)
+        else:
+            config = TrainConfig(**asked).resolved()
+        options = RunOptions(resume, overwrite, world_size=ddp, device=device, threads=threads)
+        config = options.check(config, path)  # all of it checked before the header
+        if overwrite and (path / CHECKPOINT_NAME).exists():
+            typer.echo(
+                f"attnkit: note: --overwrite: this new run's first checkpoint replaces the one in "
+                f"{path}",
+                err=True,
+            )
+        typer.echo(_header(config, ddp, threads, device))
+        try:
+            with _progress_bar(config.task) as progress:
+                result = run(config, path, progress=progress, **asdict(options))
+        except (DistributedTrainingError, TrainingDivergedError) as e:
+            typer.echo(f"attnkit: error: {e}", err=True)
+            raise typer.Exit(EXIT_FAILED) from None
+        _report(result, time.perf_counter() - started)
+        if result.fit.stopped:
+            typer.echo(
+                f"attnkit train: stopped at step {result.fit.step} of {result.config.steps}, "
+                f"checkpoint saved; continue with: attnkit train --resume --out {path}"
+            )
+            raise typer.Exit(EXIT_INTERRUPTED)

@@ -3,9 +3,10 @@
 Every wait on a point-to-point or collective request goes through :func:`wait_all`, which waits
 at most ``timeout`` and then raises :class:`RingError` naming this rank, the rank it was waiting
 for, what it was doing and the limit. Before any K/V moves, :func:`agree` passes each rank's
-shapes around the ring (tiny messages, only to the ring neighbours the attention uses anyway),
-so that shards that disagree raise the same :class:`~attnkit.AttentionInputError` on every rank,
-and a rank that never arrives is named by the rank after it.
+shapes, dtype and settings (the mask by its content digest, :meth:`MaskSpec.digest`) around the
+ring (tiny messages, only to the ring neighbours the attention uses anyway), so that ranks that
+disagree raise the same :class:`~attnkit.AttentionInputError` on every rank, and a rank that
+never arrives is named by the rank after it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from attnkit.errors import AttentionInputError
+from attnkit.masks import MaskSpec
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -34,6 +36,7 @@ __all__ = [
     "as_timedelta",
     "exchange",
     "float_bits",
+    "mask_digest",
     "wait_all",
 ]
 
@@ -223,22 +226,23 @@ def _encode(
     return vec + values + [0] * (_MAX_EXTRA - len(values))
 
 
-def _describe(
+def _parts(
     vec: list[int],
     names: Sequence[str],
     extra_keys: Sequence[str],
     wheres: dict[int, str],
     dtypes: dict[int, str],
-) -> str:
-    parts = [wheres.get(vec[0], "another attnkit.distributed call")]
-    parts.append(dtypes.get(vec[1], "another dtype"))
+) -> list[tuple[str, str]]:
+    """One rank's row as ``(label, text)`` pairs: the call, the dtype, each shape, each value."""
+    parts = [("call", wheres.get(vec[0], "another attnkit.distributed call"))]
+    parts.append(("dtype", dtypes.get(vec[1], "another dtype")))
     for i, name in enumerate(names):
         base = 2 + i * (1 + _MAX_DIMS)
         ndim = vec[base]
-        parts.append(f"{name} {tuple(vec[base + 1 : base + 1 + min(ndim, _MAX_DIMS)])}")
+        parts.append((name, f"{name} {tuple(vec[base + 1 : base + 1 + min(ndim, _MAX_DIMS)])}"))
     tail = 2 + _MAX_SHAPES * (1 + _MAX_DIMS)
-    parts += [_show(k, vec[tail + i]) for i, k in enumerate(extra_keys)]
-    return " ".join(parts)
+    parts += [(k, _show(k, vec[tail + i])) for i, k in enumerate(extra_keys)]
+    return parts
 
 
 def float_bits(x: float) -> int:
@@ -249,10 +253,68 @@ def float_bits(x: float) -> int:
 
 def _show(key: str, value: int) -> str:
     if key == "scale":
-        return f"scale={struct.unpack('<d', struct.pack('<q', value))[0]:.6g}"
+        return f"scale={struct.unpack('<d', struct.pack('<q', value))[0]!r}"
+    if key == "causal":
+        return f"causal={bool(value)}"
     if key == "mask":
-        return f"mask=#{value:08x}"  # a checksum of the spec's repr
+        if value == 0:
+            return "mask=None"
+        # the first 16 hex digits of the spec's MaskSpec.digest()
+        return f"mask=#{value & (2**64 - 1):016x}"
     return f"{key}={value}"
+
+
+def mask_digest(mask: MaskSpec | None) -> int:
+    """The first 8 bytes of ``mask.digest()`` (its content: rule and tensor bytes) as an
+    int64, for :func:`agree`; 0 for no mask."""
+    if mask is None:
+        return 0
+    return int.from_bytes(bytes.fromhex(mask.digest())[:8], "big", signed=True) or 1
+
+
+#: per value that may differ: what every rank must pass, and the fix (shapes: _SHAPE_ADVICE)
+_ADVICE = {
+    "call": (
+        "the same attnkit.distributed call on every rank, in the same order",
+        "make the same attnkit.distributed calls, in the same order, on every rank",
+    ),
+    "dtype": (
+        "the same dtype on every rank",
+        "cast q, k and v to one dtype on every rank (the same autocast or .to(dtype) on each)",
+    ),
+    "mask": (
+        "the same mask on every rank: a spec over the whole sequence, built from the same "
+        "full-sequence tensors (document ids, key_mask or key_padding_mask, lengths)",
+        "build the mask from the whole sequence's tensors on every rank, not from this rank's "
+        "part (shard the data, never the mask), or send rank 0's tensors to the others first "
+        "(dist.broadcast(ids, src=0)); spec.digest() on each rank shows what it holds",
+    ),
+    "causal": (
+        "the same causal= on every rank",
+        "pass the same causal= on every rank (it also picks shard()'s layout)",
+    ),
+    "scale": (
+        "the same scale= on every rank",
+        "pass the same scale= on every rank, or leave it out everywhere (1 / sqrt(Dk))",
+    ),
+    "kv_heads_per_pass": (
+        "the same kv_heads_per_pass= on every rank",
+        "pass the same kv_heads_per_pass= on every rank, or leave it out everywhere",
+    ),
+}
+_SHAPE_ADVICE = (
+    "the same call, shapes, dtype and flags on every rank: every rank must hold an equal part "
+    "of the sequence",
+    "shard every tensor with attnkit.distributed.shard(x, causal=...) on every rank; pad the "
+    "sequence to a multiple of the world size (twice it when causal) and mask the padding "
+    "with attnkit.masks.padding(lengths)",
+)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} has"
+    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]} have"
 
 
 @dataclass(frozen=True)
@@ -275,13 +337,16 @@ def agree(
     extra: dict[str, int],
     dtype: torch.dtype,
     device: torch.device,
+    local: dict[str, str] | None = None,
 ) -> None:
-    """Check that every rank makes this call with the same shapes, dtype and ``extra`` values.
+    """Check that every rank makes this call with the same shapes, dtype and ``extra`` values
+    (ints: a float by :func:`float_bits`, a mask by :func:`mask_digest`, its content).
 
     The description goes around the ring in ``world - 1`` hops of a few hundred bytes. A
-    mismatch raises :class:`~attnkit.AttentionInputError` on every rank, listing each rank's
-    shapes; a rank that does not arrive within ``timeout`` makes the next one raise
-    :class:`RingError` naming it.
+    mismatch raises the same :class:`~attnkit.AttentionInputError` on every rank: it names the
+    first value that differs, which ranks hold which, each rank's whole description, and the
+    fix; ``local`` adds this rank's own view of some values (a mask's repr). A rank that does
+    not arrive within ``timeout`` makes the next one raise :class:`RingError` naming it.
     """
     rank, world, where = peers.rank, peers.world, peers.where
     if len(shapes) > _MAX_SHAPES or len(extra) > _MAX_EXTRA:
@@ -309,23 +374,27 @@ def agree(
     keys = list(extra)
     wheres = {zlib.crc32(w.encode()): w for w in _KNOWN_CALLS}
     dtypes = {zlib.crc32(str(d).encode()): str(d) for d in _DTYPES}
+    parts = [_parts(row, names, keys, wheres, dtypes) for row in table]
     rows = "\n".join(
-        f"            rank {r}: {_describe(row, names, keys, wheres, dtypes)}"
+        f"            rank {r}: {' '.join(text for _, text in row)}"
         + ("  <- this rank" if r == rank else "")
-        for r, row in enumerate(table)
+        for r, row in enumerate(parts)
     )
     first = next(row for row in table if row != table[0])
     culprit = _first_difference(table[0], first, names, keys)
+    held: dict[str, list[int]] = {}  # what each rank passed of the culprit -> those ranks
+    for r, row in enumerate(parts):
+        held.setdefault(next(text for label, text in row if label == culprit), []).append(r)
+    sides = "; ".join(f"{_ranks(rs)} {text}" for text, rs in held.items())
+    expected, fix = _ADVICE.get(culprit, _SHAPE_ADVICE)
+    mine_note = "".join(f"\n            this rank's {k}: {v}" for k, v in (local or {}).items())
     raise AttentionInputError(
         where,
         culprit,
-        f"the {world} ranks disagree on {culprit!r}: every rank must hold an equal part of "
-        f"the sequence.",
-        got="one line per rank:\n" + rows,
-        expected="the same call, shapes, dtype and flags on every rank",
-        fix="shard every tensor with attnkit.distributed.shard(x, causal=...) on every rank; "
-        "pad the sequence to a multiple of the world size (twice it when causal) and mask "
-        "the padding with attnkit.masks.padding(lengths)",
+        f"the {world} ranks disagree on {culprit!r}: {sides}.",
+        got="one line per rank:\n" + rows + mine_note,
+        expected=expected,
+        fix=fix,
     )
 
 

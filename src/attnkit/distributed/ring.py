@@ -27,17 +27,18 @@ Backward: K/V go around the ring again, and with each K/V shard travels the floa
 accumulator of that shard: each rank adds its queries' contribution and passes it on, so after
 ``P`` hops it comes back to the rank that owns the shard. Bytes sent per step of a pass, for
 ``g`` passes: ``2u/g`` forward, ``2u/g`` (K/V) + ``2u/g`` in float32 (dK/dV) backward.
+Where autograd records the backward (``create_graph=True``: a Hessian, a gradient penalty), the
+gradients are recomputed differentiably instead (:mod:`attnkit.distributed.second_order`).
 """
 
 from __future__ import annotations
 
 import time
-import zlib
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.autograd.function import FunctionCtx
 
 from attnkit.backends.blocked import backward_from_lse, forward_with_lse, merge
 from attnkit.backends.blocked.tiles import acc_dtype
@@ -49,8 +50,10 @@ from attnkit.distributed.faults import (
     agree,
     as_timedelta,
     float_bits,
+    mask_digest,
 )
 from attnkit.distributed.ring_plan import WHERE, RingPlan
+from attnkit.distributed.second_order import ring_grads
 from attnkit.distributed.sharding import Chunk, Layout, group_rank_and_size
 from attnkit.errors import AttentionInputError
 from attnkit.masks import MaskSpec, as_spec
@@ -243,9 +246,11 @@ class _RingAttention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
+        if torch.is_grad_enabled():  # create_graph=True: gradients autograd can differentiate
+            needs = ctx.needs_input_grad  # type: ignore[attr-defined]
+            return (*ring_grads(ctx.plan, q, k, v, dout, needs), None)  # type: ignore[attr-defined]
         dq, dk, dv = _backward(ctx.plan, (q, k, v, out, lse), dout)  # type: ignore[attr-defined]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
@@ -297,7 +302,8 @@ def ring_attention(
         v: this rank's values ``(B, Hkv, Sk, Dv)``.
         mask: ``None`` or a spec from :mod:`attnkit.masks` over the *whole* sequence (global
             positions: ``padding(lengths)`` takes the full lengths, ``document(ids)`` the ids of
-            all ``S`` tokens). Dense tensor masks are refused (they would be ``L x S``).
+            all ``S`` tokens), the same on every rank. Dense tensor masks are refused (they
+            would be ``L x S``).
         causal: the end-aligned causal rule (query ``i`` sees keys ``j <= i + S - L``), and the
             zigzag layout of ``shard(x, causal=True)``, which gives every rank the same work.
             For ``L = S = 4`` over 2 ranks (chunks of 1 token; rank 0 holds 0 and 3, rank 1
@@ -324,8 +330,11 @@ def ring_attention(
         This rank's output shard ``(B, H, Lq, Dv)`` in q's dtype. Rows with nothing to attend
         to are 0, with gradient 0.
 
-    Every rank must call it (and run its backward) with equal shard shapes; shards that differ
-    raise :class:`~attnkit.AttentionInputError` on every rank, with each rank's shapes.
+    Every rank must call it (and run its backward) with equal shard shapes and the same dtype,
+    ``causal``, ``scale``, ``kv_heads_per_pass`` and mask: the mask's content, rule and tensor
+    bytes (:meth:`~attnkit.masks.MaskSpec.digest`), not only its repr. Before any K/V moves the
+    ranks compare them; any difference raises :class:`~attnkit.AttentionInputError` on every
+    rank, naming what differs, which ranks hold which value, and the fix.
 
     >>> # on each of 4 ranks (torchrun --nproc-per-node 4):
     >>> # q, k, v = (shard(t, causal=True) for t in (q_full, k_full, v_full))
@@ -361,12 +370,17 @@ def ring_attention(
     settings = {
         "causal": int(causal),
         "scale": float_bits(scale_f),
-        "mask": zlib.crc32(repr(mask).encode()),
+        "mask": mask_digest(mask),  # its content: rule and tensor bytes, not its repr
         "kv_heads_per_pass": per_pass,
     }
     shapes = [("q", tuple(q.shape)), ("k", tuple(k.shape)), ("v", tuple(v.shape))]
     agree(
-        Peers(group, rank, world, td, WHERE), shapes, extra=settings, dtype=q.dtype, device=q.device
+        Peers(group, rank, world, td, WHERE),
+        shapes,
+        extra=settings,
+        dtype=q.dtype,
+        device=q.device,
+        local={"mask": repr(mask)} if mask is not None else None,
     )
     spec = as_spec(mask, causal)  # the one place the causal flag and a mask combine
     plan = RingPlan(

@@ -7,6 +7,9 @@ The writers take plain arrays, so they work for any model: ``attentions (N, H, T
 softmax weights (each row sums to 1), ``tokens`` the T token strings, ``hidden (T, E)`` the last
 hidden states. numpy arrays and torch tensors are both accepted. matplotlib is imported only when a
 PNG is written.
+Each file is written by :mod:`attnkit.files`: to a temporary file next to it, then moved into
+place, so a failed write leaves the previous file intact and a symbolic link at its name is
+replaced, never written through.
 
 >>> import tempfile
 >>> import numpy as np
@@ -20,6 +23,7 @@ PNG is written.
 from __future__ import annotations
 
 import base64
+import errno
 import html
 import json
 import math
@@ -36,6 +40,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from attnkit import files
 from attnkit.errors import AttentionInputError, shape_str
 
 __all__ = ["write_all", "write_html", "write_npz", "write_png"]
@@ -186,7 +191,11 @@ def _writing(where: str, argument: str, path: Path) -> Iterator[None]:
     """Turn an OSError while writing ``path`` into an AttentionInputError naming ``argument``."""
     try:
         yield
+    except files.WriteError as e:  # a file could not be replaced: said by this writer
+        raise e.at(where, argument) from e.__cause__
     except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):  # a full disk reads as every writer says it
+            raise files.os_error(e, path, where=where, argument=argument, existed=False) from e
         raise AttentionInputError(
             where,
             argument,
@@ -201,7 +210,7 @@ def _write_file(where: str, path: str | os.PathLike[str], write: Callable[[Path]
     """Create the parent directory of ``path``, then ``write(path)``; OSError names ``path``."""
     out = Path(path)
     with _writing(where, "path", out):
-        out.parent.mkdir(parents=True, exist_ok=True)
+        files.make_directory(out.parent, where=where, argument="path")
         write(out)
     return out
 
@@ -212,7 +221,8 @@ def _write_file(where: str, path: str | os.PathLike[str], write: Callable[[Path]
 
 def _npz(path: Path, att: Float32, toks: list[str], hid: Float32) -> None:
     tokens = np.array(toks, dtype=np.str_)  # fixed-width unicode: loads with allow_pickle=False
-    with path.open("wb") as f:  # a file object, so numpy does not append ".npz" to the name
+    # a file object, so numpy does not append ".npz" to the name
+    with files.replacing(path) as tmp, tmp.open("wb") as f:
         np.savez_compressed(f, attentions=att, tokens=tokens, hidden=hid)
 
 
@@ -296,7 +306,8 @@ def _png(path: Path, att: Float32, toks: list[str], title: str | None) -> None:
     )
     fig.colorbar(ScalarMappable(norm, cmap), cax=bar, ticks=[0, 0.05, 0.25, 0.5, 1], format="%g")
     bar.tick_params(labelsize=6)
-    fig.savefig(path, format="png")
+    with files.replacing(path) as tmp:
+        fig.savefig(tmp, format="png")
 
 
 def _quantise(att: Float32) -> tuple[int, npt.NDArray[np.float64], bytes]:
@@ -357,8 +368,7 @@ def _page(att: Float32, toks: list[str], title: str | None) -> str:
 
 
 def _html(path: Path, att: Float32, toks: list[str], title: str | None) -> None:
-    page = _page(att, toks, title)
-    path.write_text(page, encoding="utf-8")
+    files.write_text(path, _page(att, toks, title))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,7 +483,7 @@ def write_all(
     directory = Path(out_dir)
     paths = {kind: directory / name for kind, name in FILES.items()}
     with _writing(where, "out", directory):
-        directory.mkdir(parents=True, exist_ok=True)
+        files.make_directory(directory, where=where, argument="out")
         _npz(paths["npz"], att, toks, hid)  # the cheap writes first: a bad directory fails fast
         _html(paths["html"], att, toks, title)
         _png(paths["png"], att, toks, title)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from attnkit import files
 from attnkit.errors import AttentionInputError
 from attnkit.inspect.maps import write_all
 from attnkit.inspect.tracing import trace
@@ -128,6 +129,7 @@ def check_out_dir(out_dir: str | os.PathLike[str]) -> Path:
         )
     if not os.access(existing, os.W_OK | os.X_OK):
         raise _bad_out(path, f"cannot write into {str(existing)!r}: permission denied.")
+    files.check_directory(path, where=WHERE, argument="out")  # another user's planted link
     return path
 
 

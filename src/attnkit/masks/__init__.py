@@ -24,10 +24,19 @@ with ``&``, ``|`` and ``~``. Each has ``to_dense(L, S)`` and ``block_map(L, S, b
 block_k)``, which says for every (query block, key block) pair whether it is empty, partial or
 full, computed from the block bounds without building ``L x S``.
 
+Under ``torch.compile(fullgraph=True)`` a spec may be built inside the compiled function or
+outside it (closed over, or passed in: new tensor values, or a new spec of the same structure,
+reuse the graph), except ``~``, which Dynamo cannot trace on a Python object: build an inverted
+spec outside the compiled function. Nothing on a spec's way through attnkit reads its values
+while Dynamo traces (``allows_all`` answers ``False`` then).
+
 Block maps are exact for the built-in specs; combinations keep two guarantees that make
 skipping safe: a block called *empty* has no allowed pair, and a block called *full* has no
 blocked pair (a combination may call a block *partial* that is in fact empty or full; a backend
 then evaluates the predicate inside it).
+
+``spec.digest()`` hashes a spec's content, its rule and the bytes of every tensor it holds, the
+same in any process for the same mask (``digest.py``): ring attention compares it across ranks.
 
 Where things live: the protocol, combinators and :func:`block_states` in ``spec.py``; the
 built-in rules in ``rules.py``; ALiBi in ``alibi.py``; the KV cache's per-sequence causal rule

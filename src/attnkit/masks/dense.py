@@ -28,6 +28,7 @@ class DenseMask(MaskSpec):
 
     from_tensor = True
     scratch_bytes = 32  # allowed() gathers with four broadcast int64 index tensors
+    digest_ignores = ("m", "ok", "_sums")  # views of the tensor, what it allows, a cache
 
     def __init__(self, mask: torch.Tensor) -> None:
         # as the user gave it, dense backends take it unchanged; a 0-D or 1-D mask (it

@@ -131,6 +131,26 @@ class MaskSpec:
     #: bytes per ``(b, h, q, kv)`` pair that evaluating :meth:`allowed` over a whole grid
     #: allocates besides the mask itself, at most (int64 index arithmetic); see :meth:`dense_bytes`
     scratch_bytes: int = 16
+    #: attributes that are caches or derived from others, not content: :meth:`digest` skips them
+    digest_ignores: tuple[str, ...] = ()
+
+    def digest(self) -> str:
+        """A hex digest of the spec's content: its class and every value it holds, tensors by
+        their dtype, shape and bytes (on any device). Two specs have the same digest exactly
+        when they are the same rule over the same values, in any process; ring attention
+        compares them across ranks (see :mod:`attnkit.masks.digest`).
+
+        >>> import torch
+        >>> from attnkit.masks import document
+        >>> a, b = document(torch.tensor([0, 0, 1])), document(torch.tensor([0, 1, 1]))
+        >>> repr(a) == repr(b), a.digest() == b.digest()
+        (True, False)
+        >>> a.digest() == document(torch.tensor([0, 0, 1])).digest()
+        True
+        """
+        from attnkit.masks.digest import spec_digest
+
+        return spec_digest(self)
 
     def key(self) -> Hashable | None:
         """What identifies this spec in a cache (``None``: do not cache it)."""
@@ -176,7 +196,9 @@ class MaskSpec:
         bias, for every batch row and head: then it changes nothing and no mask need be made
         (a causal sliding window while the keys fit in the window, padding that pads nothing).
         Decided from :meth:`block_bounds` over one block, without evaluating any pair; the
-        bounds are conservative, so ``False`` may mean "cannot tell cheaply".
+        bounds are conservative, so ``False`` may mean "cannot tell cheaply". While
+        ``torch.compile`` traces it is always ``False``: the answer reads the spec's values,
+        which a graph cannot branch on.
 
         >>> from attnkit.masks import causal, sliding_window
         >>> w = causal() & sliding_window(256)
@@ -187,6 +209,10 @@ class MaskSpec:
             return False
         if L == 0 or S == 0:
             return True
+        if torch.compiler.is_compiling():
+            # a traced graph cannot branch on the spec's values, and its cache key reads them:
+            # "cannot tell" (the caller hands over the mask, which allows every pair anyway)
+            return False
         skey = self.key()
         key = None if skey is None else (skey, L, S)
         if key is not None and key in _ALLOWS_ALL:
@@ -327,6 +353,10 @@ class MaskSpec:
         return _Or(_spec(other, "|", left=True), self)
 
     def __invert__(self) -> MaskSpec:
+        """``~spec``: the pairs ``spec`` does not allow. Inside a function that
+        ``torch.compile`` traces, Dynamo (torch 2.13) cannot trace ``~`` on a Python object
+        (``&`` and ``|`` it can): build the inverted spec outside the compiled function, and
+        close over it or pass it in."""
         return _Not(self)
 
     def __str__(self) -> str:
@@ -395,17 +425,19 @@ def _spec(x: object, op: str, left: bool = False) -> MaskSpec:
 
 
 def _same(attr: str, what: str, *specs: MaskSpec) -> int | None:
-    sizes = {getattr(s, attr) for s in specs if getattr(s, attr) is not None}
-    if len(sizes) > 1:
+    # compared, not hashed into a set: while torch.compile traces, a size may be symbolic, and
+    # hashing it would fix it (a graph per length)
+    sizes = [getattr(s, attr) for s in specs if getattr(s, attr) is not None]
+    if any(v != sizes[0] for v in sizes[1:]):
         spec_error(
             "&",
             "other",
-            f"mask specs for different {what} were combined: {sorted(sizes)}.",
+            f"mask specs for different {what} were combined: {sorted(set(sizes))}.",
             got=" and ".join(repr(s) for s in specs),
             expected=f"specs that agree on their {what}",
             fix=f"build every part from the same batch's tensors ({what} must agree)",
         )
-    return sizes.pop() if sizes else None
+    return sizes[0] if sizes else None
 
 
 def _combined_key(name: str, *specs: MaskSpec) -> Hashable | None:

@@ -14,10 +14,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from attnkit.errors import AttentionInputError, check_int
+from attnkit.errors import AttentionInputError, check_dtype_arg, check_int
 from attnkit.functional import AttentionOutput, run_call
 from attnkit.heads import merge_heads, split_heads
-from attnkit.inspect.tracing import active_trace, record_module_end, record_module_start
+from attnkit.inspect.tracing import (
+    record_module_abort,
+    record_module_end,
+    record_module_start,
+    recording,
+)
 from attnkit.modules.checks import check_batch, check_input
 from attnkit.modules.kv_cache import KVCache
 from attnkit.modules.masking import Mask, MaskArgs, combine, module_mask
@@ -53,6 +58,7 @@ class AttentionBase(nn.Module):
         super().__init__()
         where = f"attnkit.{type(self).__name__}"
         self._where = where
+        check_dtype_arg(where, dtype)
         E, H, Hkv, Dk, Dv = _checked_sizes(
             where, embed_dim, num_heads, num_kv_heads, head_dim, v_head_dim, dropout
         )
@@ -123,9 +129,9 @@ class AttentionBase(nn.Module):
     ) -> AttentionOutput:
         where = self._where
         self_attention = key is query and value is query
-        given = [("query", query), ("key", key), ("value", value)]  # as passed, for a trace
+        given = (query, key, value)  # as passed, for a trace
         query, key, value = self._batch_first_inputs(query, key, value)
-        check_batch(where, given[0][1], given[1][1], given[2][1], self.batch_first)
+        check_batch(where, *given, self.batch_first)
         B, L, S = query.shape[0], query.shape[1], key.shape[1]
         mask = module_mask(
             where,
@@ -141,16 +147,8 @@ class AttentionBase(nn.Module):
         q = split_heads(qp, self.num_heads)  # (B, H, L, Dk)
         k = split_heads(kp, self.num_kv_heads)  # (B, Hkv, S, Dk)
         v = split_heads(vp, self.num_kv_heads)  # (B, Hkv, S, Dv)
-        tr = active_trace()
-        if tr is not None:
-            record_module_start(
-                tr,
-                self,
-                given,
-                [("q", qp), ("k", kp), ("v", vp)],
-                [("q", q), ("k", k), ("v", v)],
-                seq_first=not self.batch_first,
-            )
+        if recording():  # attnkit.trace() is open: this thread's traces get the steps
+            record_module_start(self, not self.batch_first, *given, qp, kp, vp, q, k, v)
         try:
             causal = self.causal
             if self.rope is not None or positions is not None or kv_cache is not None:
@@ -163,22 +161,21 @@ class AttentionBase(nn.Module):
             )
             out, weights = run_call(call, self.backend)
         except BaseException:
-            if tr is not None:  # later calls in the trace are not this module's
-                tr.current = None
+            if recording():  # later calls in the trace are not this module's
+                record_module_abort()
             raise
         merged = merge_heads(out)  # (B, H, L, Dv) -> (B, L, H*Dv)
         y = self.out_proj(merged)  # (B, L, E)
         projected = y
         if not self.batch_first:
             y = y.transpose(0, 1)  # (L, B, E)
-        if tr is not None:
+        if recording():
             record_module_end(
-                tr,
                 self,
                 merged,
                 projected,
                 isinstance(self.out_proj, nn.Linear),
-                returned=None if self.batch_first else y,
+                None if self.batch_first else y,
             )
         if weights is not None and average_attn_weights:
             weights = weights.mean(dim=1)  # (B, H, L, S) -> (B, L, S), as torch averages

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from attnkit.errors import AttentionInputError, rank_error, shape_str
+from attnkit.errors import (
+    DTYPE_NAMES,
+    DTYPES,
+    AttentionInputError,
+    dtype_error,
+    rank_error,
+    shape_str,
+)
 
 __all__ = ["check_batch", "check_input"]
 
@@ -51,6 +58,21 @@ def check_input(
             fix=f"build the module with {width_name}={x.shape[-1]}"
             if name != "query"
             else f"build the module with embed_dim={x.shape[-1]}",
+        )
+    if x.is_floating_point() or x.is_complex():  # float8, complex: not computed in
+        got = f"{shape_str(name, x, dims)} dtype={x.dtype}  parameters: dtype={dtype}"
+        error = dtype_error(where, name, x.dtype, got)
+        if error is not None:
+            raise error
+    if dtype not in DTYPES:  # module.to(torch.float8_e4m3fn), module.to(torch.complex64)
+        raise AttentionInputError(
+            where,
+            "dtype",
+            f"the module's parameters are {dtype}, which attnkit does not compute in.",
+            got=f"parameters: dtype={dtype}  {shape_str(name, x, dims)} dtype={x.dtype}",
+            expected=f"parameters of dtype {DTYPE_NAMES}",
+            fix="module.to(torch.bfloat16) (or float16, float32, float64); float8 weights are "
+            "dequantized before use",
         )
     if x.dtype != dtype and not (
         x.is_floating_point() and torch.is_autocast_enabled(x.device.type)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnkit.errors import AttentionInputError, check_int, shape_str
+from attnkit.errors import AttentionInputError, check_dtype_arg, check_int, shape_str
 from attnkit.masks import MaskSpec, padding, sequence_causal
 
 __all__ = ["KVCache"]
@@ -73,6 +73,7 @@ class KVCache(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        check_dtype_arg(WHERE, dtype)
         Dv = head_dim if v_head_dim is None else v_head_dim
         for name, value in (
             ("batch_size", batch_size),

@@ -21,7 +21,15 @@ from typing import Literal
 import torch
 from torch import nn
 
-from attnkit.errors import AttentionInputError, check_int, is_int_tensor, shape_str, tensor_got
+from attnkit.errors import (
+    AttentionInputError,
+    check_dtype_arg,
+    check_int,
+    dtype_error,
+    is_int_tensor,
+    shape_str,
+    tensor_got,
+)
 from attnkit.masks import alibi, alibi_slopes
 from attnkit.validate import can_read_values, is_real
 
@@ -152,13 +160,18 @@ class RotaryEmbedding(nn.Module):
                 expected=f"x (B, H, L, D >= {self.dim})",
                 fix="split heads first: attnkit.split_heads(x, num_heads)",
             )
-        if not x.is_floating_point():
+        got = f"{shape_str('x', x, ('B', 'H', 'L', 'D'))} dtype={x.dtype}"
+        if x.is_floating_point() or x.is_complex():  # float8, complex: not computed in
+            error = dtype_error(where, "x", x.dtype, got)
+            if error is not None:
+                raise error
+        else:
             raise AttentionInputError(
                 where,
                 "x",
                 f"RoPE rotates float vectors; x has dtype {x.dtype}, in which every rotated "
                 "value would be rounded to an integer.",
-                got=f"{shape_str('x', x, ('B', 'H', 'L', 'D'))} dtype={x.dtype}",
+                got=got,
                 expected="x (B, H, L, D) float32, float64, bfloat16 or float16",
                 fix="x.float()",
             )
@@ -200,6 +213,7 @@ class LearnedPositions(nn.Module):
         super().__init__()
         check_int("attnkit.LearnedPositions", "max_positions", max_positions)
         check_int("attnkit.LearnedPositions", "dim", dim)
+        check_dtype_arg("attnkit.LearnedPositions", dtype)
         self.max_positions = max_positions
         self.dim = dim
         self.weight = nn.Parameter(torch.empty(max_positions, dim, device=device, dtype=dtype))

@@ -15,6 +15,7 @@
 from attnkit.train.checkpoint import (
     CHECKPOINT_NAME,
     CheckpointInfo,
+    UncheckedCheckpointWarning,
     load_checkpoint,
     save_checkpoint,
     verify_checkpoint,
@@ -64,6 +65,7 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "TrainingDivergedError",
+    "UncheckedCheckpointWarning",
     "alignment_scores",
     "build",
     "evaluate",

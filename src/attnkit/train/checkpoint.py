@@ -16,29 +16,48 @@ exactly (``torch.equal`` holds for all of them).
 A checkpoint never holds a NaN or an infinity: :func:`save_checkpoint` refuses to write one
 (the previous checkpoint stays), and :func:`load_checkpoint` and :func:`verify_checkpoint`
 refuse to load one, naming the tensor. Metadata that does not parse (an edited file) is refused
-with what is wrong, never a traceback. Files are written to ``<name>.tmp`` and moved into place,
-so an interrupted save never leaves a broken checkpoint; a ``.tmp`` that an interrupted save
-left behind is removed by the next save or load of that checkpoint.
+with what is wrong, never a traceback.
+
+**Checksums.** The metadata field ``checksums`` holds the SHA-256 of every tensor's bytes (a
+JSON object, tensor name to hex digest), computed when saving. :func:`load_checkpoint` and
+:func:`verify_checkpoint` (so ``--resume``) recompute them and refuse a tensor whose bytes
+changed, naming it: one flipped bit in a weight is caught. A checkpoint written before
+checksums existed still loads, with one :class:`UncheckedCheckpointWarning`; its next save
+adds them.
+
+**Writing.** A checkpoint is written with :func:`attnkit.files.replacing`: to a new temporary
+file next to it, synced, then moved into place, so an interrupted or failed save (a full disk:
+one :class:`~attnkit.files.WriteError`, "no space left on device while writing ...; the
+previous checkpoint is intact") never leaves a broken checkpoint, and a symbolic link planted
+at the checkpoint's name is replaced, never written through. A temporary file that a killed
+save left behind (``.checkpoint.safetensors.*.tmp``, or ``checkpoint.safetensors.tmp`` from
+older versions) is removed by the next save or load of that checkpoint.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import warnings
 from collections.abc import Mapping
+from contextlib import suppress
 from dataclasses import dataclass
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from attnkit import files
 from attnkit.errors import AttentionInputError
 
 __all__ = [
     "CHECKPOINT_NAME",
     "FORMAT",
     "CheckpointInfo",
+    "UncheckedCheckpointWarning",
     "load_checkpoint",
     "non_finite",
     "read_info",
@@ -48,6 +67,12 @@ __all__ = [
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
 FORMAT = "attnkit.train/1"
+CHECKSUMS = "checksums"  # the metadata field: {tensor name: SHA-256 of its bytes, hex}
+
+
+class UncheckedCheckpointWarning(UserWarning):
+    """A checkpoint without checksums (written by an older attnkit): it loads, but damage to
+    its tensors' bytes cannot be detected."""
 
 
 @dataclass(frozen=True)
@@ -69,9 +94,11 @@ def save_checkpoint(
     finished: bool,
     config: Mapping[str, Any],
 ) -> Path:
-    """Write ``model`` and ``optimizer`` (and the run's ``step``, ``finished``, ``config``)."""
-    from safetensors.torch import save_file
+    """Write ``model`` and ``optimizer`` (and the run's ``step``, ``finished``, ``config``).
 
+    Raises :class:`~attnkit.files.WriteError` when the file cannot be written (a full disk, no
+    permission); the previous checkpoint at ``path`` is then intact.
+    """
     tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
     state = optimizer.state_dict()
     scalars: dict[str, dict[str, Any]] = {}
@@ -100,14 +127,43 @@ def save_checkpoint(
             expected="finite model and optimizer tensors",
             fix="keep the last checkpoint; the training diverged before this step",
         )
-    tmp = _tmp(path)
-    tmp.unlink(missing_ok=True)  # left by an interrupted save
-    try:
-        save_file({k: v.cpu() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    on_cpu = {k: v.cpu() for k, v in tensors.items()}
+    metadata[CHECKSUMS] = json.dumps({k: _digest(v) for k, v in on_cpu.items()})
+    where = "attnkit.train.save_checkpoint"
+    files.check_directory(path.parent, where=where, argument="path")
+    _remove_stale(path)  # first: a full disk gets their room back
+    with files.replacing(path, where=where, argument="path", what="checkpoint") as tmp:
+        _save_file(on_cpu, tmp, metadata)
     return path
+
+
+def _save_file(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """``safetensors.torch.save_file``, its I/O errors (a Rust error naming ``os error 28``
+    for a full disk) raised as the :class:`OSError` they are."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        number = files.errno_of(str(e))
+        if number is None:
+            raise
+        raise OSError(number, os.strerror(number), str(path)) from e
+
+
+def _digest(t: torch.Tensor) -> str:
+    """SHA-256 of the bytes safetensors stores for ``t`` (C order, little-endian), hex."""
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(data.data).hexdigest()
+
+
+def _remove_stale(path: Path) -> None:
+    """Remove the temporary files of saves of ``path`` that were killed before moving them."""
+    stale = [_tmp(path), *path.parent.glob(f".{glob_escape(path.name)}.*.tmp")]
+    for p in stale:
+        with suppress(OSError):
+            p.unlink(missing_ok=True)  # a link is removed, never followed
 
 
 def _tmp(path: Path) -> Path:
@@ -218,12 +274,13 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     return _parse(path, _metadata(path))[0]
 
 
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint at ``path`` (on the CPU); refuses a non-finite one."""
+def _tensors(path: Path, meta: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint at ``path`` (on the CPU); refuses a non-finite one and
+    one that does not match its checksum in ``meta`` (the checkpoint's metadata)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    _tmp(path).unlink(missing_ok=True)  # left by an interrupted save
+    _remove_stale(path)  # left by an interrupted save
     try:
         tensors = load_file(str(path))
     except (SafetensorError, OSError) as e:
@@ -237,15 +294,53 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
             f"{path}: {bad}; training on would spread it to every weight.",
             "resume from an intact copy, or start a new run with --overwrite",
         )
+    _check_sums(path, meta, tensors)
     return tensors
+
+
+def _check_sums(path: Path, meta: Mapping[str, str], tensors: Mapping[str, torch.Tensor]) -> None:
+    """Each tensor's bytes against its SHA-256 in ``meta``; none there: one warning."""
+    if CHECKSUMS not in meta:
+        warnings.warn(
+            f"{path} has no checksums (written by an older attnkit): damage to its tensors "
+            "cannot be detected; the next save of the run adds them.",
+            UncheckedCheckpointWarning,
+            stacklevel=2,
+        )
+        return
+    what = "a JSON object of SHA-256 digests, one per tensor"
+    sums = _json(path, meta, CHECKSUMS, dict, what)
+    if not all(isinstance(v, str) and len(v) == 64 for v in sums.values()):
+        raise _bad_field(path, meta, CHECKSUMS, what)
+    fix = "resume from an intact copy, or start a new run with --overwrite"
+    unsummed, missing = sorted(tensors.keys() - sums.keys()), sorted(sums.keys() - tensors.keys())
+    if unsummed:
+        problem = f"{path}: tensor {unsummed[0]} has no checksum (the file was edited)."
+        raise _open_error(path, problem, fix)
+    if missing:
+        problem = f"{path}: tensor {missing[0]} is missing (the file was edited or damaged)."
+        raise _open_error(path, problem, fix)
+    for name, t in tensors.items():
+        if _digest(t) != sums[name]:
+            raise _open_error(
+                path,
+                f"{path}: tensor {name} {tuple(t.shape)} does not match its checksum: its "
+                "bytes changed after it was saved (the file is damaged).",
+                fix,
+            )
 
 
 def verify_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
     """Check the checkpoint at ``path`` as :func:`load_checkpoint` would, without a model:
-    its metadata and that every tensor is finite. Returns its metadata."""
+    its metadata, that every tensor is finite and matches its checksum. Returns its metadata.
+
+    A checkpoint without checksums (an older attnkit's) passes with an
+    :class:`UncheckedCheckpointWarning`.
+    """
     path = Path(path)
-    info = _parse(path, _metadata(path))[0]
-    _tensors(path)
+    meta = _metadata(path)
+    info = _parse(path, meta)[0]
+    _tensors(path, meta)
     return info
 
 
@@ -257,11 +352,13 @@ def load_checkpoint(
     """Copy the checkpoint at ``path`` into ``model`` (and ``optimizer``); return its metadata.
 
     The model and optimizer must be built as they were when saved (same sizes, same parameter
-    order); tensors go to the device of the model's parameters.
+    order); tensors go to the device of the model's parameters. Every tensor is checked first:
+    finite, and matching its checksum (see the module's docstring).
     """
     path = Path(path)
-    info, groups, scalars = _parse(path, _metadata(path))
-    tensors = _tensors(path)  # on the CPU; load_state_dict copies to the params' device
+    meta = _metadata(path)
+    info, groups, scalars = _parse(path, meta)
+    tensors = _tensors(path, meta)  # on the CPU; load_state_dict copies to the params' device
     model_state = {
         k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")
     }

@@ -9,7 +9,8 @@ process relays the reports to the caller. A rank that fails becomes a
 :class:`DistributedTrainingError` here, with one line to show and the rank's traceback in
 ``detail``; the other ranks are terminated. A run whose loss became non-finite stops on every
 rank at the same step; rank 0 sends the :class:`~attnkit.train.guards.TrainingDivergedError`,
-raised again here.
+raised again here, and so the :class:`~attnkit.files.WriteError` of a checkpoint it could not
+write (a full disk; the other ranks then fail, and that error is the one raised).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import gc
 import os
 import socket
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -24,6 +26,8 @@ from typing import Any
 
 import torch
 
+from attnkit.files import WriteError
+from attnkit.train.checkpoint import UncheckedCheckpointWarning
 from attnkit.train.loop import (
     FitSummary,
     Progress,
@@ -66,13 +70,15 @@ def _worker(
 ) -> None:
     import torch.distributed as dist
 
+    # the parent process checked the checkpoint and said once if it has no checksums
+    warnings.filterwarnings("ignore", category=UncheckedCheckpointWarning)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(threads)
     dist.init_process_group(
         "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=INIT_TIMEOUT_S)
     )
-    summary: FitSummary | TrainingDivergedError
+    summary: FitSummary | TrainingDivergedError | WriteError
     try:
         try:
             summary = fit(
@@ -86,6 +92,11 @@ def _worker(
                 emit=queue.put,
                 should_stop=lambda: False,
             )
+        except WriteError as e:  # rank 0 could not save (a full disk): sent as it is
+            if rank != 0:
+                raise
+            summary = e.with_traceback(None)
+            gc.collect()
         except TrainingDivergedError as e:  # every rank stops at the same step
             # without its traceback: the exception would otherwise keep fit's frames, and with
             # them its DistributedDataParallel wrapper, alive past destroy_process_group below
@@ -120,7 +131,7 @@ def spawn(
     context = start_processes(  # type: ignore[no-untyped-call]
         _worker, args=args, nprocs=world_size, join=False, start_method="spawn"
     )
-    result: FitSummary | TrainingDivergedError | None = None
+    result: FitSummary | TrainingDivergedError | WriteError | None = None
 
     def drain(block: bool) -> None:
         nonlocal result
@@ -132,7 +143,7 @@ def spawn(
             block = False
             if isinstance(message, Progress):
                 emit(message)
-            elif isinstance(message, (FitSummary, TrainingDivergedError)):
+            elif isinstance(message, (FitSummary, TrainingDivergedError, WriteError)):
                 result = message
 
     try:
@@ -142,6 +153,9 @@ def spawn(
             try:
                 done = context.join(timeout=0.01)
             except ProcessException as e:
+                drain(block=False)
+                if isinstance(result, WriteError):  # rank 0 stopped the run; the others broke
+                    raise result from None
                 lines = [line for line in str(e).splitlines() if line.strip()]
                 raise DistributedTrainingError(
                     f"rank {e.error_index} of the --ddp {world_size} run failed: "
@@ -155,6 +169,6 @@ def spawn(
                 process.terminate()
     if result is None:
         raise DistributedTrainingError(f"the --ddp {world_size} run ended without a result")
-    if isinstance(result, TrainingDivergedError):
+    if isinstance(result, (TrainingDivergedError, WriteError)):
         raise result
     return result

@@ -7,7 +7,12 @@ Checked before any work (:meth:`attnkit.train.RunOptions.check` calls these), ea
   checkpoint there is never replaced unless asked (``resume`` continues it, ``overwrite``
   starts a new run over it);
 - the device, the number of processes (at most :func:`max_processes`), the threads;
-- on resume, that the checkpoint is the run asked for and holds only finite tensors
+- the memory the run would take (:func:`run_bytes`: the model with its gradients and AdamW
+  state, a batch's activations, the held-out sets) against attnkit's memory limit
+  (:mod:`attnkit.memory`), so that a config of ``dim=1048576`` is refused, not allocated;
+- on resume, that the checkpoint's settings are complete and valid (:func:`check_complete`:
+  every field there, none unknown, each in the range its option takes) and that the checkpoint
+  is the run asked for and holds only intact, finite tensors
   (:func:`attnkit.train.checkpoint.verify_checkpoint`).
 
 While training, the first non-finite loss (or weights that became non-finite) stops the run
@@ -18,6 +23,7 @@ written stays the last good one. A first Ctrl-C stops after the current step
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import tempfile
@@ -30,19 +36,28 @@ from typing import Any
 
 import torch
 
+from attnkit import files, memory
 from attnkit.errors import AttentionInputError
+from attnkit.files import WriteError
 from attnkit.train.checkpoint import CHECKPOINT_NAME, read_info
+from attnkit.train.tasks import Task, make_task
 
 __all__ = [
     "TrainingDivergedError",
+    "check_complete",
     "check_device",
+    "check_memory",
     "check_out",
     "check_same_run",
     "check_world",
     "config_error",
     "diverged",
     "first_non_finite",
+    "is_number",
     "max_processes",
+    "model_parameters",
+    "run_bytes",
+    "save_failed",
     "saved_config_error",
     "sigint_stops",
 ]
@@ -87,6 +102,131 @@ def config_error(name: str, value: object, expected: str) -> AttentionInputError
         got=f"{name}={value!r}",
         expected=expected,
     )
+
+
+def is_number(value: object) -> bool:
+    """An int or a float, not a bool (JSON's ``true`` is no learning rate)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_complete(stored: dict[str, Any], config: Any) -> None:
+    """On resume: the checkpoint's settings ``stored`` name every field of ``config`` (a
+    ``TrainConfig`` built from them), with the task's sizes filled in. A missing one would be
+    silently taken from today's defaults."""
+    for f in fields(config):
+        if f.name not in stored or (f.name in ("length", "vocab") and stored[f.name] is None):
+            raise AttentionInputError(
+                "attnkit.train.resume_config",
+                f.name,
+                f"setting {f.name!r} is missing",
+                got=", ".join(sorted(stored)),
+                expected=", ".join(g.name for g in fields(config)),
+            )
+
+
+def model_parameters(config: Any) -> int:
+    """The parameters of the :class:`~attnkit.train.TaskModel` of ``config`` (a
+    ``TrainConfig``), counted without building it: exact for any size.
+
+    >>> from attnkit.train import TrainConfig
+    >>> model_parameters(TrainConfig())
+    103184
+    """
+    task: Task = config.make_task()
+    E, L, C = int(config.dim), int(config.num_layers), task.num_classes
+    layer = 12 * E * E + 13 * E  # q, k, v, out (E x E + E each), 2 LayerNorms, MLP E -> 4E -> E
+    embeddings = (task.vocab_size + task.length) * E
+    return embeddings + L * layer + 2 * E + E * C + C
+
+
+_EVAL_CHUNK = 2048  # as attnkit.train.loop: sequences per forward pass in evaluation
+_DRAW = 12  # a held-out draw samples (HOLDOUT_EVERY + 2) x n sequences to keep n
+
+
+def run_bytes(config: Any, world_size: int = 1) -> dict[str, int]:
+    """About the bytes a run of ``config`` (a resolved ``TrainConfig``) takes, by part:
+    ``model`` (parameters, gradients and AdamW's two moments, float32, in each process),
+    ``batch`` (a training step's activations, all processes together) and ``held-out`` (the
+    eval and test sets and an evaluation's activations). An estimate, made to refuse runs that
+    cannot fit, not to plan them to the byte."""
+    E, L, H, B, T = (
+        config.dim,
+        config.num_layers,
+        config.num_heads,
+        config.batch_size,
+        config.length,
+    )
+    C = config.make_task().num_classes
+    P = model_parameters(config)
+    model = 4 * P * (4 if world_size == 1 else 5) * world_size  # DDP: a gradient bucket copy
+    batch = 4 * B * T * (L * (16 * E + 3 * H * T) + 3 * E + 3 * C)
+    n = max(config.eval_size, config.test_size)
+    chunk = min(_EVAL_CHUNK, n)
+    evaluation = 4 * chunk * T * (8 * E + 2 * H * T + C)
+    data = 8 * T * (2 * (config.eval_size + config.test_size) + 3 * _DRAW * n)
+    return {"model": model, "batch": batch, "held-out": evaluation + data}
+
+
+_SIZES = (
+    "dim",
+    "num_layers",
+    "num_heads",
+    "length",
+    "vocab",
+    "batch_size",
+    "eval_size",
+    "test_size",
+)
+
+
+def _furthest_above_default(config: Any) -> str:
+    """The size setting of ``config`` with the largest ratio to its default: the one to name."""
+    task = make_task(config.task)  # the task's default sizes
+    defaults = {f.name: f.default for f in fields(config)} | {
+        "length": task.length,
+        "vocab": task.vocab,
+    }
+    return max(_SIZES, key=lambda name: getattr(config, name) / defaults[name])
+
+
+def check_memory(config: Any, device: torch.device, world_size: int = 1) -> None:
+    """Refuse a run whose :func:`run_bytes` exceed attnkit's memory limit on ``device``
+    (:func:`attnkit.memory.memory_limit`), before anything is allocated, naming the settings."""
+    parts = run_bytes(config, world_size)
+    total = sum(parts.values())
+    limit = memory.exceeds(total, device)
+    if limit is None:
+        return
+    argument = _furthest_above_default(config)
+    c = config
+    what = (
+        f"a run of dim={c.dim}, num_layers={c.num_layers}, num_heads={c.num_heads}, "
+        f"length={c.length}, vocab={c.vocab}, batch_size={c.batch_size}, "
+        f"eval_size={c.eval_size}, test_size={c.test_size} ({model_parameters(c):,} parameters"
+        f"{f', {world_size} processes' if world_size > 1 else ''})"
+    )
+    raise memory.refuse(
+        WHERE,
+        argument,
+        what,
+        total,
+        limit,
+        got=", ".join(f"{k} {memory.format_bytes(v)}" for k, v in parts.items()),
+        fix=f"train a smaller run ({argument}={getattr(config, argument)} is the setting furthest "
+        "above its default); a resumed run keeps its checkpoint's settings, so start a new one",
+    )
+
+
+def save_failed(e: WriteError, out: Path, saved: int | None) -> WriteError:
+    """A checkpoint of the run in ``out`` that could not be written (``saved``: the step of
+    the run's last checkpoint, ``None`` when it wrote none): ``e`` said by ``attnkit train``,
+    with the way on for a full disk."""
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return e.at(WHERE, "out")
+    if saved is None:
+        return e.at(WHERE, "out", fix="free some space on that disk, then start the run again")
+    again = f"attnkit train --resume --out {out}"
+    return e.at(WHERE, "out", fix=f"free some space on that disk, then continue with: {again}")
 
 
 def saved_config_error(path: Path, e: Exception) -> AttentionInputError:
@@ -182,6 +322,10 @@ def _check_writable(out: Path) -> None:
     this process can write: probed with a temporary file, which is removed again."""
     if out.exists() and not out.is_dir():
         raise _out_error(out, f"{out} is a file, not a directory.", "pass --out a directory")
+    try:
+        files.check_directory(out, where=WHERE, argument="out")
+    except files.WriteError as e:
+        raise _out_error(out, e.problem, e.fix or "") from None
     probe = out
     while not probe.exists():
         probe = probe.parent

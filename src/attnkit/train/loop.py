@@ -39,6 +39,7 @@ from torch import nn
 
 from attnkit.configs import derive_config
 from attnkit.errors import AttentionInputError
+from attnkit.files import WriteError
 from attnkit.train import guards
 from attnkit.train.checkpoint import (
     CHECKPOINT_NAME,
@@ -109,20 +110,23 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise guards.config_error(name, value, "a positive int")
-        for name in ("warmup", "seed"):
+        seeds = "an int in [0, 2**64)"  # torch.manual_seed's range
+        for name, what, most in (("warmup", "an int >= 0", math.inf), ("seed", seeds, 2**64 - 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise guards.config_error(name, value, "an int >= 0")
-        if not (isinstance(self.lr, (int, float)) and 0 < self.lr <= _MAX_LR):
-            raise guards.config_error("lr", self.lr, "a float > 0 and <= 3.4e37")
-        if self.clip is not None and not (isinstance(self.clip, (int, float)) and self.clip > 0):
-            raise guards.config_error("clip", self.clip, "a float > 0, or None")
-        wd = self.weight_decay
-        if not (isinstance(wd, (int, float)) and 0 <= self.lr * wd <= _FLOAT32_MAX):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+                raise guards.config_error(name, value, what)
+        if not isinstance(self.task, str):
+            raise guards.config_error("task", self.task, "a task's name: reverse, sort, kv_recall")
+        num, lr, clip, wd = guards.is_number, self.lr, self.clip, self.weight_decay
+        if not (num(lr) and 0 < lr <= _MAX_LR):
+            raise guards.config_error("lr", lr, "a float > 0 and <= 3.4e37")
+        if clip is not None and not (num(clip) and clip > 0):
+            raise guards.config_error("clip", clip, "a float > 0, or None")
+        if not (num(wd) and 0 <= lr * wd <= _FLOAT32_MAX):
             raise guards.config_error(
                 "weight_decay", wd, "a float >= 0 (lr x weight_decay <= 3.4e38)"
             )
-        if self.target is not None and not 0 < self.target <= 1:
+        if self.target is not None and not (num(self.target) and 0 < self.target <= 1):
             raise guards.config_error("target", self.target, "a fraction in (0, 1], or None")
         if self.dim % self.num_heads:
             raise guards.config_error("num_heads", self.num_heads, f"a divisor of dim={self.dim}")
@@ -264,6 +268,7 @@ def resume_config(out: str | os.PathLike[str]) -> TrainConfig:
     try:
         config = TrainConfig(**info.config)
         config.resolved()
+        guards.check_complete(info.config, config)
     except (AttentionInputError, TypeError, ValueError) as e:
         raise guards.saved_config_error(info.path, e) from None
     if info.step > config.steps:
@@ -337,9 +342,12 @@ def fit(
                 guards.diverged(what, step, config.steps, out, saved), step, saved
             )
         if lead:
-            save_checkpoint(
-                path, model, optimizer, step=step, finished=finished, config=asdict(config)
-            )
+            try:
+                save_checkpoint(
+                    path, model, optimizer, step=step, finished=finished, config=asdict(config)
+                )
+            except WriteError as e:  # a full disk: one line, the last checkpoint intact
+                raise guards.save_failed(e, out, saved) from e
         saved = step
 
     if finished and lead:  # a finished run resumed: nothing to train, report where it stands
@@ -408,8 +416,9 @@ class RunOptions:
         ``overwrite``, and on resume a checkpoint of another run, edited, or holding a NaN.
         """
         config = config.resolved()
-        guards.check_device(self.device, self.world_size)
+        device = guards.check_device(self.device, self.world_size)
         guards.check_world(config.batch_size, self.world_size)
+        guards.check_memory(config, device, self.world_size)  # before anything is allocated
         threads, stop_at = self.threads, self.stop_at
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise guards.config_error("threads", threads, "a positive int")

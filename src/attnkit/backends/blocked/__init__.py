@@ -226,7 +226,11 @@ class BlockedBackend(Backend):
         extras = call.softcap is not None or call.sinks is not None
         L, S = call.dims.L, call.dims.S
         big = L * S >= rowspan.CAUSAL_MIN_PAIRS
-        plain_causal = not extras and call.causal and big and not torch.compiler.is_compiling()
+        compiling = torch.compiler.is_compiling()
+        # the sizes in words, but not while torch.compile traces: formatting a symbolic size
+        # fixes it, and the graph would be compiled again for every new length
+        sizes = "L x S" if compiling else f"L x S = {L} x {S}"
+        plain_causal = not extras and call.causal and big and not compiling
         plan = _plan(call) if plain_causal else None
         if plan is not None and plan.spans.serves:
             on = str(call.q.dtype)
@@ -240,7 +244,7 @@ class BlockedBackend(Backend):
             why = ""
             if plain_causal and plan is not None:  # big enough, but the kernel does not run it
                 why = f"; this {L} x {S} call is plain causal, but {plan.spans.reason}"
-            elif call.causal and not big:
+            elif call.causal and not big and not compiling:
                 why = f"; this causal call is {L} x {S}"
             return False, (
                 "auto takes it for mask specs, soft-caps and sinks, and for plain causal "
@@ -249,8 +253,8 @@ class BlockedBackend(Backend):
         pairs = current().min_pairs
         if pairs > L * S:
             return False, (
-                f"L x S = {L} x {S} is below {pairs} pairs, where one fused call on the "
-                "materialised mask costs less"
+                f"{sizes} is below {pairs} pairs, where one fused call on the materialised "
+                "mask costs less"
             )
         what = "a mask spec" if not extras else "a soft-cap or sinks (no fused torch kernel)"
         return True, (

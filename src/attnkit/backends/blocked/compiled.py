@@ -41,6 +41,7 @@ from attnkit.backends.blocked.blocks import (
     sinks_grad,
     with_sinks,
 )
+from attnkit.backends.second_order import Recompute, reference_grads
 from attnkit.call import AttentionCall
 from attnkit.cpu import path_for, to_float32, upcasts
 from attnkit.masks import MaskSpec
@@ -273,6 +274,14 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Any, ...]) -
 def _autograd_backward(ctx: Any, dout: torch.Tensor, _dlse: Any) -> tuple[Any, ...]:
     q, k, v, out, lse, sinks, *tensors = ctx.saved_tensors
     ints, floats, structure, scale_cap = ctx.spec_args
+    if torch.is_grad_enabled():  # create_graph=True, where torch runs this eagerly (a graph
+        # compiled with backend="eager"): the math backend's gradients, differentiable
+        spec = rebuild(tensors, ints, floats, structure)
+        dims = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        todo = Recompute(spec, scale_cap[0], scale_cap[1] or None, dims, OP, "blocked")
+        needs = (*ctx.needs_input_grad[:4], False)
+        grads = reference_grads(todo, (q, k, v, sinks, None), needs, dout)
+        return (*grads[:4], *ctx.no_grads)
     dq, dk, dv = torch.ops.attnkit.blocked_attention_backward(
         [q, k, v, out, lse], dout, tensors, ints, floats, structure, scale_cap
     )

@@ -18,9 +18,11 @@ shared by the ``g`` query heads of the group (grouped-query heads are never repe
 ``Q K^T`` and ``P V`` with register-blocked AVX2/FMA micro-kernels over the tiles the spans
 touch only, and an exact float32 softmax per row (``exp2`` polynomial, relative error about
 2.4e-7). The backward (``span_backward``) recomputes the scores from the saved log-sum-exp over
-the same panels, writes dQ per row and sums dK, dV over the group's heads (added to the result
-under a lock per stripe of keys, so their float32 sums may differ in the last bits from run to
-run). A row whose run is empty gets output 0, log-sum-exp ``-inf`` and gradient 0.
+the same panels, writes dQ per row and sums dK, dV over the group's heads (each work item's
+sums are added to the result one stripe of keys at a time in the order the items are handed
+out, whatever order the threads finish them in: forward and backward give the same bits on
+every run with the same number of threads, as ``torch.use_deterministic_algorithms`` asks). A
+row whose run is empty gets output 0, log-sum-exp ``-inf`` and gradient 0.
 
 It reads float32, and bfloat16 or float16 (float16 where the CPU has F16C) directly: q, k, v
 (and out, dout in the backward) are converted to float32 as the kernel packs its panels and loads

@@ -32,7 +32,8 @@
 //     output 0 and lse -inf.
 //   * O += P V via a 6x16 micro-kernel over the key range of each 6-row tile (V in place).
 //   * Backward from the saved lse over the same panels (K^T and V^T): dQ per row; dK, dV
-//     summed per item over the group's heads, then added under a lock per key stripe.
+//     summed per item over the group's heads, then added per key stripe in the items' order
+//     (bitwise the same on every run with the same number of threads).
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
@@ -1218,9 +1219,35 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
 
 // ---------------------------------------------------------------------------
 // Backward: per item, dQ of its rows (all heads of the group) is written directly; dK and dV
-// of the keys it touches are summed in the item's own buffers, then added to dk/dv under a
-// lock per stripe of keys (items of one kv head overlap in keys wherever spans are wide).
+// of the keys it touches are summed in the item's own buffers, then added to dk/dv one stripe
+// of keys at a time (items of one kv head overlap in keys wherever spans are wide), in a fixed
+// order: the order the items are handed out in (Work::order), whatever order they finish in.
+// An item whose turn on a stripe has not come parks a copy of its sums there, and the item
+// before it adds them after its own; so every element of dk, dv is the same float32 sum in the
+// same order on every run (for one thread count, which sets the items), bitwise repeatable.
 constexpr int64_t LOCK_KEYS = 256;
+
+// One stripe of keys of one (b, kv head): how many items add to it, whose turn it is, and the
+// sums of the items that finished before their turn (by rank: rows s0..s0+n-1, Dk then Dv).
+struct Parked {
+  int64_t s0 = 0, n = 0;
+  std::unique_ptr<float[]> sums;
+};
+struct Stripe {
+  std::mutex m;
+  int64_t total = 0, turn = 0;
+  std::vector<Parked> parked;
+};
+
+// dst[r * D + d] += src[r * stride + d] for n rows
+static inline void add_rows(float* dst, const float* src, int64_t stride, int64_t D, int64_t n) {
+  if (stride == D) {
+    for (int64_t e = 0; e < n * D; ++e) dst[e] += src[e];
+    return;
+  }
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t d = 0; d < D; ++d) dst[r * D + d] += src[r * stride + d];
+}
 
 struct BwdState {
   GrowBuf kt, vt, dka, dva, kb;  // kb: float32 K rows (low-precision inputs only), or pairs
@@ -1271,9 +1298,31 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
   float* dkd = dk.data_ptr<float>();
   float* dvd = dv.data_ptr<float>();
   const int64_t nstripe = std::max<int64_t>(1, (S + LOCK_KEYS - 1) / LOCK_KEYS);
-  std::unique_ptr<std::mutex[]> locks(new std::mutex[static_cast<size_t>(B * Hkv * nstripe)]);
-  // low precision: how many items add to each stripe (read and decremented under its lock)
-  std::vector<int64_t> pending;
+  std::unique_ptr<Stripe[]> stripes(new Stripe[static_cast<size_t>(B * Hkv * nstripe)]);
+  // the keys an item adds to (kf > kl: none)
+  auto item_keys = [&](int64_t item, int64_t& kf, int64_t& kl) {
+    const int64_t bk = item / nch, ci = item % nch, bs = sp.bstride ? bk / Hkv : 0;
+    const int64_t c0 = ci * C, c1 = std::min(L, c0 + C);
+    kf = sp.l(bs, c0);
+    kl = sp.h(bs, c1 - 1);
+  };
+  // each item's rank on each stripe it adds to, in the order the items are handed out:
+  // rank[first[item] + t - kf / LOCK_KEYS] for stripe t
+  std::vector<int64_t> first(static_cast<size_t>(w.nitems + 1), 0), rank;
+  for (int64_t item = 0; item < w.nitems; ++item) {
+    int64_t kf, kl;
+    item_keys(item, kf, kl);
+    first[item + 1] = first[item] + (kf <= kl ? kl / LOCK_KEYS - kf / LOCK_KEYS + 1 : 0);
+  }
+  rank.resize(static_cast<size_t>(first[w.nitems]));
+  for (int64_t at = 0; at < w.nitems; ++at) {
+    const int64_t item = w.order[at], bk = item / nch;
+    int64_t kf, kl;
+    item_keys(item, kf, kl);
+    if (kf > kl) continue;
+    for (int64_t t = kf / LOCK_KEYS; t <= kl / LOCK_KEYS; ++t)
+      rank[first[item] + t - kf / LOCK_KEYS] = stripes[bk * nstripe + t].total++;
+  }
   T* dkl = nullptr;
   T* dvl = nullptr;
   auto convert_stripe = [&](int64_t bk, int64_t stripe) {
@@ -1284,17 +1333,9 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
   if constexpr (LOWP) {
     dkl = static_cast<T*>(dk_low.data_ptr());
     dvl = static_cast<T*>(dv_low.data_ptr());
-    pending.assign(static_cast<size_t>(B * Hkv * nstripe), 0);
-    for (int64_t item = 0; item < w.nitems; ++item) {
-      const int64_t bk = item / nch, ci = item % nch, bs = sp.bstride ? bk / Hkv : 0;
-      const int64_t c0 = ci * C, c1 = std::min(L, c0 + C);
-      const int64_t kf = sp.l(bs, c0), kl = sp.h(bs, c1 - 1);
-      if (kf > kl) continue;
-      for (int64_t t = kf / LOCK_KEYS; t <= kl / LOCK_KEYS; ++t) ++pending[bk * nstripe + t];
-    }
     for (int64_t bk = 0; bk < B * Hkv; ++bk)  // stripes no item reaches: zeros
       for (int64_t t = 0; t < nstripe; ++t)
-        if (pending[bk * nstripe + t] == 0) convert_stripe(bk, t);
+        if (stripes[bk * nstripe + t].total == 0) convert_stripe(bk, t);
   }
 
   auto zero_dq = [&](int64_t b, int64_t hk, int64_t r0, int64_t n) {
@@ -1570,26 +1611,38 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
         }
       }
     }
-    // ---- this item's keys [kfirst, klast] into dk, dv, one stripe at a time
-    for (int64_t s0 = kfirst; s0 <= klast;) {
+    // ---- this item's keys [kfirst, klast] into dk, dv, one stripe at a time, in turn
+    for (int64_t s0 = kfirst, r = first[item]; s0 <= klast; ++r) {
       const int64_t stripe = s0 / LOCK_KEYS;
-      const int64_t s1 = std::min<int64_t>(klast + 1, (stripe + 1) * LOCK_KEYS);
-      std::lock_guard<std::mutex> guard(locks[bk * nstripe + stripe]);
-      float* dkp = dkd + (bk * S + s0) * Dk;
+      const int64_t s1 = std::min<int64_t>(klast + 1, (stripe + 1) * LOCK_KEYS), n = s1 - s0;
       const float* sk = dka + (s0 - kbase) * KS;
-      float* dvp = dvd + (bk * S + s0) * Dv;
       const float* sv = dva + (s0 - kbase) * VS;
-      if (DOT) {  // padded rows
-        for (int64_t r = 0; r < s1 - s0; ++r) {
-          for (int64_t d = 0; d < Dk; ++d) dkp[r * Dk + d] += sk[r * KS + d];
-          for (int64_t d = 0; d < Dv; ++d) dvp[r * Dv + d] += sv[r * VS + d];
+      Stripe& sl = stripes[bk * nstripe + stripe];
+      std::lock_guard<std::mutex> guard(sl.m);
+      if (sl.turn != rank[r]) {  // an item handed out before this one has yet to add here
+        if (sl.parked.empty()) sl.parked.resize(static_cast<size_t>(sl.total));
+        Parked& pk = sl.parked[rank[r]];
+        pk.s0 = s0;
+        pk.n = n;
+        pk.sums.reset(new float[static_cast<size_t>(n * (Dk + Dv))]);
+        for (int64_t i = 0; i < n; ++i) {
+          std::copy(sk + i * KS, sk + i * KS + Dk, pk.sums.get() + i * Dk);
+          std::copy(sv + i * VS, sv + i * VS + Dv, pk.sums.get() + n * Dk + i * Dv);
         }
-      } else {
-        for (int64_t e = 0, n = (s1 - s0) * Dk; e < n; ++e) dkp[e] += sk[e];
-        for (int64_t e = 0, n = (s1 - s0) * Dv; e < n; ++e) dvp[e] += sv[e];
+        s0 = s1;
+        continue;
+      }
+      add_rows(dkd + (bk * S + s0) * Dk, sk, KS, Dk, n);
+      add_rows(dvd + (bk * S + s0) * Dv, sv, VS, Dv, n);
+      // then the items after it that finished first, in their order
+      while (++sl.turn < sl.total && !sl.parked.empty() && sl.parked[sl.turn].sums) {
+        Parked& pk = sl.parked[sl.turn];
+        add_rows(dkd + (bk * S + pk.s0) * Dk, pk.sums.get(), Dk, Dk, pk.n);
+        add_rows(dvd + (bk * S + pk.s0) * Dv, pk.sums.get() + pk.n * Dk, Dv, Dv, pk.n);
+        pk.sums.reset();
       }
       if constexpr (LOWP)
-        if (--pending[bk * nstripe + stripe] == 0) convert_stripe(bk, stripe);
+        if (sl.turn == sl.total) convert_stripe(bk, stripe);
       s0 = s1;
     }
   });
