@@ -1,10 +1,10 @@
 """The row-span kernel's score modifiers (logit soft-cap, ALiBi, holes in a key mask), timed
 interleaved.
 
-The new rows run in the kernel and on torch's tiles, which ran them before; with
-``--base-source`` (the ``csrc/row_span.cpp`` of a commit before the modifiers, whose module is
-named ``attnkit_row_span_v2``), the plain rows also run on that kernel and on this one (they must
-not get slower). Median of ``--reps`` rounds, one call of each in turn, the order flipped every
+The modifier rows run in the kernel and on torch's tiles (their path without the kernel); with
+``--base-source`` (a ``csrc/row_span.cpp`` without the modifiers, built as the module
+``attnkit_row_span_v2``), the plain rows also run on that kernel and on this one (they must not
+get slower). Median of ``--reps`` rounds, one call of each in turn, the order flipped every
 round, after one untimed call of each. B=1, D=64, float32.
 
     python benchmarks/kernel_mods.py [--reps 5] [--base-source OLD/row_span.cpp]
@@ -90,7 +90,8 @@ def plain_rows(base: Any, new: Any, reps: int) -> None:
 
 
 def modifier_rows(reps: int) -> None:
-    """Soft-capped and ALiBi rows: torch's tiles (what ran them before) against the kernel."""
+    """Soft-capped and ALiBi rows: torch's tiles (their path without the kernel) against the
+    kernel."""
     rows = [
         ("soft-cap 30, causal window 256, 16k", 16384, WINDOW, 30.0),
         ("ALiBi & causal, 4k", 4096, masks.alibi(8) & masks.causal(), None),
@@ -121,7 +122,7 @@ def modifier_rows(reps: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5, help="interleaved rounds (default 5)")
-    ap.add_argument("--base-source", help="csrc/row_span.cpp from before the modifiers")
+    ap.add_argument("--base-source", help="a csrc/row_span.cpp without the modifiers")
     args = ap.parse_args()
     if not rowspan.available():
         raise SystemExit(f"the row-span kernel does not run here: {rowspan.status()}")

@@ -1,4 +1,4 @@
-"""attnkit's row-span kernel on the masks of issue 14, as fractions of this machine's fp32 GEMM.
+"""attnkit's row-span kernel on every mask kind, as fractions of this machine's fp32 GEMM.
 
 Each row runs attnkit's ``blocked`` backend (which hands the call to the row-span kernel; the
 script checks that it does) and, where torch has a fused kernel for the same call, its SDPA.

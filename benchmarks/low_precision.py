@@ -1,4 +1,4 @@
-"""bfloat16 against float32 on the CPU: what the path of :mod:`attnkit.cpu` gains (issue 14).
+"""bfloat16 against float32 on the CPU: what the path of :mod:`attnkit.cpu` gains.
 
 For each row, every variant runs on the same values, interleaved (A, B, C, A, B, C, ...) so that
 the noise of a shared machine hits them alike; each figure is the median of ``--reps`` timed
@@ -9,7 +9,7 @@ baseline (``x`` > 1: faster than the baseline). Variants:
 * ``attnkit bf16``: ``attnkit.attention`` on the bfloat16 tensors, on the path this CPU
   takes (``auto``, or what ``ATTNKIT_CPU_PATH`` forces);
 * ``attnkit bf16 [torch path]``: the same with ``ATTNKIT_CPU_PATH=torch`` (the tensors go to
-  torch's kernels as they are: what attnkit did before the paths), with ``--torch-path``;
+  torch's kernels as they are, no CPU path of attnkit's own), with ``--torch-path``;
 * ``SDPA bf16``: ``F.scaled_dot_product_attention(..., is_causal=True)`` on bfloat16.
 
 ``fwd`` times the forward without autograd; ``fwd+bwd`` the forward and ``out.backward(dout)``.

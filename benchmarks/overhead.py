@@ -2,7 +2,7 @@
 
 Both run side by side in one process, interleaved (A, B, A, B, ...) so that the noise of this
 shared machine hits both alike; each figure is the median of REPS timed runs after warm-up.
-The acceptance bar (issue 2): auto on (1, 8, 4096, 64) float32 costs at most 1.05x SDPA.
+The acceptance bar: auto on (1, 8, 4096, 64) float32 costs at most 1.05x SDPA.
 
     python benchmarks/overhead.py [--reps 11] [--json out.json]
 """

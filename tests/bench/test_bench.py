@@ -24,8 +24,7 @@ from attnkit import AttentionInputError, bench
 from attnkit.bench import runner, worker
 from attnkit.bench.machine import bf16_class, cpu_features, describe_features
 from attnkit.bench.peers import PEERS
-from attnkit.bench.report import acceptance, criteria
-from attnkit.bench.runner import BenchResult, Entry, Row
+from attnkit.bench.results import BenchResult, Entry, Row, acceptance, criteria
 from attnkit.bench.workloads import BACKWARD_FACTOR, WORKLOADS, Inputs, allowed_pairs
 from attnkit.cli import app
 
@@ -159,7 +158,7 @@ def test_workloads_are_what_they_say() -> None:
     assert torch.equal(again.q, WORKLOADS["window"].inputs(64, torch.float32).q)
 
 
-def test_issue14_workloads_are_what_they_say() -> None:
+def test_masks_workloads_are_what_they_say() -> None:
     equal, _ = WORKLOADS["document-equal"].spec(4096, 4096)
     assert equal is not None
     ids = equal.tensors()[0].flatten()
@@ -194,13 +193,13 @@ def test_each_row_has_its_default_peers() -> None:
         "attnkit",
         "attnkit-blocked",
         "attnkit-fp32",
-    ]  # bfloat16 rows: attnkit's own float32 on the same call, which issue 14 compares with
+    ]  # bfloat16 rows: attnkit's own float32 on the same call, which the masks bars compare with
     assert bench.row_peers("module", 512, "float32") == ["torch-mha", "attnkit-mha"]
     why = PEERS["attnkit-fp32"].skip(WORKLOADS["window"], 64, torch.float32, False, 8 << 30)
     assert why == "the row is float32: attnkit-fp32 would be the attnkit peer again"
 
 
-def test_issue14_rows_in_a_tiny_run(tmp_path: Path) -> None:
+def test_masks_rows_in_a_tiny_run(tmp_path: Path) -> None:
     """The new workloads and the fp32 peer on small rows: every peer runs, attnkit-fp32
     computes the same attention as attnkit (in float32), and the record names the CPU flags."""
     rows = [
@@ -308,7 +307,7 @@ def test_acceptance_checks_read_the_rows() -> None:
     )
 
 
-def _issue14_rows(window_bf16_ms: float, causal_bf16_ms: float) -> list[Row]:
+def _masks_rows(window_bf16_ms: float, causal_bf16_ms: float) -> list[Row]:
     gemm = {"gemm_fraction": 0.7}
     return [
         Row(
@@ -340,12 +339,12 @@ def _issue14_rows(window_bf16_ms: float, causal_bf16_ms: float) -> list[Row]:
     ]
 
 
-def test_issue14_acceptance_reads_the_rows_and_the_cpu_class() -> None:
+def test_masks_acceptance_reads_the_rows_and_the_cpu_class() -> None:
     tag = "issue 14 (CPU without bf16 instructions)"
     result = BenchResult(
         {"bf16_class": "no-bf16", "cpu_features": ["avx2", "fma"]},
         100.0,
-        _issue14_rows(window_bf16_ms=105.0, causal_bf16_ms=125.0),
+        _masks_rows(window_bf16_ms=105.0, causal_bf16_ms=125.0),
         5,
     )
     verdicts = {c.what: c.passed for c in acceptance(result)}
@@ -377,22 +376,45 @@ def test_row_selection() -> None:
     default = bench.plan_rows()
     assert default == bench.DEFAULT_ROWS
     assert default[: len(bench.ACCEPTANCE_ROWS)] == bench.ACCEPTANCE_ROWS  # today's rows first
-    assert set(default) == set(bench.ACCEPTANCE_ROWS) | set(bench.ISSUE14_ROWS)
+    assert set(default) == set(bench.ACCEPTANCE_ROWS) | set(bench.MASKS_ROWS)
     assert len(default) == len(set(default))  # the rows both groups name run once
     assert ("window", 16384, "float32", "fwd+bwd") in default
-    assert bench.plan_rows(groups=["issue14"]) == bench.ISSUE14_ROWS
+    assert bench.plan_rows(groups=["masks"]) == bench.MASKS_ROWS
     assert bench.plan_rows(groups=["acceptance"]) == bench.ACCEPTANCE_ROWS
-    assert bench.plan_rows(groups=["issue14", "acceptance"])[:10] == bench.ISSUE14_ROWS
-    assert bench.plan_rows(groups=["issue14"], dtypes=["bfloat16"], modes=["fwd+bwd"]) == [
+    assert bench.plan_rows(groups=["masks", "acceptance"])[:10] == bench.MASKS_ROWS
+    assert bench.plan_rows(groups=["masks"], dtypes=["bfloat16"], modes=["fwd+bwd"]) == [
         ("window", 4096, "bfloat16", "fwd+bwd")
     ]
-    for workload, L, dtype, mode in bench.ISSUE14_ROWS:  # every row issue 14's bars name
+    for workload, L, dtype, mode in bench.MASKS_ROWS:  # every row the masks group's bars name
         assert any(c[0] == (workload, L, dtype, mode) for c in criteria("no-bf16"))
     assert all(r[1] <= 2048 for r in bench.plan_rows(quick=True))
     picked = bench.plan_rows(workloads=["causal"], lengths=[1024], dtypes=["bfloat16"])
     assert picked == [("causal", 1024, "bfloat16", "fwd"), ("causal", 1024, "bfloat16", "fwd+bwd")]
     full = bench.plan_rows(full=True)
     assert len(full) == len(WORKLOADS) * 4 * 2 * 2
+
+
+def test_the_old_group_name_still_works_on_the_command_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``-g issue14`` is ``-g masks`` on the command line, with a line on stderr saying so; the
+    library knows ``masks`` only."""
+    asked: list[list[tuple[str, int, str, str]]] = []
+
+    def run(rows: list[tuple[str, int, str, str]], **kwargs: object) -> BenchResult:
+        asked.append(list(rows))
+        return BenchResult({}, 1.0, [], 5)
+
+    monkeypatch.setattr(bench, "run", run)
+    args = ["bench", "--dtype", "bfloat16", "--mode", "fwd+bwd", "--no-memory"]
+    for group in ("issue14", "masks"):
+        result = CliRunner().invoke(app, [*args, "-g", group])
+        assert result.exit_code == 0, result.output
+        said = "attnkit bench: -g issue14 is now -g masks (the old name will go)"
+        assert (said in result.stderr) == (group == "issue14")
+    assert asked == [[("window", 4096, "bfloat16", "fwd+bwd")]] * 2
+    with pytest.raises(AttentionInputError, match="'issue14' is not one of acceptance, masks"):
+        bench.plan_rows(groups=["issue14"])
 
 
 def test_peers_say_why_they_skip() -> None:
@@ -478,13 +500,13 @@ BAD_OPTIONS: list[tuple[list[str], list[str]]] = [
     (["--quick", "-w", "window"], ["--quick picks its own rows", "cannot go with -w/--workload"]),
     (["--quick", "-L", "512"], ["cannot go with -L/--length", "(fix: leave out --quick, or"]),
     (["--quick", "--dtype", "bfloat16"], ["leave no rows to run: the quick rows are float32 fwd"]),
-    (["-g", "nope"], ["-g/--group 'nope' is not one of acceptance, issue14"]),
+    (["-g", "nope"], ["-g/--group 'nope' is not one of acceptance, masks"]),
     (
-        ["-g", "issue14", "-w", "causal"],
+        ["-g", "masks", "-w", "causal"],
         ["-g/--group picks the rows of its group", "-w/--workload"],
     ),
-    (["--quick", "-g", "issue14"], ["--quick picks its own rows", "cannot go with -g/--group"]),
-    (["-g", "issue14", "--full"], ["-g/--group picks the rows of its group", "with --full"]),
+    (["--quick", "-g", "masks"], ["--quick picks its own rows", "cannot go with -g/--group"]),
+    (["-g", "masks", "--full"], ["-g/--group picks the rows of its group", "with --full"]),
     (
         ["-g", "acceptance", "--dtype", "bfloat16", "--mode", "fwd+bwd"],
         ["leave no rows to run: the acceptance group rows are"],

@@ -15,9 +15,10 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from attnkit import AttentionInputError, bench
-from attnkit.bench import cuda, cuda_options
-from attnkit.bench.runner import BenchResult, Entry, Row
+from attnkit.bench import cuda
+from attnkit.bench.results import BenchResult, Entry, Row
 from attnkit.cli import app
+from attnkit.cli import bench as bench_command
 from attnkit.cli.app import check_output_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,29 +136,24 @@ def test_a_full_disk_is_one_line_exit_2_and_keeps_the_previous_file(
 def test_the_cuda_bench_files_replace_planted_links(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    result = cuda.CudaResult("cuda", "2", None, 100.0, 5)
-    monkeypatch.setattr(cuda_options, "require_cuda", lambda: None)
-    monkeypatch.setattr(cuda_options, "run_cuda", lambda *a, **k: result)
+    result = BenchResult({"device": "cuda", "torch": "2", "cuda": None}, 1e5, [], 5, device="cuda")
+    monkeypatch.setattr(cuda, "require_cuda", lambda: None)
+    monkeypatch.setattr(cuda, "run_cuda", lambda *a, **k: result)
     victims = {name: _victim(tmp_path, name) for name in ("c.json", "c.md")}
     for name, victim in victims.items():
         (tmp_path / name).symlink_to(victim)
-    cuda_options.main(
-        device="cuda", workloads=None, lengths=None, dtypes=None, modes=None, peers=None,
-        reps=5, cap_gib=1.0, json_out=tmp_path / "c.json", markdown=tmp_path / "c.md",
-        unsupported={}, echo=lambda line: None,
-    )  # fmt: skip
+    bench_command.bench(
+        device="cuda", cap_gib=1.0, json_out=tmp_path / "c.json", markdown=tmp_path / "c.md"
+    )
     for name, victim in victims.items():
         assert victim.read_text() == SECRET
         assert not (tmp_path / name).is_symlink()
     assert json.loads((tmp_path / "c.json").read_text())["device"] == "cuda"
     monkeypatch.setattr(os, "write", _full)
     with pytest.raises(AttentionInputError, match="no space left on device") as e:
-        cuda_options.main(
-            device="cuda", workloads=None, lengths=None, dtypes=None, modes=None, peers=None,
-            reps=5, cap_gib=1.0, json_out=tmp_path / "c.json", markdown=None,
-            unsupported={}, echo=lambda line: None,
-        )  # fmt: skip
+        bench_command.bench(device="cuda", cap_gib=1.0, json_out=tmp_path / "c.json")
     assert e.value.argument == "--json"
+    assert e.value.where == "attnkit bench --device cuda"
 
 
 def test_hf_speed_markdown_never_reads_or_writes_through_a_link(tmp_path: Path) -> None:
@@ -166,7 +162,7 @@ def test_hf_speed_markdown_never_reads_or_writes_through_a_link(tmp_path: Path) 
         import hf_speed
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    start, end = hf_speed.markers("float32", hf_speed.ISSUE_INTERMEDIATE)
+    start, end = hf_speed.markers("float32", hf_speed.BAR_INTERMEDIATE)
     victim = _victim(tmp_path, "hf.md", f"{SECRET}\n{start}\nold\n{end}\n")
     link = tmp_path / "hf.md"
     link.symlink_to(victim)

@@ -4,13 +4,15 @@ Workloads (:mod:`attnkit.bench.workloads`): dense, causal, key padding, causal s
 256, 8 packed documents (random or equal lengths), prefix-LM, grouped-query 32/8 heads (causal,
 or with the causal window), decode, and module rows; at the lengths asked, forward or forward +
 backward, float32 or bfloat16. Rows (:mod:`attnkit.bench.plan`): the default run's, in named
-groups (``acceptance``, ``issue14``), or any selection. Peers (:mod:`attnkit.bench.peers`): the
+groups (``acceptance``, ``masks``), or any selection. Peers (:mod:`attnkit.bench.peers`): the
 seed tutorials' code with a dense mask, SDPA with a dense mask or ``is_causal``,
 ``nn.MultiheadAttention``, compiled ``flex_attention`` (its compile timed apart), every attnkit
 backend, and attnkit on float32 copies of a bfloat16 row. Each row reports, per peer, the median
 time of interleaved calls, useful GFLOP/s (allowed pairs only) and its fraction of the machine's
 fp32 GEMM, the peak memory above the inputs (a fresh process per case), and the time over the
-best peer's; the record names the CPU's features (:mod:`attnkit.bench.machine`).
+best peer's; the record names the CPU's features (:mod:`attnkit.bench.machine`). What a run
+measured, and the criteria it is judged on: :mod:`attnkit.bench.results`; shown and written by
+:mod:`attnkit.bench.report`, for this bench and for the GPU's (:mod:`attnkit.bench.cuda`).
 
 >>> from attnkit import bench
 >>> rows = bench.plan_rows(quick=True)
@@ -26,28 +28,28 @@ from attnkit.bench.plan import (
     ACCEPTANCE_ROWS,
     DEFAULT_ROWS,
     GROUPS,
-    ISSUE14_ROWS,
+    MASKS_ROWS,
     check_options,
     check_rows,
     plan_rows,
     row_peers,
 )
 from attnkit.bench.report import (
-    acceptance,
     print_table,
     to_markdown,
     write_json,
     write_markdown,
     write_plot,
 )
-from attnkit.bench.runner import BenchResult, Entry, Row, run
+from attnkit.bench.results import BenchResult, Entry, Row, acceptance
+from attnkit.bench.runner import run
 from attnkit.bench.workloads import WORKLOADS, Workload, allowed_pairs
 
 __all__ = [
     "ACCEPTANCE_ROWS",
     "DEFAULT_ROWS",
     "GROUPS",
-    "ISSUE14_ROWS",
+    "MASKS_ROWS",
     "PEERS",
     "WORKLOADS",
     "BenchResult",

@@ -1,9 +1,9 @@
 """The machine a benchmark ran on: CPU, its instruction-set features, cores, memory, torch, load.
 
-Issue 14's bfloat16 bars depend on the CPU: with bf16 dot-product instructions (``avx512_bf16``
-or ``amx_bf16``) bfloat16 must beat float32; without them (AVX2, or AVX-512 without BF16) it
-must come close to it. :func:`cpu_features` reads the flags that decide this from
-``/proc/cpuinfo``, and every record of a run carries them (:func:`machine`).
+The ``masks`` group's bfloat16 bars depend on the CPU: with bf16 dot-product instructions
+(``avx512_bf16`` or ``amx_bf16``) bfloat16 must beat float32; without them (AVX2, or AVX-512
+without BF16) it must come close to it. :func:`cpu_features` reads the flags that decide this
+from ``/proc/cpuinfo``, and every record of a run carries them (:func:`machine`).
 """
 
 from __future__ import annotations

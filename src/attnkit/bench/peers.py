@@ -15,9 +15,12 @@ Peers (what people write without attnkit):
 
 attnkit: ``attnkit`` (``backend="auto"``), ``attnkit-<name>`` for each registered backend,
 ``attnkit-fp32`` (``auto`` on float32 copies of a bfloat16 row's inputs: attnkit's float32 speed
-on the same call, which the bfloat16 bars of issue 14 compare against; the copies are made
-before the timed calls, and count in its peak memory) and ``attnkit-mha``
+on the same call, which the ``masks`` group's bfloat16 bars compare against; the copies are
+made before the timed calls, and count in its peak memory) and ``attnkit-mha``
 (:class:`attnkit.MultiHeadAttention`, module rows).
+
+The GPU bench (:mod:`attnkit.bench.cuda`) calls the same peers on inputs on the GPU;
+:func:`step` is one timed call of a peer, forward or forward + backward, on both.
 
 A peer that cannot run a case says why (:meth:`Peer.skip`): no backward, a dtype it lacks, or
 the memory its dense tensors would take over the run's cap.
@@ -33,7 +36,7 @@ import torch
 
 from attnkit.bench.workloads import Inputs, Workload
 
-__all__ = ["PEERS", "Peer", "peer_names"]
+__all__ = ["OUTSIDE", "PEERS", "Peer", "peer_names", "step"]
 
 GiB = 1 << 30
 
@@ -58,14 +61,24 @@ class Case:
 
 
 def _dense(inputs: Inputs, L: int, S: int) -> torch.Tensor | None:
-    """The spec as a dense bool mask ``(B', 1, L, S)`` (True = may attend)."""
+    """The spec as a dense bool mask ``(B', 1, L, S)`` (True = may attend), on the inputs'
+    device."""
     if inputs.spec is None:
         return None
-    return inputs.spec.to_dense(L, S)
+    return inputs.spec.to_dense(L, S, device=inputs.q.device)
 
 
-def _mask_batch(inputs: Inputs) -> int:
-    return 1 if inputs.spec is None or inputs.spec.batch is None else inputs.spec.batch
+def step(fn: Fn, inputs: Inputs, backward: bool, params: list[torch.Tensor]) -> None:
+    """One timed step of a peer's call ``fn``: forward only under ``no_grad``, or forward and
+    the backward of ones (the gradients of the inputs and of ``params`` cleared first)."""
+    if not backward:
+        with torch.no_grad():
+            fn()
+        return
+    for t in (inputs.q, inputs.k, inputs.v, *params):
+        t.grad = None
+    out = fn()
+    out.backward(torch.ones_like(out))  # type: ignore[no-untyped-call]
 
 
 class Peer:

@@ -1,16 +1,21 @@
-"""Which rows ``attnkit bench`` runs, with which peers, and the checks of its options.
+"""Which rows ``attnkit bench`` runs, with which peers, and the checks of its options: on the
+CPU and on the GPU (``--device cuda``).
 
 A row is ``(workload, L, dtype, mode)``. Named sets of rows (:data:`GROUPS`, ``-g/--group``):
-``acceptance`` (the suite's own acceptance rows and a few more) and ``issue14`` (the rows issue
-14, one kernel for every mask, is judged on); a run with no selection runs both, each row once
-(:data:`DEFAULT_ROWS`). Each row has its own default peers (:func:`row_peers`).
+``acceptance`` (the suite's own acceptance rows and a few more) and ``masks`` (every mask kind
+through one kernel, and bfloat16 against float32); a run with no selection runs both, each row
+once (:data:`DEFAULT_ROWS`). Each row has its own default peers (:func:`row_peers`).
+
+The GPU bench takes the same rows: :func:`plan_cuda_rows` picks them (default
+:data:`CUDA_ROWS`), :func:`check_cuda_rows` and :func:`check_cuda_peers` refuse what it does not
+run, each in its own words (``--workload decode is not one the CUDA bench runs``).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from attnkit.bench.peers import PEERS
 from attnkit.bench.workloads import WORKLOADS, get_workload
@@ -18,24 +23,33 @@ from attnkit.errors import AttentionInputError
 
 __all__ = [
     "ACCEPTANCE_ROWS",
+    "CUDA_DTYPES",
+    "CUDA_PEERS",
+    "CUDA_ROWS",
+    "CUDA_WHERE",
+    "CUDA_WORKLOADS",
     "DEFAULT_PEERS",
     "DEFAULT_ROWS",
     "DTYPES",
     "FULL_LENGTHS",
     "GROUPS",
-    "ISSUE14_ROWS",
+    "MASKS_ROWS",
     "MAX_GEMM",
     "MAX_LENGTH",
     "MODES",
     "QUICK_PEERS",
     "QUICK_ROWS",
+    "check_cuda_command",
+    "check_cuda_peers",
+    "check_cuda_rows",
     "check_options",
     "check_rows",
+    "plan_cuda_rows",
     "plan_rows",
     "row_peers",
 ]
 
-#: the suite's own acceptance rows (its first issue's) and a few more
+#: the ``acceptance`` group: the suite's own acceptance rows and a few more
 ACCEPTANCE_ROWS: list[tuple[str, int, str, str]] = [
     ("dense", 4096, "float32", "fwd"),
     ("causal", 4096, "float32", "fwd"),
@@ -49,11 +63,12 @@ ACCEPTANCE_ROWS: list[tuple[str, int, str, str]] = [
     ("window", 4096, "bfloat16", "fwd"),
     ("window", 65536, "float32", "fwd+bwd"),
 ]
-#: the rows issue 14 (one kernel for every mask) is judged on; the first five are shared with
-#: :data:`ACCEPTANCE_ROWS` (same row, same peers), the others are new: 8 equal documents,
-#: grouped-query 32/8 heads with a causal window at 16k, and bfloat16 against attnkit's own
-#: float32 on the same call (the ``attnkit-fp32`` peer) and against SDPA in bfloat16
-ISSUE14_ROWS: list[tuple[str, int, str, str]] = [
+#: the ``masks`` group: every mask kind through one kernel, at a fraction of the GEMM (causal,
+#: 8 documents of random and of equal lengths, key padding, prefix-LM, grouped-query 32/8 heads
+#: with a causal window), and bfloat16 against attnkit's own float32 on the same call (the
+#: ``attnkit-fp32`` peer) and against SDPA in bfloat16; the first five rows are also
+#: :data:`ACCEPTANCE_ROWS`' (same row, same peers)
+MASKS_ROWS: list[tuple[str, int, str, str]] = [
     ("causal", 4096, "float32", "fwd"),
     ("document", 16384, "float32", "fwd"),
     ("padding", 8192, "float32", "fwd"),
@@ -66,15 +81,15 @@ ISSUE14_ROWS: list[tuple[str, int, str, str]] = [
     ("causal", 4096, "bfloat16", "fwd"),
 ]
 #: the rows of a run with no selection: both groups, each row once
-DEFAULT_ROWS: list[tuple[str, int, str, str]] = list(dict.fromkeys(ACCEPTANCE_ROWS + ISSUE14_ROWS))
+DEFAULT_ROWS: list[tuple[str, int, str, str]] = list(dict.fromkeys(ACCEPTANCE_ROWS + MASKS_ROWS))
 #: named sets of rows (``-g/--group``)
 GROUPS: dict[str, list[tuple[str, int, str, str]]] = {
     "acceptance": ACCEPTANCE_ROWS,
-    "issue14": ISSUE14_ROWS,
+    "masks": MASKS_ROWS,
 }
 DEFAULT_PEERS = ["naive", "sdpa", "flex", "attnkit", "attnkit-blocked"]
-#: the seed-style code takes minutes a call on big rows: with the default peers it runs only
-#: where B x H x L x S is at most this (8 heads at L = 4096), in float32
+#: the seed-style code builds the whole (B, H, L, S) scores: with the default peers it runs
+#: only where B x H x L x S is at most this (8 heads at L = 4096), in float32
 NAIVE_MAX = 8 * 4096 * 4096
 FULL_LENGTHS = [1024, 4096, 16384, 65536]
 QUICK_ROWS: list[tuple[str, int, str, str]] = [
@@ -193,41 +208,16 @@ def check_options(
         )
 
 
-def plan_rows(
-    rows: Iterable[tuple[str, int, str, str]] | None = None,
-    *,
-    workloads: list[str] | None = None,
-    lengths: list[int] | None = None,
-    dtypes: list[str] | None = None,
-    modes: list[str] | None = None,
-    full: bool = False,
-    quick: bool = False,
-    groups: list[str] | None = None,
-) -> list[tuple[str, int, str, str]]:
-    """The rows to run: given ones, the default rows (every group's, each once), the rows of
-    the named ``groups`` (:data:`GROUPS`: ``acceptance``, ``issue14``), the quick smoke rows,
-    or the product of the selections (``full``: every workload, length, dtype and mode).
-
-    ``dtypes`` and ``modes`` filter any of these; ``quick`` and ``groups`` are their own
-    choice of rows, so each is refused together with ``workloads``, ``lengths``, ``full`` or
-    the other. Unknown names, lengths outside ``1..MAX_LENGTH`` and a selection that leaves no
-    rows are refused too (:class:`~attnkit.AttentionInputError`).
-
-    >>> plan_rows(quick=True, modes=["fwd+bwd"])
-    [('window', 2048, 'float32', 'fwd+bwd')]
-    >>> plan_rows(groups=["issue14"], dtypes=["bfloat16"])[-1]
-    ('causal', 4096, 'bfloat16', 'fwd')
-    """
-    where = "attnkit.bench.plan_rows"
-    if rows is not None:
-        chosen = list(rows)
-        check_rows(chosen, where)
-        return chosen
-    _check_names(where, "-w/--workload", workloads or [], list(WORKLOADS))
-    _check_lengths(where, lengths or [])
-    _check_names(where, "--dtype", dtypes or [], DTYPES)
-    _check_names(where, "--mode", modes or [], MODES)
-    _check_names(where, "-g/--group", groups or [], list(GROUPS))
+def _check_exclusive(
+    where: str,
+    full: bool,
+    workloads: list[str] | None,
+    lengths: list[int] | None,
+    quick: bool,
+    groups: list[str] | None,
+) -> None:
+    """``--quick`` and ``-g/--group`` pick their own rows: each alone, without ``--full``,
+    ``-w`` or ``-L``."""
     for flag, own, what in (
         ("--quick", quick, "its own rows (dense L=512, window L=2048)"),
         ("-g/--group", bool(groups), "the rows of its group"),
@@ -249,6 +239,44 @@ def plan_rows(
                 f"{flag} alone (--dtype, --mode and -p still apply), or rows chosen without it",
                 f"leave out {flag}, or leave out {other}",
             )
+
+
+def plan_rows(
+    rows: Iterable[tuple[str, int, str, str]] | None = None,
+    *,
+    workloads: list[str] | None = None,
+    lengths: list[int] | None = None,
+    dtypes: list[str] | None = None,
+    modes: list[str] | None = None,
+    full: bool = False,
+    quick: bool = False,
+    groups: list[str] | None = None,
+) -> list[tuple[str, int, str, str]]:
+    """The rows to run: given ones, the default rows (every group's, each once), the rows of
+    the named ``groups`` (:data:`GROUPS`: ``acceptance``, ``masks``), the quick smoke rows,
+    or the product of the selections (``full``: every workload, length, dtype and mode).
+
+    ``dtypes`` and ``modes`` filter any of these; ``quick`` and ``groups`` are their own
+    choice of rows, so each is refused together with ``workloads``, ``lengths``, ``full`` or
+    the other. Unknown names, lengths outside ``1..MAX_LENGTH`` and a selection that leaves no
+    rows are refused too (:class:`~attnkit.AttentionInputError`).
+
+    >>> plan_rows(quick=True, modes=["fwd+bwd"])
+    [('window', 2048, 'float32', 'fwd+bwd')]
+    >>> plan_rows(groups=["masks"], dtypes=["bfloat16"])[-1]
+    ('causal', 4096, 'bfloat16', 'fwd')
+    """
+    where = "attnkit.bench.plan_rows"
+    if rows is not None:
+        chosen = list(rows)
+        check_rows(chosen, where)
+        return chosen
+    _check_names(where, "-w/--workload", workloads or [], list(WORKLOADS))
+    _check_lengths(where, lengths or [])
+    _check_names(where, "--dtype", dtypes or [], DTYPES)
+    _check_names(where, "--mode", modes or [], MODES)
+    _check_names(where, "-g/--group", groups or [], list(GROUPS))
+    _check_exclusive(where, full, workloads, lengths, quick, groups)
     if full or workloads or lengths:
         base = list(
             itertools.product(
@@ -304,3 +332,113 @@ def row_peers(workload: str, L: int, dtype: str) -> list[str]:
     if dtype != "float32":
         names.append("attnkit-fp32")
     return names
+
+
+# ---------------------------------------------------------------------------------------------
+# the GPU bench (``--device cuda``): the same rows, its own workloads, dtypes, lengths and peers
+
+CUDA_WHERE = "attnkit bench --device cuda"
+CUDA_PEERS = ["sdpa", "flex", "attnkit"]
+CUDA_WORKLOADS = ["dense", "causal", "window", "document", "padding", "prefix", "gqa"]
+CUDA_DTYPES = ["float32", "bfloat16", "float16"]
+CUDA_LENGTHS = (128, 262144)  #: the shortest and the longest length it runs
+#: its default rows (bf16 unless said): window and 8 documents at 16k and 32k, forward and
+#: forward + backward; causal 16k both; dense 16k; grouped-query 32/8 16k in bf16 and fp32
+CUDA_ROWS: list[tuple[str, int, str, str]] = [
+    (w, L, "bfloat16", m)
+    for w in ("window", "document")
+    for L in (16384, 32768)
+    for m in ("fwd", "fwd+bwd")
+] + [
+    ("causal", 16384, "bfloat16", "fwd"),
+    ("causal", 16384, "bfloat16", "fwd+bwd"),
+    ("dense", 16384, "bfloat16", "fwd"),
+    ("gqa", 16384, "bfloat16", "fwd"),
+    ("gqa", 16384, "float32", "fwd"),
+]
+
+
+def _cuda_error(flag: str, got: str, expected: str, fix: str) -> AttentionInputError:
+    problem = f"{flag} {got} is not one the CUDA bench runs (expected {expected})."
+    return AttentionInputError(
+        CUDA_WHERE, flag, problem, got=f"{flag} {got}", expected=expected, fix=fix
+    )
+
+
+def _check_cuda(flag: str, given: Iterable[str | int]) -> None:
+    """Each of ``given`` one the GPU bench runs for ``flag`` (``--length``: in
+    :data:`CUDA_LENGTHS`)."""
+    lo, hi = CUDA_LENGTHS
+    allowed = {"--workload": CUDA_WORKLOADS, "--dtype": CUDA_DTYPES, "--mode": MODES}
+    for x in given:
+        if flag == "--length":
+            if not (isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi):
+                raise _cuda_error(flag, str(x), f"an int from {lo} to {hi}", "pass --length 16384")
+        elif x not in allowed[flag]:
+            names = allowed[flag]
+            raise _cuda_error(flag, str(x), f"one of {', '.join(names)}", f"pass {flag} {names[0]}")
+
+
+def check_cuda_rows(rows: Iterable[tuple[str, int, str, str]]) -> None:
+    """Refuse a row the GPU bench does not run (its workload, length, dtype or mode)."""
+    for workload, L, dtype, mode in rows:
+        for flag, value in (("--workload", workload), ("--dtype", dtype), ("--mode", mode)):
+            _check_cuda(flag, [value])
+        _check_cuda("--length", [L])
+
+
+def plan_cuda_rows(
+    workloads: Sequence[str] | None = None,
+    lengths: Sequence[int] | None = None,
+    dtypes: Sequence[str] | None = None,
+    modes: Sequence[str] | None = None,
+) -> list[tuple[str, int, str, str]]:
+    """The GPU bench's rows: none asked for, :data:`CUDA_ROWS`; else the product of the
+    selections, each checked (an option not given: window and document, 16384, bfloat16,
+    both modes).
+
+    >>> plan_cuda_rows(lengths=[2048], modes=["fwd"])
+    [('window', 2048, 'bfloat16', 'fwd'), ('document', 2048, 'bfloat16', 'fwd')]
+    """
+    if not (workloads or lengths or dtypes or modes):
+        return list(CUDA_ROWS)
+    _check_cuda("--workload", workloads or [])
+    _check_cuda("--dtype", dtypes or [])
+    _check_cuda("--mode", modes or [])
+    _check_cuda("--length", lengths or [])
+    return [
+        (w, n, d, m)
+        for w in workloads or ["window", "document"]
+        for n in lengths or [16384]
+        for d in dtypes or ["bfloat16"]
+        for m in modes or list(MODES)
+    ]
+
+
+def check_cuda_peers(peers: Sequence[str] | None) -> list[str]:
+    """The GPU bench's peers asked for (default :data:`CUDA_PEERS`), checked: its peers and
+    ``attnkit-<backend>`` for each registered backend."""
+    from attnkit.backends import available_backends
+
+    allowed = [*CUDA_PEERS, *(f"attnkit-{b}" for b in available_backends())]
+    for p in peers or []:
+        if p not in allowed:
+            raise _cuda_error("--peer", p, f"one of {', '.join(allowed)}", "pass --peer attnkit")
+    return list(peers or CUDA_PEERS)
+
+
+def check_cuda_command(device: str, unsupported: dict[str, bool]) -> None:
+    """``--device`` names the GPU bench (``cuda``), and no option of the CPU bench's own is
+    given (``unsupported``: each such flag and whether it was given)."""
+    if device != "cuda":
+        raise _cuda_error("--device", device, "cpu (the default) or cuda", "pass --device cuda")
+    for flag, given in unsupported.items():
+        if given:
+            raise AttentionInputError(
+                CUDA_WHERE,
+                flag,
+                f"{flag} belongs to the CPU bench; the CUDA bench does not take it.",
+                got=f"--device cuda {flag}",
+                expected="--device cuda without " + flag,
+                fix=f"leave out {flag} (or --device cuda for the CPU bench)",
+            )

@@ -1,24 +1,21 @@
-"""What ``attnkit bench`` shows: a terminal table, JSON, markdown and a plot, and the issue's
-acceptance checks computed from the rows that ran."""
+"""What ``attnkit bench`` shows: a terminal table, JSON, markdown and a plot, with the
+acceptance checks (:func:`attnkit.bench.results.acceptance`) of the rows that ran.
+
+Both benches' results (:class:`~attnkit.bench.results.BenchResult`) go through here: the CPU
+bench's as GFLOP/s against the fp32 GEMM and the time over the best peer's, the GPU bench's
+(``--device cuda``) as TFLOP/s against the bf16 GEMM and the time over SDPA's and flex's.
+"""
 
 from __future__ import annotations
 
 import json
-import operator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from attnkit import files
-
-if TYPE_CHECKING:
-    from attnkit.bench.runner import BenchResult, Entry, Row
+from attnkit.bench.results import BenchResult, Entry, acceptance
 
 __all__ = [
-    "Check",
-    "acceptance",
     "bf16_note",
-    "criteria",
     "machine_line",
     "print_table",
     "to_markdown",
@@ -29,161 +26,6 @@ __all__ = [
 ]
 
 MiB = 1 << 20
-
-
-@dataclass
-class Check:
-    """One acceptance criterion: the measured value against its bar (``None``: not run)."""
-
-    what: str
-    row: str
-    value: float | None
-    bar: str
-    passed: bool | None
-
-
-def _find(result: BenchResult, workload: str, L: int, dtype: str, mode: str) -> Row | None:
-    return next(
-        (
-            r
-            for r in result.rows
-            if (r.workload, r.L, r.dtype, r.mode) == (workload, L, dtype, mode)
-        ),
-        None,
-    )
-
-
-def _measure(row: Row | None, measure: str) -> float | None:
-    """``"a/b"``: peer a's time over peer b's; ``"gemm"``: auto's useful GFLOP/s over the GEMM's;
-    ``"peak GiB"``: auto's peak memory above the inputs. ``None`` where the row lacks it."""
-    if row is None:
-        return None
-    if "/" in measure:
-        num, den = measure.split("/")
-        a, b = row.entry(num), row.entry(den)
-        if a is None or b is None or a.ms is None or b.ms is None:
-            return None
-        return a.ms / b.ms
-    auto = row.entry("attnkit")
-    if measure == "gemm":
-        return auto.gemm_fraction if auto is not None else None
-    if measure == "peak GiB":
-        return auto.peak_mib / 1024 if auto is not None and auto.peak_mib is not None else None
-    raise KeyError(f"unknown acceptance measure {measure!r}")
-
-
-_COMPARE = {"<=": operator.le, ">=": operator.ge}
-
-
-def _passes(value: float, bar: str) -> bool:
-    """``"<= x"`` / ``">= x"`` compare the value; ``"fits in RAM"`` asks only that it was
-    measured."""
-    if bar == "fits in RAM":
-        return True
-    op, limit = bar.split(" ")
-    return bool(_COMPARE[op](value, float(limit)))
-
-
-Criterion = tuple[tuple[str, int, str, str], str, str, str]  # row, what, measure, bar
-
-
-def _table(text: str) -> list[Criterion]:
-    """One criterion a line: ``workload L dtype mode | what | measure | bar`` (a line ending
-    in a backslash goes on in the next)."""
-    out = []
-    for line in text.strip().splitlines():
-        row, what, measure, bar = (" ".join(part.split()) for part in line.split("|"))
-        workload, L, dtype, mode = row.split()
-        out.append(((workload, int(L), dtype, mode), what, measure, bar))
-    return out
-
-
-#: The suite's own acceptance criteria (its first issue's): the row, what is judged, the
-#: measure (see :func:`_measure`) and the bar (see :func:`_passes`).
-_CRITERIA = _table("""
-dense 4096 float32 fwd | dense L=4096: auto time / SDPA time | attnkit/sdpa | <= 1.05
-causal 4096 float32 fwd | causal L=4096: auto time / SDPA time | attnkit/sdpa | <= 1.05
-window 16384 float32 fwd | window 256, L=16384 fwd: SDPA (dense mask) / auto | sdpa/attnkit | >= 10
-window 16384 float32 fwd | window 256, L=16384 fwd: flex (warm) / auto | flex/attnkit | >= 1.5
-window 16384 float32 fwd | window 256, L=16384 fwd: auto useful GFLOP/s / GEMM | gemm | >= 0.5
-window 16384 float32 fwd+bwd | window 256, L=16384 fwd+bwd: SDPA (dense mask) / auto \
-    | sdpa/attnkit | >= 10
-window 16384 float32 fwd+bwd | window 256, L=16384 fwd+bwd: auto peak memory above inputs (GiB) \
-    | peak GiB | <= 1.5
-document 16384 float32 fwd | 8 documents, L=16384 fwd: SDPA (dense mask) / auto | sdpa/attnkit \
-    | >= 4
-padding 8192 float32 fwd | 25% key padding, L=8192 fwd: SDPA (dense mask) / auto | sdpa/attnkit \
-    | >= 1.2
-window 65536 float32 fwd+bwd | window 256, L=65536 fwd+bwd runs: auto peak memory above inputs \
-    (GiB) | peak GiB | fits in RAM
-""")
-
-#: Issue 14's criteria (one kernel for every mask) that do not depend on the CPU.
-_ISSUE14 = _table("""
-causal 4096 float32 fwd | issue 14: causal L=4096 fp32: SDPA is_causal / auto | sdpa/attnkit \
-    | >= 1.15
-document 16384 float32 fwd | issue 14: 8 documents (uneven), L=16384 fwd: auto of GEMM | gemm \
-    | >= 0.65
-document-equal 16384 float32 fwd | issue 14: 8 documents (equal), L=16384 fwd: auto of GEMM \
-    | gemm | >= 0.65
-prefix 4096 float32 fwd | issue 14: prefix-LM, L=4096 fwd: auto of GEMM | gemm | >= 0.65
-padding 8192 float32 fwd | issue 14: 25% key padding, L=8192 fwd: auto of GEMM | gemm | >= 0.65
-gqa-window 16384 float32 fwd | issue 14: grouped-query 32/8 window 256, L=16384 fwd: auto of \
-    GEMM | gemm | >= 0.65
-gqa-window 16384 float32 fwd+bwd | issue 14: grouped-query 32/8 window 256, L=16384 fwd+bwd: \
-    auto of GEMM | gemm | >= 0.65
-""")
-
-_BF16_WINDOW = [("window", 4096, "bfloat16", "fwd"), ("window", 4096, "bfloat16", "fwd+bwd")]
-_BF16_CAUSAL = ("causal", 4096, "bfloat16", "fwd")
-_NAMES = {"window": "window 256", "causal": "causal"}
-
-
-def _bf16_criteria(cpu: str) -> list[Criterion]:
-    """Issue 14's bfloat16 bars for the CPU class the run measured (see
-    :func:`attnkit.bench.machine.bf16_class`): with bf16 dot products (AVX512-BF16 or AMX)
-    bfloat16 must beat float32 by 1.5x; without them (AVX2, AVX-512 without BF16; also where
-    the flags are unknown) every bfloat16 row must reach 0.9x attnkit's own float32 speed on
-    the same call, and causal 1.15x SDPA in bfloat16."""
-    fp32 = "attnkit-fp32/attnkit"
-    if cpu == "bf16":
-        tag = "issue 14 (CPU with bf16 instructions)"
-        return [
-            (row, f"{tag}: window 256 bf16, L=4096 {row[3]}: attnkit fp32 / bf16", fp32, ">= 1.5")
-            for row in _BF16_WINDOW
-        ] + [
-            (
-                _BF16_CAUSAL,
-                f"{tag}: causal bf16, L=4096: SDPA bf16 / auto",
-                "sdpa/attnkit",
-                ">= 1.5",
-            )
-        ]
-    tag = "issue 14 (CPU without bf16 instructions)"
-    return [
-        (row, f"{tag}: {_NAMES[row[0]]} bf16, L=4096 {row[3]}: attnkit fp32 / bf16", fp32, ">= 0.9")
-        for row in (*_BF16_WINDOW, _BF16_CAUSAL)
-    ] + [(_BF16_CAUSAL, f"{tag}: causal bf16, L=4096: SDPA bf16 / auto", "sdpa/attnkit", ">= 1.15")]
-
-
-def criteria(cpu: str = "unknown") -> list[Criterion]:
-    """Every acceptance criterion a run is judged on, for a CPU of class ``cpu``."""
-    return _CRITERIA + _ISSUE14 + _bf16_criteria(cpu)
-
-
-def acceptance(result: BenchResult) -> list[Check]:
-    """The issues' acceptance rows, each with its measured value (where the run has it); the
-    bfloat16 bars are those of the CPU class in the run's machine record."""
-    checks = []
-    for (workload, L, dtype, mode), what, measure, bar in criteria(
-        result.machine.get("bf16_class", "unknown")
-    ):
-        row = _find(result, workload, L, dtype, mode)
-        label = row.label if row is not None else "(row not run)"
-        value = _measure(row, measure)
-        passed = None if value is None else _passes(value, bar)
-        checks.append(Check(what, label, value, bar, passed))
-    return checks
 
 
 def winners(result: BenchResult) -> list[tuple[str, str, str]]:
@@ -203,7 +45,8 @@ def winners(result: BenchResult) -> list[tuple[str, str, str]]:
 
 
 def bf16_note(result: BenchResult) -> str:
-    """Which of issue 14's two sets of bfloat16 bars the run was judged on, and why."""
+    """Which of the ``masks`` group's two sets of bfloat16 bars the run was judged on, and
+    why."""
     from attnkit.bench.machine import describe_features
 
     m = result.machine
@@ -259,8 +102,47 @@ def _cells(e: Entry) -> list[str]:
 HEADER = ["peer", "ms", "GFLOP/s", "of GEMM", "peak MiB", "vs best peer", "note"]
 
 
+GPU_HEADER = ["peer", "ms", "TFLOP/s", "of GEMM", "peak MiB", "vs sdpa", "vs flex", "note"]
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _gpu_markdown(result: BenchResult) -> str:
+    """The GPU bench's table: one line per row and peer; ``vs sdpa`` / ``vs flex`` are time
+    ratios, TFLOP/s count allowed pairs only, ``of GEMM`` is over the bf16 GEMM's."""
+    m = result.machine
+    lines = [
+        f"**GPU:** {m.get('device')}; torch {m.get('torch')} (CUDA {m.get('cuda')}); bf16 GEMM "
+        f"{result.gemm_gflops / 1e3:.0f} TFLOP/s; median of {result.reps} interleaved calls "
+        "(CUDA events)",
+        "",
+        "| row | " + " | ".join(GPU_HEADER) + " |",
+        "|---|" + "---|" * len(GPU_HEADER),
+    ]
+    for row in result.rows:
+        ms = {e.peer: e.ms for e in row.entries}
+        for e in row.entries:
+            ratios = [
+                "-" if e.ms is None or ms.get(p) is None else f"{e.ms / ms[p]:.2f}"  # type: ignore[operator]
+                for p in ("sdpa", "flex")
+            ]
+            tflops = None if e.gflops is None else e.gflops / 1e3
+            lines.append(
+                f"| {row.label} | {e.peer} | {_fmt(e.ms, '.2f')} | {_fmt(tflops, '.1f')} | "
+                f"{_fmt(e.gemm_fraction, '.0%')} | {_fmt(e.peak_mib, '.0f')} | {ratios[0]} | "
+                f"{ratios[1]} | {e.skipped or e.error or e.note} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def print_table(result: BenchResult) -> None:
-    """The results as rich tables, one per row, then the acceptance checks."""
+    """The results as rich tables, one per row, then the acceptance checks; the GPU bench's
+    as its markdown table."""
+    if result.device != "cpu":
+        print(_gpu_markdown(result), end="")
+        return
     from rich.console import Console
     from rich.table import Table
 
@@ -294,7 +176,10 @@ def print_table(result: BenchResult) -> None:
 
 
 def to_markdown(result: BenchResult) -> str:
-    """A markdown report: the machine, one table of every row, who wins, the acceptance."""
+    """A markdown report: the machine, one table of every row, who wins, the acceptance (the
+    GPU bench's: the GPU and one table)."""
+    if result.device != "cpu":
+        return _gpu_markdown(result)
     lines = [
         "**Machine:** " + machine_line(result),
         "",

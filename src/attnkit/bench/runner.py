@@ -3,6 +3,7 @@
 Every row's peers are timed together in one fresh process (interleaved, median of ``reps``);
 every (row, peer) gets one more fresh process for its peak memory. The machine's fp32 GEMM
 throughput is measured first, so each row can say which fraction of it the useful FLOPs reach.
+What it measured is a :class:`~attnkit.bench.results.BenchResult`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -25,20 +25,21 @@ from attnkit.bench.plan import (
     ACCEPTANCE_ROWS,
     DEFAULT_ROWS,
     GROUPS,
-    ISSUE14_ROWS,
+    MASKS_ROWS,
     QUICK_PEERS,
     check_options,
     check_rows,
     plan_rows,
     row_peers,
 )
+from attnkit.bench.results import BenchResult, Entry, Row
 from attnkit.bench.workloads import get_workload
 
 __all__ = [
     "ACCEPTANCE_ROWS",
     "DEFAULT_ROWS",
     "GROUPS",
-    "ISSUE14_ROWS",
+    "MASKS_ROWS",
     "QUICK_PEERS",
     "BenchResult",
     "Entry",
@@ -53,69 +54,6 @@ __all__ = [
 ]
 
 GiB = 1 << 30
-
-
-@dataclass
-class Entry:
-    """One peer on one row: median time, useful GFLOP/s, memory, or why it did not run."""
-
-    peer: str
-    ms: float | None = None
-    times_ms: list[float] = field(default_factory=list)
-    gflops: float | None = None
-    gemm_fraction: float | None = None
-    peak_mib: float | None = None
-    first_call_s: float | None = None
-    #: calls per round, back to back, whose mean is the round's time (> 1: a fast call)
-    calls: int = 1
-    x_best_peer: float | None = None  #: time over the best non-attnkit peer's (< 1: faster)
-    skipped: str | None = None
-    error: str | None = None
-
-
-@dataclass
-class Row:
-    workload: str
-    L: int
-    dtype: str
-    mode: str
-    flops: float
-    entries: list[Entry] = field(default_factory=list)
-    #: fp32 GEMM GFLOP/s timed in the same rounds as this row's peers (the fractions use it)
-    gemm_gflops: float | None = None
-
-    @property
-    def label(self) -> str:
-        return f"{self.workload} L={self.L} {self.dtype} {self.mode}"
-
-    def entry(self, peer: str) -> Entry | None:
-        return next((e for e in self.entries if e.peer == peer and e.ms is not None), None)
-
-
-@dataclass
-class BenchResult:
-    """What a run measured; :mod:`attnkit.bench.report` renders it."""
-
-    machine: dict[str, Any]
-    gemm_gflops: float
-    rows: list[Row]
-    reps: int
-    seconds: float = 0.0
-    #: a call faster than this was repeated within its round (see attnkit.bench.worker)
-    min_call_ms: float = 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        from attnkit.bench.report import acceptance
-
-        return {
-            "machine": self.machine,
-            "gemm_gflops": self.gemm_gflops,
-            "reps": self.reps,
-            "min_call_ms": self.min_call_ms,
-            "seconds": self.seconds,
-            "rows": [asdict(r) | {"label": r.label} for r in self.rows],
-            "acceptance": [asdict(c) for c in acceptance(self)],
-        }
 
 
 def measure_gemm(n: int = 4096, reps: int = 5) -> float:
@@ -190,21 +128,8 @@ def run(
     chosen = list(rows) if rows is not None else DEFAULT_ROWS
     check_rows(chosen, "attnkit.bench.run")
     check_options(peers=peers, reps=reps, cap_gib=cap_gib, gemm_n=gemm_n, min_call_ms=min_call_ms)
-    cap = cap_gib * GiB
     info = machine()
-    plans: list[tuple[Row, list[str]]] = []
-    for workload, L, dtype, mode in chosen:
-        wl = get_workload(workload)
-        backward = mode == "fwd+bwd"
-        row = Row(workload, L, dtype, mode, wl.flops(L, backward))
-        todo = []
-        for name in peers or row_peers(workload, L, dtype):
-            why = PEERS[name].skip(wl, L, getattr(torch, dtype), backward, cap)
-            if why is None:
-                todo.append(name)
-            else:
-                row.entries.append(Entry(name, skipped=why))
-        plans.append((row, todo))
+    plans = _plan(chosen, peers, cap_gib * GiB)
     total = 1 + sum(1 + (len(todo) if memory else 0) for _, todo in plans)
     step = 0
 
@@ -217,54 +142,107 @@ def run(
     tick("fp32 GEMM throughput")
     gemm_gflops = gemm if gemm is not None else measure_gemm()
     for row, todo in plans:
-        job = {
-            "workload": row.workload,
-            "L": row.L,
-            "dtype": row.dtype,
-            "backward": row.mode == "fwd+bwd",
-            "reps": reps,
-        }
-        tick(f"{row.label}: timing {len(todo)} peers")
-        timed: dict[str, Any] = {}
-        if todo:
-            timed = _worker(
-                {
-                    **job,
-                    "kind": "time",
-                    "peers": todo,
-                    "gemm_n": gemm_n,
-                    "min_call_ms": min_call_ms,
-                },
-                timeout,
-            )
-        if timed.get("gemm_gflops"):
-            row.gemm_gflops = statistics.median(timed["gemm_gflops"])
-        for name in todo:
-            got = timed.get("peers", {}).get(name, {"error": timed.get("error", "no result")})
-            e = Entry(
-                name,
-                error=got.get("error"),
-                first_call_s=got.get("first_call_s"),
-                calls=got.get("calls", 1),
-            )
-            if got.get("times"):
-                e.times_ms = [t * 1e3 for t in got["times"]]
-                e.ms = statistics.median(e.times_ms)
-                e.gflops = row.flops / (e.ms / 1e3) / 1e9
-                e.gemm_fraction = e.gflops / (row.gemm_gflops or gemm_gflops)
-            if memory:
-                tick(f"{row.label}: memory of {name}")
-                if e.ms is not None:
-                    mem = _worker({**job, "kind": "memory", "peers": [name]}, timeout)
-                    e.peak_mib = mem.get("peak_mib")
-            row.entries.append(e)
-        outside = [e.ms for e in row.entries if e.peer in OUTSIDE and e.ms is not None]
-        if outside:
-            for e in row.entries:
-                if e.ms is not None:
-                    e.x_best_peer = e.ms / min(outside)
+        _measure_row(
+            row, todo, tick, reps=reps, memory=memory, timeout=timeout,
+            gemm_n=gemm_n, min_call_ms=min_call_ms, gemm_gflops=gemm_gflops,
+        )  # fmt: skip
     if progress:
         progress("done", total, total)
     info["load_at_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     rows_done = [r for r, _ in plans]
     return BenchResult(info, gemm_gflops, rows_done, reps, time.perf_counter() - start, min_call_ms)
+
+
+def _plan(
+    rows: list[tuple[str, int, str, str]], peers: list[str] | None, cap: float
+) -> list[tuple[Row, list[str]]]:
+    """Each row with the peers it will time; a peer that cannot run it is entered as skipped,
+    with the reason."""
+    plans: list[tuple[Row, list[str]]] = []
+    for workload, L, dtype, mode in rows:
+        wl = get_workload(workload)
+        backward = mode == "fwd+bwd"
+        row = Row(workload, L, dtype, mode, wl.flops(L, backward))
+        todo = []
+        for name in peers or row_peers(workload, L, dtype):
+            why = PEERS[name].skip(wl, L, getattr(torch, dtype), backward, cap)
+            if why is None:
+                todo.append(name)
+            else:
+                row.entries.append(Entry(name, skipped=why))
+        plans.append((row, todo))
+    return plans
+
+
+def _entry(name: str, got: dict[str, Any], flops: float, gemm_gflops: float) -> Entry:
+    """A peer's entry from what its worker reported: the median of its times, its useful
+    GFLOP/s and their fraction of the GEMM's; or its error."""
+    e = Entry(
+        name,
+        error=got.get("error"),
+        first_call_s=got.get("first_call_s"),
+        calls=got.get("calls", 1),
+    )
+    if got.get("times"):
+        e.times_ms = [t * 1e3 for t in got["times"]]
+        e.ms = statistics.median(e.times_ms)
+        e.gflops = flops / (e.ms / 1e3) / 1e9
+        e.gemm_fraction = e.gflops / gemm_gflops
+    return e
+
+
+def _against_best_peer(row: Row) -> None:
+    """Each entry's time over the fastest peer's that is not attnkit (where one ran)."""
+    outside = [e.ms for e in row.entries if e.peer in OUTSIDE and e.ms is not None]
+    if outside:
+        for e in row.entries:
+            if e.ms is not None:
+                e.x_best_peer = e.ms / min(outside)
+
+
+def _measure_row(
+    row: Row,
+    todo: list[str],
+    tick: Callable[[str], None],
+    *,
+    reps: int,
+    memory: bool,
+    timeout: float,
+    gemm_n: int,
+    min_call_ms: float,
+    gemm_gflops: float,
+) -> None:
+    """Time ``todo``'s peers on ``row`` in one worker, then each one's memory in its own; their
+    entries join the row's."""
+    job = {
+        "workload": row.workload,
+        "L": row.L,
+        "dtype": row.dtype,
+        "backward": row.mode == "fwd+bwd",
+        "reps": reps,
+    }
+    tick(f"{row.label}: timing {len(todo)} peers")
+    timed: dict[str, Any] = {}
+    if todo:
+        timed = _worker(
+            {
+                **job,
+                "kind": "time",
+                "peers": todo,
+                "gemm_n": gemm_n,
+                "min_call_ms": min_call_ms,
+            },
+            timeout,
+        )
+    if timed.get("gemm_gflops"):
+        row.gemm_gflops = statistics.median(timed["gemm_gflops"])
+    for name in todo:
+        got = timed.get("peers", {}).get(name, {"error": timed.get("error", "no result")})
+        e = _entry(name, got, row.flops, row.gemm_gflops or gemm_gflops)
+        if memory:
+            tick(f"{row.label}: memory of {name}")
+            if e.ms is not None:
+                mem = _worker({**job, "kind": "memory", "peers": [name]}, timeout)
+                e.peak_mib = mem.get("peak_mib")
+        row.entries.append(e)
+    _against_best_peer(row)

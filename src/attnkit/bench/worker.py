@@ -15,7 +15,7 @@
   the inputs take (``VmHWM`` from ``/proc/self/status``). A peer that compiles (flex) runs once
   first; the peak is then reset (``/proc/self/clear_refs``), so the compile is not counted.
   Likewise attnkit's C++ kernel is loaded before the baseline is read, in every memory process
-  whichever peer it measures: loading it (about 4 MiB, once per process) is not a call's memory.
+  whichever peer it measures: loading it (once per process) is not a call's memory.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from attnkit.backends.blocked import rowspan
-from attnkit.bench.peers import PEERS
-from attnkit.bench.workloads import Inputs, get_workload
+from attnkit.bench.peers import PEERS, step
+from attnkit.bench.workloads import get_workload
 
 __all__ = ["main", "run_job"]
 
@@ -61,19 +61,6 @@ def _reset_peak() -> bool:
     return True
 
 
-def _step(
-    fn: Callable[[], torch.Tensor], inputs: Inputs, backward: bool, params: list[Any]
-) -> None:
-    if not backward:
-        with torch.no_grad():
-            fn()
-        return
-    for t in (inputs.q, inputs.k, inputs.v, *params):
-        t.grad = None
-    out = fn()
-    out.backward(torch.ones_like(out))  # type: ignore[no-untyped-call]
-
-
 def _params(fn: Callable[[], torch.Tensor]) -> list[Any]:
     """The parameters of a module a peer's call closes over (module rows train them too)."""
     found: list[Any] = []
@@ -98,9 +85,9 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         fn = PEERS[name].setup(wl, inputs)
         params = _params(fn)
         if name in ("flex", "attnkit-flex"):
-            _step(fn, inputs, backward, params)  # compile
+            step(fn, inputs, backward, params)  # compile
             _reset_peak()
-        _step(fn, inputs, backward, params)
+        step(fn, inputs, backward, params)
         peak = _status("VmHWM")
         if peak is None or base is None or before is None:
             return {"peak_mib": None, "inputs_mib": None}
@@ -115,12 +102,12 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             fns[name] = PEERS[name].setup(wl, inputs)
             params = _params(fns[name])
             t0 = time.perf_counter()
-            _step(fns[name], inputs, backward, params)
+            step(fns[name], inputs, backward, params)
             first = time.perf_counter() - t0
             result[name] = {"first_call_s": first, "times": []}
             if first < PROBE_S or name in ("flex", "attnkit-flex"):  # flex compiled: warm up
                 t0 = time.perf_counter()
-                _step(fns[name], inputs, backward, params)
+                step(fns[name], inputs, backward, params)
                 first = time.perf_counter() - t0
             calls[name] = 1 if first >= min_call else min(MAX_CALLS, math.ceil(min_call / first))
             result[name]["calls"] = calls[name]
@@ -140,7 +127,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             params = _params(fn)
             t0 = time.perf_counter()
             for _ in range(calls[name]):
-                _step(fn, inputs, backward, params)
+                step(fn, inputs, backward, params)
             result[name]["times"].append((time.perf_counter() - t0) / calls[name])
     return {"peers": result, "gemm_gflops": gemm}
 

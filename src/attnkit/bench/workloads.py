@@ -3,24 +3,24 @@
 Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
 D head dim (Dk = Dv), E model width (module rows).
 
-Each workload builds its inputs for a length ``L`` (seeded, so every subprocess of a run sees
-the same tensors) and says which pairs are allowed: as a mask spec for attnkit and flex, as the
-causal flag where torch has one, and as a dense mask for the peers that need one. FLOPs count
-allowed pairs only (``4 * D`` per pair and head forward: ``q.k`` and ``p.v``; the backward is
-``2.5x`` the forward: five matmuls to two), counted exactly from the block map, so a skipped
-block is never credited as work.
+Each workload builds its inputs for a length ``L`` on a device (seeded, so every subprocess of
+a run sees the same tensors) and says which pairs are allowed: as a mask spec for attnkit and
+flex, as the causal flag where torch has one, and as a dense mask for the peers that need one.
+FLOPs count allowed pairs only (``4 * D`` per pair and head forward: ``q.k`` and ``p.v``; the
+backward is ``2.5x`` the forward: five matmuls to two), counted exactly from the block map, so a
+skipped block is never credited as work.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from attnkit import masks
 from attnkit.masks import EMPTY, FULL, MaskSpec
 
-__all__ = ["WORKLOADS", "Inputs", "Workload", "allowed_pairs", "get_workload"]
+__all__ = ["WORKLOADS", "Inputs", "Workload", "allowed_pairs", "get_workload", "gpu_workload"]
 
 #: forward + backward FLOPs over forward FLOPs (flash attention: 2 matmuls, then 5)
 BACKWARD_FACTOR = 3.5
@@ -52,44 +52,52 @@ class Workload:
     D: int = 64
     module: bool = False  #: a module row: nn.MultiheadAttention against attnkit's module
     #: the peers a run without ``-p`` times on this workload (``None``: the suite's default
-    #: peers); set where a default peer would take minutes a call (a dense mask at 32 heads)
+    #: peers); set where a default peer would be far too slow (a dense mask at 32 heads)
     peers: tuple[str, ...] | None = None
+    window: int = 256  #: the width of the sliding window (``window``, ``gqa-window``)
 
     def sizes(self, L: int) -> tuple[int, int]:
         """``(L, S)``: query and key lengths for the length ``L`` of the run."""
         return (1, L) if self.name == "decode" else (L, L)
 
-    def spec(self, L: int, S: int) -> tuple[MaskSpec | None, bool]:
-        """The mask as a spec, and whether it is exactly the (end-aligned) causal rule."""
+    def spec(
+        self, L: int, S: int, device: torch.device | str = "cpu"
+    ) -> tuple[MaskSpec | None, bool]:
+        """The mask as a spec (its tensors on ``device``), and whether it is exactly the
+        (end-aligned) causal rule."""
         g = torch.Generator().manual_seed(L)
         if self.name in ("dense", "decode"):
             return None, False
         if self.name in ("causal", "gqa", "module"):
             return masks.causal(), True
         if self.name in ("window", "gqa-window"):
-            return masks.causal() & masks.sliding_window(256), False
+            return masks.causal() & masks.sliding_window(self.window), False
         if self.name == "padding":  # the second sequence is half padding: 25% of all keys
-            return masks.padding(torch.tensor([S, S // 2])), False
+            return masks.padding(torch.tensor([S, S // 2], device=device)), False
         if self.name == "document":  # 8 packed documents of random lengths, causal in each
             cuts = torch.randperm(S - 1, generator=g)[:7].add(1).sort().values
             ids = torch.zeros(S, dtype=torch.long)
             for c in cuts.tolist():
                 ids[c:] += 1
-            return masks.document(ids) & masks.causal(), False
+            return masks.document(ids.to(device)) & masks.causal(), False
         if self.name == "document-equal":  # 8 packed documents of equal length, causal in each
-            ids = torch.arange(S) * 8 // S
+            ids = torch.arange(S, device=device) * 8 // S
             return masks.document(ids) & masks.causal(), False
         if self.name == "prefix":
             return masks.prefix_lm(S // 4), False
         raise ValueError(f"unknown workload {self.name!r}")
 
-    def inputs(self, L: int, dtype: torch.dtype, *, grad: bool = False) -> Inputs:
+    def inputs(
+        self, L: int, dtype: torch.dtype, *, grad: bool = False, device: torch.device | str = "cpu"
+    ) -> Inputs:
+        """The inputs at length ``L`` on ``device`` (drawn on the CPU from one seed: the same
+        values on every device and in every process)."""
         Lq, S = self.sizes(L)
         g = torch.Generator().manual_seed(1000 + L)
-        spec, causal = self.spec(Lq, S)
+        spec, causal = self.spec(Lq, S, device)
 
         def rand(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=g).to(dtype).requires_grad_(grad)
+            return torch.randn(*shape, generator=g).to(device, dtype).requires_grad_(grad)
 
         if self.module:
             x = rand(self.B, Lq, self.H * self.D)
@@ -166,3 +174,15 @@ WORKLOADS: dict[str, Workload] = {
 def get_workload(name: str) -> Workload:
     """The workload called ``name`` (``KeyError`` if none)."""
     return WORKLOADS[name]
+
+
+#: the GPU bench's sizes (``attnkit bench --device cuda``): H = 16 query heads (``gqa`` keeps
+#: its 32), D = 128, the causal window 1024 wide; B and Hkv as on the CPU
+GPU_HEADS, GPU_HEAD_DIM, GPU_WINDOW = 16, 128, 1024
+
+
+def gpu_workload(name: str) -> Workload:
+    """The workload called ``name`` at the GPU bench's sizes (same masks and FLOP count)."""
+    wl = WORKLOADS[name]
+    heads = wl.H if name == "gqa" else GPU_HEADS
+    return replace(wl, H=heads, D=GPU_HEAD_DIM, window=GPU_WINDOW)

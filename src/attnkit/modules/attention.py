@@ -1,246 +1,38 @@
-"""Attention modules: multi-head (self, cross, grouped-query), single-head self, and cross.
+"""Attention modules: multi-head (self, cross, grouped-query), single-head self, and cross;
+and :class:`TorchMultiheadAttention`, a multi-head module called as ``nn.MultiheadAttention``.
 
 Dimension legend: B batch, L query length, S key length, E model width (``embed_dim``),
 H query heads, Hkv key/value heads, Dk query/key head dim, Dv value head dim.
 
 Every module projects, splits heads, calls :func:`attnkit.attention`, merges heads and
-projects back; they differ only in which inputs they take. They return an
-:class:`~attnkit.AttentionOutput` ``(output, weights)`` always, ``weights`` being ``None``
-unless ``need_weights=True``.
+projects back (:class:`~attnkit.modules.attention_base.AttentionBase`); they differ only in
+which inputs they take. They return an :class:`~attnkit.AttentionOutput` ``(output, weights)``
+always, ``weights`` being ``None`` unless ``need_weights=True``.
 
 Masks keep the meaning of their names (see :mod:`attnkit.modules.masking`): ``mask`` is
 attnkit's (True = may attend), ``key_padding_mask`` and ``attn_mask`` are torch's (True =
-ignore), ``attention_mask`` is Hugging Face's (True/1 = a real key).
+ignore), ``attention_mask`` is Hugging Face's (True/1 = a real key). The boundary with
+``nn.MultiheadAttention`` (weights both ways, its call) is here too, so that the modules never
+import :mod:`attnkit.interop`, which re-exports it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from attnkit.errors import AttentionInputError, check_dtype_arg, check_int
-from attnkit.functional import AttentionOutput, run_call
-from attnkit.heads import merge_heads, split_heads
-from attnkit.inspect.tracing import (
-    record_module_abort,
-    record_module_end,
-    record_module_start,
-    recording,
-)
-from attnkit.modules.checks import check_batch, check_head_sizes, check_input
+from attnkit.errors import AttentionInputError
+from attnkit.functional import AttentionOutput
+from attnkit.modules.attention_base import AttentionBase
 from attnkit.modules.kv_cache import KVCache
-from attnkit.modules.masking import Mask, MaskArgs, combine, module_mask
-from attnkit.modules.positions import RotaryEmbedding
-from attnkit.validate import make_call
+from attnkit.modules.masking import Mask, MaskArgs
 
-if TYPE_CHECKING:
-    from attnkit.interop.torch_mha import TorchMultiheadAttention
-
-__all__ = ["CrossAttention", "MultiHeadAttention", "SelfAttention"]
+__all__ = ["CrossAttention", "MultiHeadAttention", "SelfAttention", "TorchMultiheadAttention"]
 
 
-class _Attention(nn.Module):
-    """Projections and the forward pass shared by every attention module."""
-
-    def __init__(
-        self,
-        embed_dim: int,
-        num_heads: int,
-        *,
-        num_kv_heads: int | None = None,
-        head_dim: int | None = None,
-        v_head_dim: int | None = None,
-        kdim: int | None = None,
-        vdim: int | None = None,
-        bias: bool = True,
-        dropout: float = 0.0,
-        batch_first: bool = True,
-        causal: bool = False,
-        backend: str = "auto",
-        output_projection: bool = True,
-        rope: RotaryEmbedding | None = None,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        where = f"attnkit.{type(self).__name__}"
-        self._where = where
-        check_dtype_arg(where, dtype)
-        sizes = (embed_dim, num_heads, num_kv_heads, head_dim, v_head_dim)
-        E, H, Hkv, Dk, Dv = check_head_sizes(where, *sizes, dropout=dropout)
-        self.embed_dim = E
-        self.num_heads = H
-        self.num_kv_heads = Hkv
-        self.head_dim = Dk
-        self.v_head_dim = Dv
-        self.kdim = check_int(where, "kdim", E if kdim is None else kdim)
-        self.vdim = check_int(where, "vdim", E if vdim is None else vdim)
-        self.dropout = float(dropout)
-        self.batch_first = batch_first
-        self.causal = causal
-        self.backend = backend
-        if rope is not None and (not isinstance(rope, RotaryEmbedding) or rope.dim > Dk):
-            raise AttentionInputError(
-                where,
-                "rope",
-                "`rope` must be a RotaryEmbedding that rotates at most the head dim.",
-                got=f"rope={rope!r}  head_dim={Dk}",
-                expected=f"RotaryEmbedding(dim <= {Dk})",
-                fix=f"RotaryEmbedding({Dk - Dk % 2})",
-            )
-        self.rope = rope
-        factory: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.q_proj = nn.Linear(E, H * Dk, bias=bias, **factory)
-        self.k_proj = nn.Linear(self.kdim, Hkv * Dk, bias=bias, **factory)
-        self.v_proj = nn.Linear(self.vdim, Hkv * Dv, bias=bias, **factory)
-        self.out_proj: nn.Module = (
-            nn.Linear(H * Dv, E, bias=bias, **factory) if output_projection else nn.Identity()
-        )
-
-    def extra_repr(self) -> str:
-        return (
-            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
-            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"v_head_dim={self.v_head_dim}, causal={self.causal}, backend={self.backend!r}"
-        )
-
-    def _batch_first_inputs(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The three inputs checked (rank, width, dtype), then ``(B, L|S, E)`` whatever the
-        layout."""
-        w = self.q_proj.weight
-        for name, x, width, width_name in (
-            ("query", query, self.embed_dim, "embed_dim"),
-            ("key", key, self.kdim, "kdim"),
-            ("value", value, self.vdim, "vdim"),
-        ):
-            check_input(
-                self._where, name, x, width, width_name, self.batch_first, w.dtype, w.device
-            )
-        if not self.batch_first:  # (L, B, E) -> (B, L, E)
-            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
-        return query, key, value
-
-    def _attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        masks: MaskArgs,
-        need_weights: bool,
-        average_attn_weights: bool,
-        kv_cache: KVCache | None = None,
-        positions: torch.Tensor | None = None,
-    ) -> AttentionOutput:
-        where = self._where
-        self_attention = key is query and value is query
-        given = (query, key, value)  # as passed, for a trace
-        query, key, value = self._batch_first_inputs(query, key, value)
-        check_batch(where, *given, self.batch_first)
-        B, L, S = query.shape[0], query.shape[1], key.shape[1]
-        mask = module_mask(
-            where,
-            masks,
-            size=(B, self.num_heads, L, S),
-            dtype=query.dtype,
-            kv_cache=kv_cache is not None,
-            seq_first=(L, B) if self.batch_first else None,
-        )
-        qp = self.q_proj(query)  # (B, L, H*Dk)
-        kp = self.k_proj(key)  # (B, S, Hkv*Dk)
-        vp = self.v_proj(value)  # (B, S, Hkv*Dv)
-        q = split_heads(qp, self.num_heads)  # (B, H, L, Dk)
-        k = split_heads(kp, self.num_kv_heads)  # (B, Hkv, S, Dk)
-        v = split_heads(vp, self.num_kv_heads)  # (B, Hkv, S, Dv)
-        if recording():  # attnkit.trace() is open: this thread's traces get the steps
-            record_module_start(self, not self.batch_first, *given, qp, kp, vp, q, k, v)
-        try:
-            causal = self.causal
-            if self.rope is not None or positions is not None or kv_cache is not None:
-                q, k, v, mask, causal = self._rope_and_cache(
-                    q, k, v, mask, self_attention, kv_cache, positions
-                )
-            dropout = self.dropout if self.training else 0.0
-            call = make_call(
-                q, k, v, mask, causal, None, dropout, need_weights, inverted_check=False
-            )
-            out, weights = run_call(call, self.backend)
-        except BaseException:
-            if recording():  # later calls in the trace are not this module's
-                record_module_abort()
-            raise
-        merged = merge_heads(out)  # (B, H, L, Dv) -> (B, L, H*Dv)
-        y = self.out_proj(merged)  # (B, L, E)
-        projected = y
-        if not self.batch_first:
-            y = y.transpose(0, 1)  # (L, B, E)
-        if recording():
-            record_module_end(
-                self,
-                merged,
-                projected,
-                isinstance(self.out_proj, nn.Linear),
-                None if self.batch_first else y,
-            )
-        if weights is not None and average_attn_weights:
-            weights = weights.mean(dim=1)  # (B, H, L, S) -> (B, L, S), as torch averages
-        return AttentionOutput(y, weights)
-
-    def _rope_and_cache(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: Mask | None,
-        self_attention: bool,
-        kv_cache: KVCache | None,
-        positions: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Mask | None, bool]:
-        """RoPE on the new q and k at their positions, then the new k and v into the cache.
-
-        With a cache, the new tokens start at ``kv_cache.next_pos()`` and attend to every
-        cached key by the end-aligned causal rule (per sequence in a ragged batch).
-        """
-        where = self._where
-        if (kv_cache is not None or self.rope is not None) and not self_attention:
-            raise AttentionInputError(
-                where,
-                "key",
-                "RoPE and the KV cache serve self-attention; a separate key was given.",
-                got="key is not query",
-                expected="key=None and value=None (self-attention)",
-            )
-        if positions is not None and self.rope is None:
-            raise AttentionInputError(
-                where,
-                "positions",
-                "`positions` is given but this module has no rotary embedding to use it.",
-                got="positions given, rope=None",
-                expected="positions=None, or a module built with rope=RotaryEmbedding(...)",
-            )
-        L = q.shape[2]
-        start = kv_cache.next_pos() if kv_cache is not None else 0
-        if self.rope is not None:
-            if positions is None:
-                steps = torch.arange(L, device=q.device)  # (L,)
-                positions = (
-                    start[:, None] + steps if isinstance(start, torch.Tensor) else steps + start
-                )
-            q, k = self.rope(q, positions), self.rope(k, positions)  # (B, H|Hkv, L, Dk)
-        causal = self.causal
-        if kv_cache is None:
-            return q, k, v, mask, causal
-        k, v = kv_cache.update(start, k, v)  # (B, Hkv, S, Dk), (B, Hkv, S, Dv)
-        rule = kv_cache.rule(L, causal=causal)
-        if rule is None:  # one new token sees every cached key: causal needs no mask then
-            return q, k, v, mask, causal and L > 1
-        return q, k, v, combine(mask, rule, L, k.shape[2], q.dtype), False
-
-
-class MultiHeadAttention(_Attention):
+class MultiHeadAttention(AttentionBase):
     """Multi-head attention: self, cross and grouped-query, ``batch_first`` by default.
 
     Args:
@@ -324,29 +116,128 @@ class MultiHeadAttention(_Attention):
     def from_torch(m: nn.MultiheadAttention, *, backend: str = "auto") -> TorchMultiheadAttention:
         """A drop-in for ``m``: its weights (copied exactly) and settings, and torch's call.
 
-        The result is a :class:`~attnkit.interop.TorchMultiheadAttention` (a
+        The result is a :class:`TorchMultiheadAttention` (a
         ``MultiHeadAttention``): ``forward(query, key, value, key_padding_mask=None,
         need_weights=True, attn_mask=None, average_attn_weights=True, is_causal=False)``
         returns ``(output, weights or None)`` as ``m`` does.
         """
-        from attnkit.interop.torch_mha import from_torch
-
-        return from_torch(m, backend=backend)
+        where = "attnkit.MultiHeadAttention.from_torch"
+        if not isinstance(m, nn.MultiheadAttention):
+            raise AttentionInputError(
+                where,
+                "m",
+                f"`m` is a {type(m).__name__}, not an nn.MultiheadAttention.",
+                got=type(m).__name__,
+                expected="torch.nn.MultiheadAttention",
+            )
+        if m.bias_k is not None or m.add_zero_attn:
+            raise AttentionInputError(
+                where,
+                "m",
+                "add_bias_kv / add_zero_attn have no attnkit equivalent.",
+                got=f"add_bias_kv={m.bias_k is not None}  add_zero_attn={m.add_zero_attn}",
+                expected="an nn.MultiheadAttention built without add_bias_kv and add_zero_attn",
+            )
+        ref = m.out_proj.weight
+        has_bias = m.in_proj_bias is not None
+        mod = TorchMultiheadAttention(
+            m.embed_dim,
+            m.num_heads,
+            kdim=m.kdim,
+            vdim=m.vdim,
+            bias=has_bias,
+            dropout=m.dropout,
+            batch_first=m.batch_first,
+            backend=backend,
+            device=ref.device,
+            dtype=ref.dtype,
+        )
+        with torch.no_grad():
+            if m._qkv_same_embed_dim:
+                wq, wk, wv = torch.chunk(m.in_proj_weight, 3)
+            else:
+                wq, wk, wv = m.q_proj_weight, m.k_proj_weight, m.v_proj_weight
+            for proj, w in ((mod.q_proj, wq), (mod.k_proj, wk), (mod.v_proj, wv)):
+                proj.weight.copy_(w)
+            if m.in_proj_bias is not None:
+                for proj, b in zip(
+                    (mod.q_proj, mod.k_proj, mod.v_proj),
+                    torch.chunk(m.in_proj_bias, 3),
+                    strict=True,
+                ):
+                    proj.bias.copy_(b)
+            out = mod.out_proj
+            assert isinstance(out, nn.Linear)  # always built with an output projection here
+            out.weight.copy_(m.out_proj.weight)
+            if m.out_proj.bias is not None:
+                out.bias.copy_(m.out_proj.bias)
+        return mod.train(m.training)
 
     def to_torch(self) -> nn.MultiheadAttention:
         """An ``nn.MultiheadAttention`` with this module's weights (copied exactly)."""
-        from attnkit.interop.torch_mha import to_torch
+        where = "attnkit.MultiHeadAttention.to_torch"
+        E, H = self.embed_dim, self.num_heads
+        out = self.out_proj
+        problems = []
+        if self.num_kv_heads != H:
+            problems.append(f"num_kv_heads={self.num_kv_heads} != num_heads={H}")
+        if self.head_dim * H != E or self.v_head_dim != self.head_dim:
+            problems.append(f"head_dim={self.head_dim}, v_head_dim={self.v_head_dim} with E={E}")
+        if not isinstance(out, nn.Linear):
+            problems.append("no output projection")
+        if self.causal:
+            problems.append("causal=True (torch's module has no causal setting)")
+        if self.rope is not None:
+            problems.append("rope (torch's module has no rotary embedding)")
+        if problems:
+            raise AttentionInputError(
+                where,
+                "self",
+                "this module has no nn.MultiheadAttention equivalent: " + "; ".join(problems) + ".",
+                got=repr(self),
+                expected="num_kv_heads == num_heads, head_dim == v_head_dim == embed_dim // "
+                "num_heads, an output projection, causal=False",
+                fix="keep the attnkit module; torch's cannot express these settings",
+            )
+        assert isinstance(out, nn.Linear)
+        ref = out.weight
+        m = nn.MultiheadAttention(
+            E,
+            H,
+            dropout=self.dropout,
+            bias=self.q_proj.bias is not None,
+            kdim=self.kdim,
+            vdim=self.vdim,
+            batch_first=self.batch_first,
+            device=ref.device,
+            dtype=ref.dtype,
+        )
+        with torch.no_grad():
+            weights = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]
+            if m._qkv_same_embed_dim:
+                m.in_proj_weight.copy_(torch.cat(weights))
+            else:
+                for target, w in zip(
+                    (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight), weights, strict=True
+                ):
+                    target.copy_(w)
+            if m.in_proj_bias is not None:
+                m.in_proj_bias.copy_(
+                    torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+                )
+            m.out_proj.weight.copy_(out.weight)
+            if m.out_proj.bias is not None:
+                m.out_proj.bias.copy_(out.bias)
+        return m.train(self.training)
 
-        return to_torch(self)
 
-
-class SelfAttention(_Attention):
-    """Single-head self-attention without output projection, as the tutorials write it by hand.
+class SelfAttention(AttentionBase):
+    """Single-head self-attention without output projection, as written by hand in seed 000.
 
     ``x (B, L, E) -> (B, L, v_head_dim)``; queries and keys are ``Linear(E, head_dim)``
-    projections of ``x``, values ``Linear(E, v_head_dim)`` (default ``head_dim``; the
-    walk-through of :mod:`attnkit.walkthrough` uses 24 and 28), no bias by default. The mask
-    keywords are those of :class:`MultiHeadAttention`. Returns :class:`~attnkit.AttentionOutput`.
+    projections of ``x``, values ``Linear(E, v_head_dim)`` (default ``head_dim``; seed 003
+    uses d_q = d_k = 24 and d_v = 28), no bias by default. The mask keywords are those of
+    :class:`MultiHeadAttention`. Returns :class:`~attnkit.AttentionOutput`.
 
     >>> SelfAttention(256, 64)(torch.randn(32, 50, 256)).output.shape
     torch.Size([32, 50, 64])
@@ -397,7 +288,7 @@ class SelfAttention(_Attention):
         return self._attend(x, x, x, masks, need_weights, average_attn_weights)
 
 
-class CrossAttention(_Attention):
+class CrossAttention(AttentionBase):
     """Multi-head cross-attention: queries from ``x``, keys and values from ``context``.
 
     ``x (B, L, E)``, ``context (B, S, context_dim)`` with any ``S``; output ``(B, L, E)``.
@@ -456,3 +347,91 @@ class CrossAttention(_Attention):
     ) -> AttentionOutput:
         masks = MaskArgs(mask, key_padding_mask, attention_mask, attn_mask, is_causal)
         return self._attend(x, context, context, masks, need_weights, average_attn_weights)
+
+
+class TorchMultiheadAttention(MultiHeadAttention):
+    """A :class:`~attnkit.MultiHeadAttention` called as ``nn.MultiheadAttention`` is.
+
+    What ``MultiHeadAttention.from_torch(m)`` returns: ``m``'s weights and settings, and
+    ``forward(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+    average_attn_weights=True, is_causal=False)`` with torch's defaults, meanings and layout:
+
+    - inputs ``(L, B, E)``, or ``(B, L, E)`` if ``m`` was ``batch_first``; unbatched
+      ``(L, E)`` too (then ``key_padding_mask (S,)``, ``attn_mask (L, S)`` or ``(H, L, S)``);
+    - ``key_padding_mask (B, S)`` and ``attn_mask (L, S)`` / ``(B * H, L, S)``: bool True =
+      ignore, or float added; ``is_causal=True`` needs ``attn_mask``, which is applied;
+    - returns the tuple ``(output, weights or None)``: output in the input's layout; weights
+      ``(B, L, S)`` averaged over heads, or ``(B, H, L, S)`` with
+      ``average_attn_weights=False`` (batch first whatever the layout, as torch's).
+
+    The one difference: where a query has no key to attend to (a batch row all padding),
+    torch gives NaN (with weights, or on its fast path); attnkit gives attention output 0
+    (so the output is ``out_proj``'s bias, as torch's other path gives) and weights 0.
+    attnkit's own keywords (``mask``, ``attention_mask``, ``kv_cache``, ``positions``) still
+    work. Construct it with :class:`~attnkit.MultiHeadAttention`'s arguments, or with
+    ``MultiHeadAttention.from_torch(m)``.
+
+    >>> m = nn.MultiheadAttention(8, 2)
+    >>> out, w = MultiHeadAttention.from_torch(m)(*[torch.randn(5, 3, 8)] * 3)
+    >>> out.shape, w.shape
+    (torch.Size([5, 3, 8]), torch.Size([3, 5, 5]))
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._where = "attnkit.interop.TorchMultiheadAttention"  # named so in its messages
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+        key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+        *,
+        mask: Mask | None = None,
+        attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> AttentionOutput:
+        key = query if key is None else key
+        value = key if value is None else value
+        unbatched = isinstance(query, torch.Tensor) and query.dim() == 2
+        if unbatched:  # torch's (L, E): a batch of one
+            d = 0 if self.batch_first else 1
+            same_key, same_value = key is query, value is key
+            query = query.unsqueeze(d)
+            key = query if same_key else _batch_of_one(key, 2, d)
+            value = key if same_value else _batch_of_one(value, 2, d)
+            if key_padding_mask is not None:
+                key_padding_mask = _batch_of_one(key_padding_mask, 1, 0)
+            if attention_mask is not None:
+                attention_mask = _batch_of_one(attention_mask, 1, 0)
+        out = super().forward(
+            query,
+            key,
+            value,
+            mask=mask,
+            key_padding_mask=key_padding_mask,
+            attention_mask=attention_mask,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            need_weights=need_weights,
+            average_attn_weights=average_attn_weights,
+            kv_cache=kv_cache,
+            positions=positions,
+        )
+        if not unbatched:
+            return out
+        weights = None if out.weights is None else out.weights.squeeze(0)
+        return AttentionOutput(out.output.squeeze(0 if self.batch_first else 1), weights)
+
+
+def _batch_of_one(t: torch.Tensor, unbatched_dims: int, d: int) -> torch.Tensor:
+    """``t`` with a batch dim of 1 at ``d`` when it has ``unbatched_dims`` dims, else ``t``."""
+    if isinstance(t, torch.Tensor) and t.dim() == unbatched_dims:
+        return t.unsqueeze(d)
+    return t

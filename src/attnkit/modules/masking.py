@@ -11,8 +11,9 @@ The modules take masks in three conventions, each under its own names:
   the ``attn_mask``, which is what is applied.
 - ``attention_mask``, Hugging Face's: ``(B, S)`` bool or 0/1 ints, True/1 = a real key.
 
-torch's two are translated by :func:`attnkit.interop.mask_from_torch` (the only place that
-does it); :func:`combine` is the only place two masks are merged (both must allow).
+torch's two are translated by :func:`~attnkit.modules.torch_masks.mask_from_torch` (the only
+place that does it; also ``attnkit.interop.mask_from_torch``); :func:`combine` is the only
+place two masks are merged (both must allow).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from attnkit.errors import AttentionInputError, shape_str, warn_user
 from attnkit.masks import MaskSpec, key_mask
+from attnkit.modules.torch_masks import mask_from_torch
 from attnkit.validate import can_read_values, warn_if_inverted_causal
 
 __all__ = ["Mask", "MaskArgs", "check_zero_one", "combine", "key_part", "module_mask"]
@@ -295,8 +297,6 @@ def _from_torch(
     num_heads: int,
 ) -> torch.Tensor:
     """A torch mask, checked already, in attnkit's convention, by the one translation point."""
-    from attnkit.interop.torch_mha import mask_from_torch
-
     translated = mask_from_torch(attn_mask, key_padding_mask, num_heads=num_heads)
     assert translated is not None  # one of the two was given
     return translated
