@@ -5,7 +5,7 @@ log-sum-exp, the block functions ring attention builds on, and memory that grows
 The planner's knobs (grain, when runs of blocks split, launch sizes, the mask budget) are
 turned down in ``planner`` so that small cases walk every path a long sequence takes: several
 segments per tile merged by log-sum-exp, batched strided tiles, chunked launches, masks built
-per call. Tolerances follow tests/test_attention_properties.py.
+per call. Tolerances follow tests/core/test_attention_properties.py.
 """
 
 from __future__ import annotations

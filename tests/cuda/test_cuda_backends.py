@@ -2,7 +2,7 @@
 
 Marked ``cuda`` (``make test-cuda`` runs ``pytest -m cuda``); skipped with the reason where
 ``torch.cuda.is_available()`` is False (tests/conftest.py). Mirrors the CPU tests'
-structure (tests/test_low_precision_backward.py): q, k, v drawn in float64 on the CPU, rounded
+structure (tests/core/test_low_precision_backward.py): q, k, v drawn in float64 on the CPU, rounded
 to the dtype under test, moved to the GPU; the oracle runs on the CPU in float64 on the same
 rounded inputs, and once more in the dtype under test (the "naive run").
 
