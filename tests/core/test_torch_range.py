@@ -9,7 +9,7 @@ import torch
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _torch_requirement() -> Requirement:

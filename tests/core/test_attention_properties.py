@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import AttentionInputError, AttentionMaskWarning
-from oracle import reference_attention
+from oracle import reference_attention, within_naive
 from strategies import Sizes, qkv
 
 SIZES = (1, 2, 5, 7, 16, 33, 97)
@@ -43,7 +43,6 @@ MASK_KINDS = [
     "fully-masked-rows",
 ]
 MASK_SHAPES = ["LS", "B1LS", "1HLS", "BHLS"]
-FLOOR = {torch.float64: 1e-10, torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
 @dataclass
@@ -167,7 +166,7 @@ def test_low_precision_within_twice_naive_error(
     out = _run(case, backend)
     assert isinstance(out, torch.Tensor)
     assert out.dtype == dtype
-    assert _err(out, ref_out) <= 2 * _err(naive_out, ref_out) + FLOOR[dtype]
+    within_naive(out, ref_out, naive_out)
     if dtype != torch.float32:
         return
     q, k, v = (t.clone().requires_grad_(True) for t in (case.q, case.k, case.v))
@@ -181,4 +180,6 @@ def test_low_precision_within_twice_naive_error(
     naive = reference_attention(qn, kn, vn, mask=case.mask, causal=case.causal, dtype=dtype)[0]
     naive_grads = torch.autograd.grad(naive, (qn, kn, vn), grad_out)
     for name, g, r, n in zip("qkv", grads, ref_grads, naive_grads, strict=True):
-        assert _err(g, r) <= 3 * _err(n, r) + 1e-5, name
+        # float32 gradients: the table's 2e-6 fails (a dk of error 3e-6 where the naive run's is
+        # 0: the backends' backward sums over keys in another order); 1e-5 as written before
+        within_naive(g, r, n, grad=True, floor=1e-5, what=name)

@@ -1,8 +1,9 @@
 """Input validation of the modules (MultiHeadAttention, CrossAttention, ...): every bad input
 raises AttentionInputError with a message that helps, and the mask warnings reach the caller.
 
-The cases are rows of the same table as tests/test_validate.py (``validation_cases.Case``), read
-the same way. Dimension legend: B batch, L query length, S key length, E model width.
+The cases are rows of the same table as tests/validation/test_validate.py
+(``validation_cases.Case``), read the same way. Dimension legend: B batch, L query length,
+S key length, E model width.
 """
 
 from __future__ import annotations

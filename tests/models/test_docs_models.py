@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "models.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 
 
 def test_models_doc_python_blocks_run() -> None:

@@ -1,5 +1,5 @@
 """Input validation of attnkit.attention: every bad input raises AttentionInputError with a message
-that helps (the modules' cases: tests/modules/test_module_validation.py).
+that helps (the modules' cases: tests/validation/test_module_validation.py).
 
 Each case is a ``validation_cases.Case`` whose message ``check_error`` reads part by part: the
 argument it names, the shapes it got with their dim names, the expected part and the fix.

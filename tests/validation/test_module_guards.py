@@ -1,5 +1,5 @@
-"""What the bad-input hypothesis test (tests/test_bad_inputs.py) found in the modules and the
-mask plumbing, pinned case by case with their messages: inputs on another device than the
+"""What the bad-input hypothesis test (tests/validation/test_bad_inputs.py) found in the modules
+and the mask plumbing, pinned case by case with their messages: inputs on another device than the
 parameters, a module ``mask`` that is neither a tensor nor a spec, masks on different devices,
 0-D and 1-D masks on every backend, and specs whose tensors hold no values (``meta``).
 
