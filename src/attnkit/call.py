@@ -3,23 +3,25 @@
 Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
 Dk query/key head dim, Dv value head dim.
 
-:func:`attnkit.validate.make_call` is the one door in: it validates the arguments, folds the
-``causal`` flag and the mask into one spec (:func:`attnkit.masks.as_spec`) and fixes the scale.
-Backends then read the call and ask it for the form of the mask they take:
-:attr:`AttentionCall.mask` (a spec, for block-sparse backends), :meth:`AttentionCall.dense_mask`
-(a tensor, materialised once per call) or :attr:`AttentionCall.causal` (the bare causal rule,
-for kernels with a causal flag).
+Every caller (:func:`attnkit.attention`, :func:`attnkit.explain`, the modules) first runs the
+checks it needs (:mod:`attnkit.validate`, :mod:`attnkit.mask_checks`), then
+:meth:`AttentionCall.build`, the one door in: it folds the ``causal`` flag and the mask into one
+spec (:func:`attnkit.masks.as_spec`) and fixes the scale. Backends then read the call and ask
+it for the form of the mask they take: :attr:`AttentionCall.mask` (a spec, for block-sparse
+backends), :meth:`AttentionCall.dense_mask` (a tensor, materialised once per call) or
+:attr:`AttentionCall.causal` (the bare causal rule, for kernels with a causal flag).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
-from attnkit.cpu import upcasts
-from attnkit.masks import DenseMask, MaskSpec, is_causal
+from attnkit.cpu import path_for, upcasts
+from attnkit.masks import DenseMask, MaskSpec, as_spec, is_causal
 
 __all__ = ["AttentionCall", "Dims"]
 
@@ -38,7 +40,7 @@ class Dims(NamedTuple):
 
 @dataclass(frozen=True)
 class AttentionCall:
-    """A validated call of :func:`attnkit.attention`, built by :func:`attnkit.validate.make_call`.
+    """A validated call of :func:`attnkit.attention`, built by :meth:`AttentionCall.build`.
 
     Attributes:
         q, k, v: ``(B, H, L, Dk)``, ``(B, Hkv, S, Dk)``, ``(B, Hkv, S, Dv)``, validated.
@@ -71,6 +73,49 @@ class AttentionCall:
     explaining: bool = False
     cpu_path: str | None = None
     _dense: dict[str, torch.Tensor | None] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        dims: Dims,
+        where: str,
+        mask: torch.Tensor | MaskSpec | None = None,
+        causal: bool = False,
+        scale: float | None = None,
+        dropout_p: float = 0.0,
+        return_weights: bool = False,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+        explaining: bool = False,
+    ) -> AttentionCall:
+        """The call of arguments already checked (``dims`` from
+        :func:`attnkit.validate.check_qkv`; the mask by :func:`attnkit.mask_checks.check_mask`,
+        the numbers by :func:`attnkit.validate.check_scalars`, sinks by
+        :func:`attnkit.validate.check_sinks`): folds ``causal`` and the mask into one spec,
+        fixes the scale (``1/sqrt(Dk)`` unless given) and the CPU path. ``explaining``: a call
+        of :func:`attnkit.explain` (nothing runs). ``where`` names the caller in the errors
+        this can still raise: a causal rule merged into a float mask that needs a gradient
+        above the memory limit (:func:`~attnkit.masks.as_spec`), a bad ``ATTNKIT_CPU_PATH``
+        (:func:`attnkit.cpu.path_for`).
+        """
+        return cls(
+            q,
+            k,
+            v,
+            as_spec(mask, causal, L=dims.L, S=dims.S, where=where),
+            float(scale) if scale is not None else 1.0 / math.sqrt(dims.Dk),
+            float(dropout_p),
+            return_weights,
+            dims,
+            float(softcap) if softcap is not None else None,
+            sinks,
+            explaining,
+            path_for(q, where),
+        )
 
     @property
     def causal(self) -> bool:

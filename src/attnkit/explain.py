@@ -19,10 +19,11 @@ from attnkit.backends import (
     over_limit,
     rule_of,
 )
-from attnkit.call import Dims
+from attnkit.call import AttentionCall, Dims
+from attnkit.mask_checks import check_mask
 from attnkit.masks import MaskSpec
 from attnkit.memory import format_bytes
-from attnkit.validate import make_call
+from attnkit.validate import check_qkv, check_scalars, check_sinks, warn_if_inverted_causal
 
 __all__ = ["Explanation", "explain"]
 
@@ -90,6 +91,30 @@ class Explanation:
         return "\n".join(lines)
 
 
+def _summary(call: AttentionCall, mask: torch.Tensor | MaskSpec | None, causal: bool) -> str:
+    """The call in words: its sizes, dtype, mask (as given), numbers and CPU path."""
+    d, q = call.dims, call.q
+    if mask is None:
+        mask_str = "none"
+    elif isinstance(mask, MaskSpec):
+        mask_str = f"spec {mask!r}"
+    else:
+        mask_str = f"{'bool' if mask.dtype == torch.bool else 'float'} {tuple(mask.shape)}"
+    summary = (
+        f"q (B={d.B}, H={d.H}, L={d.L}, Dk={d.Dk})  k (Hkv={d.Hkv}, S={d.S})  v (Dv={d.Dv})\n"
+        f"  {q.dtype} on {q.device}; mask: {mask_str}; causal: {causal}; "
+        f"scale: {call.scale:.4g}; dropout_p: {call.dropout_p}; "
+        f"return_weights: {call.return_weights}"
+    )
+    if call.softcap is not None or call.sinks is not None:
+        sinks_str = "none" if call.sinks is None else f"({d.H},) per head"
+        summary += f"\n  softcap: {call.softcap}; sinks: {sinks_str}"
+    if call.cpu_path is not None:
+        summary += f"\n  CPU path: {cpu.describe(call.cpu_path, q.dtype)}"
+        summary += f"\n  CPU: {cpu.features()}"
+    return summary
+
+
 def explain(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -118,10 +143,19 @@ def explain(
     ...
     """
     where = "attnkit.explain"
+    dims = check_qkv(q, k, v, where=where)
+    check_mask(mask, q, dims, where=where)
+    warn_if_inverted_causal(mask)
+    check_scalars(
+        dims, where=where, causal=causal, scale=scale, dropout_p=dropout_p,
+        return_weights=return_weights, softcap=softcap,
+    )  # fmt: skip
+    check_sinks(sinks, q, dims, where=where)
     # explaining=True: runs nothing, and never builds an L x S mask
-    call = make_call(
-        q, k, v, mask, causal, scale, dropout_p, return_weights, where=where, explaining=True,
-        softcap=softcap, sinks=sinks,
+    call = AttentionCall.build(
+        q=q, k=k, v=v, dims=dims, where=where, mask=mask, causal=causal, scale=scale,
+        dropout_p=dropout_p, return_weights=return_weights, softcap=softcap, sinks=sinks,
+        explaining=True,
     )  # fmt: skip
     chosen = choose(call, backend, where)
     backends = {name: get_backend(name) for name in available_backends()}
@@ -141,24 +175,7 @@ def explain(
         if verdicts[name] is None and (note := b.note(call)) is not None
     }
     d = call.dims
-    if mask is None:
-        mask_str = "none"
-    elif isinstance(mask, MaskSpec):
-        mask_str = f"spec {mask!r}"
-    else:
-        mask_str = f"{'bool' if mask.dtype == torch.bool else 'float'} {tuple(mask.shape)}"
-    summary = (
-        f"q (B={d.B}, H={d.H}, L={d.L}, Dk={d.Dk})  k (Hkv={d.Hkv}, S={d.S})  v (Dv={d.Dv})\n"
-        f"  {q.dtype} on {q.device}; mask: {mask_str}; causal: {causal}; "
-        f"scale: {call.scale:.4g}; dropout_p: {call.dropout_p}; "
-        f"return_weights: {call.return_weights}"
-    )
-    if call.softcap is not None or call.sinks is not None:
-        sinks_str = "none" if call.sinks is None else f"({d.H},) per head"
-        summary += f"\n  softcap: {call.softcap}; sinks: {sinks_str}"
-    if call.cpu_path is not None:
-        summary += f"\n  CPU path: {cpu.describe(call.cpu_path, q.dtype)}"
-        summary += f"\n  CPU: {cpu.features()}"
+    summary = _summary(call, mask, causal)
     fires, why = rule_of(chosen, call)
     if not fires:  # auto's second pass: the backends whose rule fires are above the memory limit
         why = (

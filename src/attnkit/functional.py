@@ -14,8 +14,9 @@ import torch
 from attnkit.backends import choose, nonfinite, second_order
 from attnkit.call import AttentionCall
 from attnkit.inspect.tracing import record_attention, recording
+from attnkit.mask_checks import check_mask
 from attnkit.masks import MaskSpec
-from attnkit.validate import make_call
+from attnkit.validate import check_qkv, check_scalars, check_sinks, warn_if_inverted_causal
 
 __all__ = ["AttentionOutput", "attention", "run_call"]
 
@@ -136,16 +137,24 @@ def attention(
     >>> attention(q, k, v, causal=True).shape
     torch.Size([2, 8, 5, 16])
     """
-    call = make_call(
-        q, k, v, mask, causal, scale, dropout_p, return_weights, where=WHERE,
-        softcap=softcap, sinks=sinks,
+    dims = check_qkv(q, k, v, where=WHERE)
+    check_mask(mask, q, dims, where=WHERE)
+    warn_if_inverted_causal(mask)
+    check_scalars(
+        dims, where=WHERE, causal=causal, scale=scale, dropout_p=dropout_p,
+        return_weights=return_weights, softcap=softcap,
+    )  # fmt: skip
+    check_sinks(sinks, q, dims, where=WHERE)
+    call = AttentionCall.build(
+        q=q, k=k, v=v, dims=dims, where=WHERE, mask=mask, causal=causal, scale=scale,
+        dropout_p=dropout_p, return_weights=return_weights, softcap=softcap, sinks=sinks,
     )  # fmt: skip
     result = run_call(call, backend, WHERE)
     return result if return_weights else result.output
 
 
 def run_call(call: AttentionCall, backend: str = "auto", where: str = WHERE) -> AttentionOutput:
-    """Run a call built by :func:`attnkit.validate.make_call` on ``backend`` ("auto" or a name):
+    """Run a call built by :meth:`AttentionCall.build` on ``backend`` ("auto" or a name):
     always ``(output, weights or None)``. The modules build their calls and run them here."""
     chosen = choose(call, backend, where)
     out, weights = nonfinite.serve(chosen, call)  # NaN or inf in q, k, v: NaN where it reaches

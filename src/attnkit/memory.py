@@ -35,11 +35,30 @@ attnkit.memory.AttentionMemoryError: attnkit.attention: the math backend's score
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from attnkit.errors import AttentionInputError
+
+
+class _Call(Protocol):
+    """What :func:`too_big_error` reads of an :class:`~attnkit.AttentionCall` (typed by its
+    attributes, so that this module, which the masks import, imports no call)."""
+
+    @property
+    def q(self) -> torch.Tensor: ...
+    @property
+    def dims(self) -> Any: ...
+    @property
+    def mask(self) -> Any: ...
+    @property
+    def dropout_p(self) -> float: ...
+    @property
+    def mask_needs_grad(self) -> bool: ...
+    @property
+    def return_weights(self) -> bool: ...
+
 
 __all__ = [
     "AttentionMemoryError",
@@ -48,6 +67,7 @@ __all__ = [
     "memory_limit",
     "refuse",
     "set_memory_limit",
+    "too_big_error",
 ]
 
 FLOOR = 64 * 2**20  #: the default limit is never below this many bytes
@@ -161,4 +181,49 @@ def refuse(
         fix=fix,
         nbytes=nbytes,
         limit=limit,
+    )
+
+
+def too_big_error(
+    where: str, call: _Call, backend: str, nbytes: int, what: str, limit: int
+) -> AttentionMemoryError:
+    """The error of a call whose backend would allocate ``nbytes`` of L x S memory above
+    ``limit``, with the ways to a backend that never does (``blocked``)."""
+    ways = []
+    if call.return_weights:
+        ways.append(
+            "no weights: return_weights=False (need_weights=False in the modules; only math "
+            "forms the (B, H, L, S) weights)"
+        )
+    if call.dropout_p > 0.0:
+        ways.append("dropout_p=0.0")
+    if call.mask_needs_grad:
+        ways.append("a float mask that needs no gradient")
+    if backend in ("blocked", "flex"):  # its L x S memory is the planning of a mask tensor
+        fix = (
+            "pass the mask as a spec from attnkit.masks (key_mask(keep), padding(lengths), "
+            "causal(), document(ids), ...), planned from its rule with no L x S memory; or "
+            "backend='auto', which takes a backend that uses the tensor as it is"
+        )
+    else:
+        if ways:
+            fix = f"{'; '.join(ways)}: then the blocked backend runs it"
+        else:
+            fix = "backend='blocked' runs it"
+        fix += (
+            " without L x S tensors (a mask spec from attnkit.masks, block by block); or fewer "
+            "queries per call (a smaller L)"
+        )
+    d = call.dims
+    spec = call.mask
+    mask = "" if spec is None or spec.from_tensor else f"  mask={spec!r}"
+    return refuse(
+        where,
+        "return_weights" if call.return_weights and backend == "math" else "backend",
+        what,
+        nbytes,
+        limit,
+        got=f"q (B={d.B}, H={d.H}, L={d.L}, Dk={d.Dk})  k (Hkv={d.Hkv}, S={d.S})  "
+        f"{call.q.dtype} on {call.q.device}; backend {backend!r}{mask}",
+        fix=fix,
     )

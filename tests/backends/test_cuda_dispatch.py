@@ -20,7 +20,7 @@ import attnkit
 from attnkit import masks
 from attnkit.backends import AUTO_ORDER, auto_order, choose, sdpa
 from attnkit.call import AttentionCall
-from attnkit.validate import make_call
+from calls import make_call
 
 CUDA_ORDER = "flex > sdpa > blocked > math"
 

@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import attnkit
 from attnkit.backends import get_backend
-from attnkit.validate import make_call
+from calls import make_call
 
 SDPA = get_backend("sdpa")
 

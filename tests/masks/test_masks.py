@@ -11,7 +11,7 @@ import attnkit
 from attnkit import masks
 from attnkit.backends import get_backend
 from attnkit.masks import EMPTY, FULL, PARTIAL
-from attnkit.validate import make_call
+from calls import make_call
 from oracle import reference_attention
 from strategies import atoms, specs
 

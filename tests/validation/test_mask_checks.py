@@ -307,7 +307,7 @@ def test_the_value_check_is_skipped_while_compiling(monkeypatch: pytest.MonkeyPa
 
 def test_a_key_shard_is_checked_against_the_whole_sequence() -> None:
     """Ring attention validates its shard of the keys against a spec over every shard."""
-    from attnkit.validate import make_call
+    from calls import make_call
 
     q, k, v = qkv()
     whole = masks.document(torch.zeros(2 * S, dtype=torch.long))

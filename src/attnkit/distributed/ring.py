@@ -42,6 +42,7 @@ from torch.autograd.function import FunctionCtx
 
 from attnkit.backends.blocked import backward_from_lse, forward_with_lse, merge
 from attnkit.backends.blocked.tiles import acc_dtype
+from attnkit.cpu import path_for
 from attnkit.distributed.faults import (
     TAG_DKV,
     TAG_KV,
@@ -56,8 +57,9 @@ from attnkit.distributed.ring_plan import WHERE, RingPlan
 from attnkit.distributed.second_order import ring_grads
 from attnkit.distributed.sharding import Chunk, Layout, group_rank_and_size
 from attnkit.errors import AttentionInputError
+from attnkit.mask_checks import check_mask
 from attnkit.masks import MaskSpec, as_spec
-from attnkit.validate import make_call
+from attnkit.validate import check_qkv, check_scalars
 
 __all__ = ["ring_attention"]
 
@@ -352,7 +354,10 @@ def ring_attention(
             "sliding_window(n), combined with & and |",
         )
     rank, world = group_rank_and_size(group, WHERE)
-    dims = make_call(q, k, v, mask, causal, scale, 0.0, where=WHERE, key_shards=world).dims
+    dims = check_qkv(q, k, v, where=WHERE)
+    check_mask(mask, q, dims, where=WHERE, key_shards=world)  # a spec over every shard's keys
+    check_scalars(dims, where=WHERE, causal=causal, scale=scale)
+    path_for(q, WHERE)  # a bad ATTNKIT_CPU_PATH is refused here as in attention()
     td = as_timedelta(timeout, WHERE)
     if causal and (dims.L % 2 or dims.S % 2):
         raise AttentionInputError(

@@ -23,11 +23,10 @@ from attnkit.inspect.tracing import (
     record_module_start,
     recording,
 )
-from attnkit.modules.checks import check_batch, check_head_sizes, check_input
+from attnkit.modules.checks import attention_call, check_batch, check_head_sizes, check_input
 from attnkit.modules.kv_cache import KVCache
 from attnkit.modules.masking import Mask, MaskArgs, combine, module_mask
 from attnkit.modules.positions import RotaryEmbedding
-from attnkit.validate import make_call
 
 __all__ = ["AttentionBase"]
 
@@ -155,8 +154,8 @@ class AttentionBase(nn.Module):
                     q, k, v, mask, self_attention, kv_cache, positions
                 )
             dropout = self.dropout if self.training else 0.0
-            call = make_call(
-                q, k, v, mask, causal, None, dropout, need_weights, inverted_check=False
+            call = attention_call(
+                q, k, v, mask=mask, causal=causal, dropout_p=dropout, need_weights=need_weights
             )
             out, weights = run_call(call, self.backend)
         except BaseException:

@@ -1,12 +1,14 @@
-"""The checks of the attention modules' arguments and inputs, and their messages.
+"""The input checks of the attention modules, and their messages; the call they make.
 
-Dimension legend: B batch, L query length, S key length, E model width.
+Dimension legend: B batch, L query length, S key length, E model width; H query heads, Hkv
+key/value heads, Dk query/key head dim, Dv value head dim.
 """
 
 from __future__ import annotations
 
 import torch
 
+from attnkit.call import AttentionCall
 from attnkit.errors import (
     DTYPE_NAMES,
     DTYPES,
@@ -16,8 +18,11 @@ from attnkit.errors import (
     rank_error,
     shape_str,
 )
+from attnkit.mask_checks import check_mask
+from attnkit.masks import MaskSpec
+from attnkit.validate import WHERE, check_qkv, check_scalars
 
-__all__ = ["check_batch", "check_head_sizes", "check_input"]
+__all__ = ["attention_call", "check_batch", "check_head_sizes", "check_input"]
 
 
 def check_head_sizes(
@@ -189,3 +194,29 @@ def check_batch(
         expected="the same B in all three, the same S in key and value",
         fix=fix,
     )
+
+
+def attention_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | MaskSpec | None,
+    causal: bool,
+    dropout_p: float,
+    need_weights: bool,
+) -> AttentionCall:
+    """The call a module makes of its heads ``q (B, H, L, Dk)``, ``k (B, Hkv, S, Dk)``,
+    ``v (B, Hkv, S, Dv)`` and its merged mask in attnkit's convention: the checks
+    :func:`attnkit.attention` runs, errors named as its, but the inverted-causal-mask warning
+    (:func:`~attnkit.modules.masking.module_mask` gave it, in the convention of the argument
+    the mask came as); then :meth:`AttentionCall.build`."""
+    dims = check_qkv(q, k, v, where=WHERE)
+    check_mask(mask, q, dims, where=WHERE)
+    check_scalars(
+        dims, where=WHERE, causal=causal, dropout_p=dropout_p, return_weights=need_weights
+    )
+    return AttentionCall.build(
+        q=q, k=k, v=v, dims=dims, where=WHERE, mask=mask, causal=causal, dropout_p=dropout_p,
+        return_weights=need_weights,
+    )  # fmt: skip

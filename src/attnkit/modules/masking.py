@@ -396,7 +396,7 @@ def _check_key_shape(
 
 
 def _check_float_dtype(where: str, name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
-    from attnkit.validate import check_mask_values  # +inf / NaN: not mask values
+    from attnkit.mask_checks import check_mask_values  # +inf / NaN: not mask values
 
     check_mask_values(t, where, name)
     if t.is_floating_point() and t.dtype != dtype:
