@@ -154,7 +154,7 @@ def _backward_pass(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One trip of one head group's K/V (and their gradients) around the ring; adds into
     ``dq`` and returns this rank's dk, dv of the group."""
-    q, k, v, out, lse = saved
+    q, k, v, _, _ = saved
     acc = acc_dtype(q.dtype)
     world = plan.world
     cur = (k.contiguous(), v.contiguous())
@@ -191,29 +191,8 @@ def _backward_pass(
         wait_s = plan.wait(sending, f"sending dK/dV (backward step {s} of {world})")
         sending = []
         todo, skipped = plan.pairs(src)
-        for qc, kc in todo:
-            dq_c, dk_c, dv_c = backward_from_lse(
-                _rows(q, qc),
-                _rows(cur[0], kc),
-                _rows(cur[1], kc),
-                _rows(out, qc),
-                _rows(dout, qc),
-                lse.narrow(-1, qc.local, qc.length),
-                **plan.at(qc, kc),
-            )
-            _rows(dq, qc).add_(dq_c)
-            if incoming:  # the accumulator must have arrived before adding to it
-                wait_s += plan.wait(
-                    incoming,
-                    f"receiving the dK/dV of rank {src}'s shard (backward step {s + 1} of {world})",
-                )
-                incoming = []
-            _rows(dkv[0], kc).add_(dk_c)
-            _rows(dkv[1], kc).add_(dv_c)
-        wait_s += plan.wait(
-            incoming,
-            f"receiving the dK/dV of rank {src}'s shard (backward step {s + 1} of {world})",
-        )
+        why = f"receiving the dK/dV of rank {src}'s shard (backward step {s + 1} of {world})"
+        wait_s = _backward_pairs(plan, saved, dout, dq, cur, dkv, todo, incoming, why, wait_s)
         # on to r + 1; the last hop reaches the owner (in a group of one, it is home already)
         if world > 1:
             sending = plan.post(dkv, (), TAG_DKV)
@@ -235,6 +214,42 @@ def _backward_pass(
     plan.wait(sending, f"sending dK/dV (backward step {world} of {world})")
     del dkv
     return mine[0], mine[1]
+
+
+def _backward_pairs(
+    plan: RingPlan,
+    saved: tuple[torch.Tensor, ...],
+    dout: torch.Tensor,
+    dq: torch.Tensor,
+    cur: tuple[torch.Tensor, torch.Tensor],
+    dkv: tuple[torch.Tensor, torch.Tensor],
+    todo: list[tuple[Chunk, Chunk]],
+    incoming: list[Pending],
+    why: str,
+    wait_s: float,
+) -> float:
+    """One backward step's (query chunk, key chunk) pairs against the K/V shard ``cur``: adds
+    into ``dq`` and, once the ``incoming`` accumulator has arrived (waited on, as ``why``,
+    before the first add or at the end), into ``dkv``; returns ``wait_s`` plus the seconds
+    waited."""
+    q, _, _, out, lse = saved
+    for qc, kc in todo:
+        dq_c, dk_c, dv_c = backward_from_lse(
+            _rows(q, qc),
+            _rows(cur[0], kc),
+            _rows(cur[1], kc),
+            _rows(out, qc),
+            _rows(dout, qc),
+            lse.narrow(-1, qc.local, qc.length),
+            **plan.at(qc, kc),
+        )
+        _rows(dq, qc).add_(dq_c)
+        if incoming:  # the accumulator must have arrived before adding to it
+            wait_s += plan.wait(incoming, why)
+            incoming = []
+        _rows(dkv[0], kc).add_(dk_c)
+        _rows(dkv[1], kc).add_(dv_c)
+    return wait_s + plan.wait(incoming, why)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -277,6 +292,80 @@ def _kv_heads_per_pass(requested: int | None, k: torch.Tensor, v: torch.Tensor) 
         return requested
     per_head = (k[:, :1].numel() * k.element_size()) + (v[:, :1].numel() * v.element_size())
     return max(1, min(Hkv, -(-PASS_BYTES // max(per_head, 1))))
+
+
+def _make_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: MaskSpec | None,
+    causal: bool,
+    scale: float | None,
+    group: dist.ProcessGroup | None,
+    timeout: float | timedelta | None,
+    kv_heads_per_pass: int | None,
+) -> RingPlan:
+    """Check :func:`ring_attention`'s arguments, agree on them with the other ranks (the same
+    shapes, dtype and settings everywhere) and return the plan of the ring."""
+    if isinstance(mask, torch.Tensor):
+        raise AttentionInputError(
+            WHERE,
+            "mask",
+            "ring attention takes mask specs, not dense tensors (an L x S mask is what "
+            "sharding avoids).",
+            got=f"mask: tensor {tuple(mask.shape)} {mask.dtype}",
+            expected="None or a spec from attnkit.masks over the whole sequence",
+            fix="attnkit.masks.padding(lengths), key_mask(keep), document(ids), "
+            "sliding_window(n), combined with & and |",
+        )
+    rank, world = group_rank_and_size(group, WHERE)
+    dims = check_qkv(q, k, v, where=WHERE)
+    check_mask(mask, q, dims, where=WHERE, key_shards=world)  # a spec over every shard's keys
+    check_scalars(dims, where=WHERE, causal=causal, scale=scale)
+    path_for(q, WHERE)  # a bad ATTNKIT_CPU_PATH is refused here as in attention()
+    td = as_timedelta(timeout, WHERE)
+    if causal and (dims.L % 2 or dims.S % 2):
+        raise AttentionInputError(
+            WHERE,
+            "q" if dims.L % 2 else "k",
+            "causal ring attention takes the zigzag layout (two equal chunks per rank), but "
+            "this shard has an odd length.",
+            got=f"q (Lq={dims.L})  k (Sk={dims.S})",
+            expected="even shard lengths, as attnkit.distributed.shard(x, causal=True) makes",
+            fix="shard with shard(x, causal=True), padding the sequence to a multiple of "
+            "2 * world size",
+        )
+    scale_f = float(scale) if scale is not None else dims.Dk**-0.5
+    per_pass = _kv_heads_per_pass(kv_heads_per_pass, k, v)
+    settings = {
+        "causal": int(causal),
+        "scale": float_bits(scale_f),
+        "mask": mask_digest(mask),  # its content: rule and tensor bytes, not its repr
+        "kv_heads_per_pass": per_pass,
+    }
+    shapes = [("q", tuple(q.shape)), ("k", tuple(k.shape)), ("v", tuple(v.shape))]
+    agree(
+        Peers(group, rank, world, td, WHERE),
+        shapes,
+        extra=settings,
+        dtype=q.dtype,
+        device=q.device,
+        local={"mask": repr(mask)} if mask is not None else None,
+    )
+    spec = as_spec(mask, causal)  # the one place the causal flag and a mask combine
+    plan = RingPlan(
+        group,
+        rank,
+        world,
+        td,
+        Layout(world, dims.L, causal),
+        Layout(world, dims.S, causal),
+        spec,
+        scale_f,
+        tuple((h, min(h + per_pass, dims.Hkv)) for h in range(0, dims.Hkv, per_pass)),
+        dims.H // dims.Hkv,
+    )
+    return plan
 
 
 def ring_attention(
@@ -342,63 +431,6 @@ def ring_attention(
     >>> # q, k, v = (shard(t, causal=True) for t in (q_full, k_full, v_full))
     >>> # out = ring_attention(q, k, v, causal=True)     # == shard(attention(..., causal=True))
     """
-    if isinstance(mask, torch.Tensor):
-        raise AttentionInputError(
-            WHERE,
-            "mask",
-            "ring attention takes mask specs, not dense tensors (an L x S mask is what "
-            "sharding avoids).",
-            got=f"mask: tensor {tuple(mask.shape)} {mask.dtype}",
-            expected="None or a spec from attnkit.masks over the whole sequence",
-            fix="attnkit.masks.padding(lengths), key_mask(keep), document(ids), "
-            "sliding_window(n), combined with & and |",
-        )
-    rank, world = group_rank_and_size(group, WHERE)
-    dims = check_qkv(q, k, v, where=WHERE)
-    check_mask(mask, q, dims, where=WHERE, key_shards=world)  # a spec over every shard's keys
-    check_scalars(dims, where=WHERE, causal=causal, scale=scale)
-    path_for(q, WHERE)  # a bad ATTNKIT_CPU_PATH is refused here as in attention()
-    td = as_timedelta(timeout, WHERE)
-    if causal and (dims.L % 2 or dims.S % 2):
-        raise AttentionInputError(
-            WHERE,
-            "q" if dims.L % 2 else "k",
-            "causal ring attention takes the zigzag layout (two equal chunks per rank), but "
-            "this shard has an odd length.",
-            got=f"q (Lq={dims.L})  k (Sk={dims.S})",
-            expected="even shard lengths, as attnkit.distributed.shard(x, causal=True) makes",
-            fix="shard with shard(x, causal=True), padding the sequence to a multiple of "
-            "2 * world size",
-        )
-    scale_f = float(scale) if scale is not None else dims.Dk**-0.5
-    per_pass = _kv_heads_per_pass(kv_heads_per_pass, k, v)
-    settings = {
-        "causal": int(causal),
-        "scale": float_bits(scale_f),
-        "mask": mask_digest(mask),  # its content: rule and tensor bytes, not its repr
-        "kv_heads_per_pass": per_pass,
-    }
-    shapes = [("q", tuple(q.shape)), ("k", tuple(k.shape)), ("v", tuple(v.shape))]
-    agree(
-        Peers(group, rank, world, td, WHERE),
-        shapes,
-        extra=settings,
-        dtype=q.dtype,
-        device=q.device,
-        local={"mask": repr(mask)} if mask is not None else None,
-    )
-    spec = as_spec(mask, causal)  # the one place the causal flag and a mask combine
-    plan = RingPlan(
-        group,
-        rank,
-        world,
-        td,
-        Layout(world, dims.L, causal),
-        Layout(world, dims.S, causal),
-        spec,
-        scale_f,
-        tuple((h, min(h + per_pass, dims.Hkv)) for h in range(0, dims.Hkv, per_pass)),
-        dims.H // dims.Hkv,
-    )
+    plan = _make_plan(q, k, v, mask, causal, scale, group, timeout, kv_heads_per_pass)
     out: torch.Tensor = _RingAttention.apply(q, k, v, plan)  # type: ignore[no-untyped-call]
     return out

@@ -224,6 +224,62 @@ def _attention_modules(model: torch.nn.Module) -> list[str]:
     return inner
 
 
+def _load_checkpoint(path: Path) -> tuple[Any, Any]:
+    """The tokenizer and the model (on attnkit, float32, in eval mode) of a checked directory."""
+    from attnkit.interop import register_hf
+
+    implementation = register_hf()
+    with _quiet_transformers() as transformers:
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path, **HF_LOAD)
+            model = transformers.AutoModel.from_pretrained(
+                path,
+                attn_implementation=implementation,
+                dtype=torch.float32,
+                **HF_WEIGHTS,
+            )
+        except Exception as e:  # any failure of transformers' loader: not loadable
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise _bad_model(
+                path, f"transformers cannot load {str(path)!r}: {first}", CHECKPOINT, SAVE_FIX
+            ) from e
+    model.eval()
+    return tokenizer, model
+
+
+def _check_maps_returned(
+    path: Path, model_type: str, num_calls: int, attentions: Any, num_layers: int
+) -> None:
+    """Refuse a run whose attention did not go through attnkit, or whose maps cannot be
+    matched to its layers (one attnkit call and one map per layer)."""
+    calls = f"{num_calls} attnkit calls for {num_layers} layers"
+    if not num_calls:
+        raise _bad_model(
+            path,
+            f"{model_type} did not run its attention on attnkit ({calls}).",
+            "a model whose attention layers use attn_implementation",
+            "use the model with transformers directly",
+        )
+    if not attentions:
+        raise _bad_model(
+            path,
+            f"{model_type} ran its attention on attnkit ({calls}) but returned no "
+            "attention weights: its code does not pass output_attentions on to the attention "
+            "function.",
+            "a model that returns its attention weights with output_attentions=True",
+            'use the model with transformers directly (attn_implementation="eager" returns '
+            "its weights)",
+        )
+    if num_calls != len(attentions):
+        raise _bad_model(
+            path,
+            f"{model_type} returned {len(attentions)} attention maps from "
+            f"{calls}: they cannot be matched to its layers.",
+            "one attention call per layer, each returning its weights",
+            "use the model with transformers directly",
+        )
+
+
 def show_model(
     model_dir: str | os.PathLike[str],
     text: str,
@@ -264,24 +320,7 @@ def show_model(
     _check_index("head", head, num_heads, "heads", name)
 
     report(STEPS[0])
-    from attnkit.interop import register_hf
-
-    implementation = register_hf()
-    with _quiet_transformers() as transformers:
-        try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(path, **HF_LOAD)
-            model = transformers.AutoModel.from_pretrained(
-                path,
-                attn_implementation=implementation,
-                dtype=torch.float32,
-                **HF_WEIGHTS,
-            )
-        except Exception as e:  # any failure of transformers' loader: not loadable
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise _bad_model(
-                path, f"transformers cannot load {str(path)!r}: {first}", CHECKPOINT, SAVE_FIX
-            ) from e
-    model.eval()
+    tokenizer, model = _load_checkpoint(path)
 
     report(STEPS[1])
     max_tokens = getattr(text_config, "max_position_embeddings", None)
@@ -290,32 +329,7 @@ def show_model(
     report(STEPS[2])
     with torch.inference_mode(), trace() as t:
         result = model(input_ids=input_ids, output_attentions=True)  # (1, T): no padding
-    calls = f"{len(t.backends)} attnkit calls for {num_layers} layers"
-    if not t.backends:
-        raise _bad_model(
-            path,
-            f"{config.model_type} did not run its attention on attnkit ({calls}).",
-            "a model whose attention layers use attn_implementation",
-            "use the model with transformers directly",
-        )
-    if not result.attentions:
-        raise _bad_model(
-            path,
-            f"{config.model_type} ran its attention on attnkit ({calls}) but returned no "
-            "attention weights: its code does not pass output_attentions on to the attention "
-            "function.",
-            "a model that returns its attention weights with output_attentions=True",
-            'use the model with transformers directly (attn_implementation="eager" returns '
-            "its weights)",
-        )
-    if len(t.backends) != len(result.attentions):
-        raise _bad_model(
-            path,
-            f"{config.model_type} returned {len(result.attentions)} attention maps from "
-            f"{calls}: they cannot be matched to its layers.",
-            "one attention call per layer, each returning its weights",
-            "use the model with transformers directly",
-        )
+    _check_maps_returned(path, config.model_type, len(t.backends), result.attentions, num_layers)
     attentions = torch.stack([a[0] for a in result.attentions]).float()  # (N, H, T, T)
     hidden = result.last_hidden_state[0].float()  # (T, E)
     modules = _attention_modules(model)

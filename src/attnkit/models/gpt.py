@@ -13,8 +13,9 @@ goes through :func:`attnkit.attention`. :func:`attnkit.interop.from_hf` loads a 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -192,6 +193,30 @@ class GPT(nn.Module):
         where = f"{WHERE}.generate"
         _check_generate_args(where, max_new_tokens, temperature, top_k)
         real = self._check(input_ids, attention_mask, None, where=where)
+        n, first = self._prompt_runs(where, input_ids, real, max_new_tokens)
+        B, T = input_ids.shape
+        N = max_new_tokens
+        dev = input_ids.device
+        new = torch.zeros(B, N, dtype=torch.long, device=dev)
+        if N == 0:
+            return torch.cat([input_ids, new], dim=1)
+        # each prompt moved to the start of its row (right padding): (B, T + N)
+        steps = torch.arange(T, device=dev)
+        tokens = torch.zeros(B, T + N, dtype=torch.long, device=dev)
+        moved = input_ids.gather(1, (first[:, None] + steps).clamp(max=T - 1))  # (B, T)
+        tokens[:, :T] = torch.where(steps < n[:, None], moved, 0)
+        pick = partial(_pick, temperature=temperature, top_k=top_k, generator=generator)
+        if use_cache:
+            self._decode_cached(tokens, n, new, pick)
+        else:
+            self._decode_full(tokens, n, new, pick)
+        return torch.cat([input_ids, new], dim=1)
+
+    def _prompt_runs(
+        self, where: str, input_ids: torch.Tensor, real: torch.Tensor | None, N: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each prompt's length and start ``(B,)``, checked: at least one prompt, each one run
+        of real tokens, and room for ``N`` new tokens in the model's positions."""
         B, T = input_ids.shape
         if B == 0 or T == 0:
             raise AttentionInputError(
@@ -203,7 +228,6 @@ class GPT(nn.Module):
                 expected="input_ids (B >= 1, T >= 1)",
                 fix="start each sequence with a token (a BOS id, if the model has one)",
             )
-        N = max_new_tokens
         dev = input_ids.device
         if real is None:
             real = torch.ones(B, T, dtype=torch.bool, device=dev)
@@ -231,35 +255,52 @@ class GPT(nn.Module):
                 expected=f"longest prompt + max_new_tokens - 1 <= {self.config.max_positions}",
                 fix="shorten the prompt or ask for fewer tokens",
             )
-        new = torch.zeros(B, N, dtype=torch.long, device=dev)
-        if N == 0:
-            return torch.cat([input_ids, new], dim=1)
-        # each prompt moved to the start of its row (right padding): (B, T + N)
-        tokens = torch.zeros(B, T + N, dtype=torch.long, device=dev)
-        moved = input_ids.gather(1, (first[:, None] + steps).clamp(max=T - 1))  # (B, T)
-        tokens[:, :T] = torch.where(steps < n[:, None], moved, 0)
-        rows = torch.arange(B, device=dev)
+        return n, first
+
+    def _decode_cached(
+        self,
+        tokens: torch.Tensor,
+        n: torch.Tensor,
+        new: torch.Tensor,
+        pick: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        """Fill ``new (B, N)``: the right-padded prompts ``tokens[:, :max(n)]`` once into a
+        KV cache, then each new token alone against it."""
+        B, N = new.shape
+        longest = int(n.max())
         ragged = bool((n != longest).any())
-        if use_cache:
-            cache = self.new_cache(B, max_len=longest + N - 1)
-            right = steps[:longest] < n[:, None] if ragged else None  # (B, longest)
-            prompts = tokens[:, :longest]  # (B, longest): right-padded prompts
-            h = self.hidden(prompts, attention_mask=right, kv_cache=cache)  # (B, longest, E)
-            last = h[rows, n - 1]  # (B, E): each prompt's last real token
-            for i in range(N):
-                new[:, i] = _pick(self.lm_head(last), temperature, top_k, generator)  # (B,)
-                if i < N - 1:
-                    last = self.hidden(new[:, i : i + 1], kv_cache=cache)[:, -1]  # (B, E)
-        else:
-            length = n.clone()  # (B,)
-            for i in range(N):
-                width = int(length.max())
-                right = torch.arange(width, device=dev) < length[:, None]  # (B, width)
-                h = self.hidden(tokens[:, :width], attention_mask=right if ragged else None)
-                new[:, i] = _pick(self.lm_head(h[rows, length - 1]), temperature, top_k, generator)
-                tokens[rows, length] = new[:, i]
-                length += 1
-        return torch.cat([input_ids, new], dim=1)
+        rows = torch.arange(B, device=tokens.device)
+        steps = torch.arange(longest, device=tokens.device)
+        cache = self.new_cache(B, max_len=longest + N - 1)
+        right = steps < n[:, None] if ragged else None  # (B, longest)
+        prompts = tokens[:, :longest]  # (B, longest): right-padded prompts
+        h = self.hidden(prompts, attention_mask=right, kv_cache=cache)  # (B, longest, E)
+        last = h[rows, n - 1]  # (B, E): each prompt's last real token
+        for i in range(N):
+            new[:, i] = pick(self.lm_head(last))  # (B,)
+            if i < N - 1:
+                last = self.hidden(new[:, i : i + 1], kv_cache=cache)[:, -1]  # (B, E)
+
+    def _decode_full(
+        self,
+        tokens: torch.Tensor,
+        n: torch.Tensor,
+        new: torch.Tensor,
+        pick: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        """Fill ``new (B, N)`` recomputing the whole sequence at every step; ``tokens`` holds
+        the right-padded prompts and gets each new token after its row's last one."""
+        B, N = new.shape
+        ragged = bool((n != n.max()).any())
+        rows = torch.arange(B, device=tokens.device)
+        length = n.clone()  # (B,)
+        for i in range(N):
+            width = int(length.max())
+            right = torch.arange(width, device=tokens.device) < length[:, None]  # (B, width)
+            h = self.hidden(tokens[:, :width], attention_mask=right if ragged else None)
+            new[:, i] = pick(self.lm_head(h[rows, length - 1]))
+            tokens[rows, length] = new[:, i]
+            length += 1
 
     def _check(
         self,
