@@ -20,6 +20,7 @@ from typing import NoReturn
 import torch
 
 from attnkit.errors import AttentionInputError
+from attnkit.masks.runs import Spans, intersect, union
 from attnkit.memory import exceeds, refuse
 
 #: :meth:`MaskSpec.allows_all` per (spec key, L, S): every layer of a model's forward asks it
@@ -183,6 +184,18 @@ class MaskSpec:
         """``(any, all)`` per block pair from inclusive raw index bounds ``(nq, 1)`` and
         ``(1, nk)``; the results broadcast to ``(B', 1, nq, nk)``."""
         raise NotImplementedError
+
+    def key_runs(self, pos: torch.Tensor, off: int) -> Spans | None:
+        """The keys each query row may attend as one run ``lo ..= hi``, or ``None`` where the
+        rule is not one run per row (the default: a rule that does not say).
+
+        ``pos`` ``(1, L)`` int64 on the CPU holds the rows' global query positions; ``lo`` and
+        ``hi`` are global key indices on the CPU, broadcastable to ``(B', L)``, with
+        :data:`~attnkit.masks.runs.LOW` and :data:`~attnkit.masks.runs.HIGH` for "no bound".
+        Computed once per call for every row together (tensor operations, no loop over rows);
+        :func:`~attnkit.masks.row_spans` clamps them into a call's keys.
+        """
+        return None
 
     def planning_bytes(self) -> int:
         """The bytes planning this spec block by block allocates beyond its rule: the int64
@@ -488,6 +501,11 @@ class _And(_Combined):
         any_b, all_b = self.b.block_bounds(q_lo, q_hi, k_lo, k_hi, off)
         return any_a & any_b, all_a & all_b
 
+    def key_runs(self, pos: torch.Tensor, off: int) -> Spans | None:
+        a = self.a.key_runs(pos, off)
+        b = self.b.key_runs(pos, off) if a is not None else None
+        return None if a is None or b is None else intersect(a, b)
+
     def dense_bytes(self, L: int, S: int, dtype: torch.dtype = torch.float32) -> int:
         if not self.from_tensor:
             return super().dense_bytes(L, S, dtype)
@@ -537,6 +555,11 @@ class _Or(_Combined):
         any_a, all_a = self.a.block_bounds(q_lo, q_hi, k_lo, k_hi, off)
         any_b, all_b = self.b.block_bounds(q_lo, q_hi, k_lo, k_hi, off)
         return any_a | any_b, all_a | all_b
+
+    def key_runs(self, pos: torch.Tensor, off: int) -> Spans | None:
+        a = self.a.key_runs(pos, off)
+        b = self.b.key_runs(pos, off) if a is not None else None
+        return None if a is None or b is None else union(a, b)
 
     def __repr__(self) -> str:
         return f"({self.a!r} | {self.b!r})"
@@ -601,6 +624,9 @@ class _HeadSlice(MaskSpec):
 
     def block_bounds(self, q_lo, q_hi, k_lo, k_hi, off):  # type: ignore[no-untyped-def]
         return self.a.block_bounds(q_lo, q_hi, k_lo, k_hi, off)
+
+    def key_runs(self, pos: torch.Tensor, off: int) -> Spans | None:
+        return self.a.key_runs(pos, off)
 
     def __repr__(self) -> str:
         inner = repr(self.a)
