@@ -13,7 +13,7 @@ block mask all read it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -248,6 +248,21 @@ class MaskSpec:
     def tensors(self) -> list[torch.Tensor]:
         """The tensors the spec holds (for device and batch checks)."""
         return []
+
+    def compile_fields(self) -> dict[str, object]:
+        """What the spec is made of, by name, as ``torch.compile``'s custom op takes it apart
+        (:mod:`attnkit.masks.fields`): tensors, ints, floats, specs and ``None``/``bool``/``str``
+        constants. The default is every attribute; a class that holds anything else overrides
+        this and :meth:`from_fields`."""
+        return dict(vars(self))
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, object]) -> MaskSpec:
+        """The spec :meth:`compile_fields` took apart, made again without running the
+        constructor (whose checks read values, which a traced graph cannot)."""
+        spec = cls.__new__(cls)
+        spec.__dict__.update(fields)
+        return spec
 
     def to_dense(
         self,
