@@ -63,6 +63,7 @@ from attnkit.masks.rules import (
     padding,
     prefix_lm,
     sliding_window,
+    unmasked,
 )
 from attnkit.masks.sequence import sequence_causal
 from attnkit.masks.spans import key_holes, local_keys, row_spans
@@ -94,4 +95,5 @@ __all__ = [
     "sliding_window",
     "split_alibi",
     "tensor_key",
+    "unmasked",
 ]

@@ -22,6 +22,7 @@ __all__ = [
     "padding",
     "prefix_lm",
     "sliding_window",
+    "unmasked",
 ]
 
 
@@ -379,6 +380,23 @@ class _PrefixKeys(MaskSpec):
         return f"prefix_keys({n})"
 
 
+class _Unmasked(MaskSpec):
+    """Every pair allowed (transformers' bidirectional rule, no padding)."""
+
+    def key(self) -> Hashable:
+        return ("unmasked",)
+
+    def allowed(self, b, h, q, kv, off):  # type: ignore[no-untyped-def]
+        return (q >= 0) & (kv >= 0)
+
+    def block_bounds(self, q_lo, q_hi, k_lo, k_hi, off):  # type: ignore[no-untyped-def]
+        every = ((q_lo >= 0) & (k_lo >= 0))[None, None]
+        return every, every
+
+    def __repr__(self) -> str:
+        return "unmasked()"
+
+
 def is_causal(spec: MaskSpec | None) -> bool:
     """Whether ``spec`` is exactly the causal rule (what ``causal=True`` means)."""
     return type(spec) is _Causal
@@ -432,6 +450,14 @@ def document(ids: torch.Tensor) -> MaskSpec:
     """Packed sequences: ``ids`` ``(S,)`` or ``(B, S)`` gives each position's document; a query
     attends only to keys of its own document (combine with ``causal()`` for causal packing)."""
     return _Document(ids)
+
+
+def unmasked() -> MaskSpec:
+    """Every pair allowed: a spec that stands for "no mask" where ``None`` would mean
+    "decide by ``is_causal``" (what :func:`attnkit.interop.hf_attention` passes for
+    transformers' bidirectional rule without padding; it runs it as ``mask=None,
+    causal=False``)."""
+    return _Unmasked()
 
 
 def prefix_lm(prefix_len: int | torch.Tensor) -> MaskSpec:
