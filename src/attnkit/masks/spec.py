@@ -389,14 +389,25 @@ class MaskSpec:
 
     def __str__(self) -> str:
         """The spec's repr and a drawing of its first 8 x 8 pairs, at L = S = 8 or, for a
-        spec built from a tensor of one entry per key, at L = S = that length."""
+        spec built from a tensor of one entry per key, at L = S = that length. Only those
+        pairs are evaluated (batch row 0, head 0), never the whole ``L x S`` mask; a spec
+        holding a user's mask tensor draws the corner of its dense form."""
         n = 8 if self.length is None else self.length
-        dense = self.to_dense(n, n)[0, 0, :8, :8]
-        if dense.is_floating_point():
-            dense = dense > float("-inf")
-        rows = [" ".join("1" if x else "." for x in row) for row in dense.tolist()]
         where = f"L = S = {n}" + ("" if n <= 8 else ", its first 8 x 8 pairs")
+        rows = [" ".join("1" if x else "." for x in row) for row in self._corner(n).tolist()]
         return "\n".join([f"{self!r}, drawn for {where} (1 = may attend):", *rows])
+
+    def _corner(self, n: int) -> torch.Tensor:
+        """Which of the first (up to) 8 x 8 pairs of an ``n x n`` call batch row 0 and head 0
+        may attend, bool ``(min(n, 8), min(n, 8))``."""
+        if self.from_tensor:  # the user's tensor is there already: its dense form, as it is
+            dense = self.to_dense(n, n)[0, 0, :8, :8]
+            return dense > float("-inf") if dense.is_floating_point() else dense
+        dev, m = self.device, min(n, 8)
+        zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev)
+        idx = torch.arange(m, device=dev)
+        allowed = self.allowed(zero, zero, idx.view(1, 1, m, 1), idx.view(1, 1, 1, m), 0)
+        return allowed.expand(1, 1, m, m)[0, 0]
 
 
 def block_states(
