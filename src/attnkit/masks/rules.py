@@ -10,8 +10,10 @@ from collections.abc import Hashable
 
 import torch
 
+from attnkit.masks.base import spec_error
+from attnkit.masks.keys import tensor_key
 from attnkit.masks.runs import HIGH, LOW, Spans, cpu, document_runs, full, key_run
-from attnkit.masks.spec import MaskSpec, _Or, spec_error, tensor_key
+from attnkit.masks.spec import MaskSpec, _Or
 
 __all__ = [
     "causal",

@@ -10,9 +10,10 @@ from collections.abc import Hashable
 
 import torch
 
+from attnkit.masks.keys import tensor_key
 from attnkit.masks.rules import values_str
 from attnkit.masks.runs import LOW, Spans, cpu, full
-from attnkit.masks.spec import MaskSpec, tensor_key
+from attnkit.masks.spec import MaskSpec
 
 __all__ = ["sequence_causal"]
 
