@@ -148,6 +148,13 @@ class SpecBase(Digestible):
         """
         return None
 
+    def split_holes(self) -> tuple[SpecBase, torch.Tensor | None]:
+        """This spec with every key mask that has holes, among its parts joined by ``&``,
+        replaced by its hull, and those key masks joined (``(B', S')`` bool on the CPU), or
+        ``(self, None)`` (the default) where there are none; see
+        :func:`~attnkit.masks.key_holes`."""
+        return self, None
+
     def planning_bytes(self) -> int:
         """The bytes planning this spec block by block allocates beyond its rule: the int64
         prefix sums of every dense mask inside it (:class:`~attnkit.masks.dense.DenseMask`),

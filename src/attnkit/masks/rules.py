@@ -279,6 +279,16 @@ class _KeyMask(MaskSpec):
     def key_runs(self, pos: torch.Tensor, off: int) -> Spans | None:
         return key_run(self.keep, pos)
 
+    def split_holes(self) -> tuple[MaskSpec, torch.Tensor | None]:
+        if self.keep.shape[1] == 0:
+            return self, None
+        keep = self.keep.detach().to("cpu")
+        idx = torch.arange(keep.shape[1])
+        first = torch.where(keep, idx, keep.shape[1]).amin(dim=1, keepdim=True)
+        last = torch.where(keep, idx, -1).amax(dim=1, keepdim=True)
+        hull = (idx >= first) & (idx <= last)
+        return (self, None) if torch.equal(hull, keep) else (_KeyMask(hull), keep)
+
     def __repr__(self) -> str:
         return f"key_mask(<bool {tuple(self.keep.shape)}>)"
 

@@ -12,7 +12,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["HIGH", "LOW", "Spans", "document_runs", "intersect", "key_run", "union"]
+__all__ = [
+    "HIGH",
+    "LOW",
+    "Spans",
+    "and_keys",
+    "document_runs",
+    "intersect",
+    "key_run",
+    "union",
+]
 
 #: "no bound" on the left and the right, far outside any key index
 LOW, HIGH = -(2**40), 2**40
@@ -45,6 +54,13 @@ def union(a: Spans, b: Spans) -> Spans | None:
     lo = torch.where(empty_a, lo_b, torch.where(empty_b, lo_a, torch.minimum(lo_a, lo_b)))
     hi = torch.where(empty_a, hi_b, torch.where(empty_b, hi_a, torch.maximum(hi_a, hi_b)))
     return lo, hi
+
+
+def and_keys(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two ``(B', S')`` key masks joined by ``&``; keys past a mask's length are not allowed
+    by it."""
+    S = min(a.shape[1], b.shape[1])
+    return a[:, :S] & b[:, :S]
 
 
 def key_run(keep: torch.Tensor, pos: torch.Tensor) -> Spans | None:

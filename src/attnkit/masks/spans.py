@@ -25,11 +25,12 @@ attnkit's row-span kernel (:mod:`attnkit.backends.blocked.rowspan`) runs the spa
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
-from attnkit.masks.rules import _KeyMask
 from attnkit.masks.runs import Spans
-from attnkit.masks.spec import MaskSpec, _And
+from attnkit.masks.spec import MaskSpec
 
 __all__ = ["key_holes", "local_keys", "row_spans"]
 
@@ -70,7 +71,8 @@ def row_spans(
 def key_holes(spec: MaskSpec) -> tuple[MaskSpec, torch.Tensor | None]:
     """``spec`` with every key mask that has holes, among the parts joined by ``&``, replaced by
     its hull (its real keys from the first to the last), and those key masks joined, ``(B', S')``
-    bool (``None`` where there are none): the spec is its hull's rule ``&`` the keys.
+    bool (``None`` where there are none): the spec is its hull's rule ``&`` the keys. Each rule
+    says how it splits (:meth:`MaskSpec.split_holes`).
 
     >>> from attnkit.masks import causal, key_mask
     >>> keep = torch.tensor([[True, False, True, True, False]])
@@ -78,26 +80,8 @@ def key_holes(spec: MaskSpec) -> tuple[MaskSpec, torch.Tensor | None]:
     >>> rule.b.keep.tolist(), torch.equal(keys, keep)
     ([[True, True, True, True, False]], True)
     """
-    if type(spec) is _KeyMask and spec.keep.shape[1] > 0:
-        keep = spec.keep.detach().to("cpu")
-        idx = torch.arange(keep.shape[1])
-        first = torch.where(keep, idx, keep.shape[1]).amin(dim=1, keepdim=True)
-        last = torch.where(keep, idx, -1).amax(dim=1, keepdim=True)
-        hull = (idx >= first) & (idx <= last)
-        return (spec, None) if torch.equal(hull, keep) else (_KeyMask(hull), keep)
-    if type(spec) is _And:
-        a, keys_a = key_holes(spec.a)
-        b, keys_b = key_holes(spec.b)
-        if keys_a is None and keys_b is None:
-            return spec, None
-        keys = keys_a if keys_b is None else keys_b if keys_a is None else _and_keys(keys_a, keys_b)
-        return a & b, keys
-    return spec, None
-
-
-def _and_keys(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    S = min(a.shape[1], b.shape[1])  # keys past a mask's length are not allowed by it
-    return a[:, :S] & b[:, :S]
+    rule, keys = spec.split_holes()
+    return cast(MaskSpec, rule), keys  # every spec is a MaskSpec
 
 
 def local_keys(keys: torch.Tensor, k_start: int, S: int) -> torch.Tensor:

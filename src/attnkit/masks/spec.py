@@ -13,7 +13,7 @@ from collections.abc import Hashable
 import torch
 
 from attnkit.masks.base import SpecBase, spec_error
-from attnkit.masks.runs import Spans, intersect, union
+from attnkit.masks.runs import Spans, and_keys, intersect, union
 
 __all__ = ["MaskSpec"]
 
@@ -179,6 +179,17 @@ class _And(_Combined):
         a = self.a.key_runs(pos, off)
         b = self.b.key_runs(pos, off) if a is not None else None
         return None if a is None or b is None else intersect(a, b)
+
+    def split_holes(self) -> tuple[SpecBase, torch.Tensor | None]:
+        a, keys_a = self.a.split_holes()
+        b, keys_b = self.b.split_holes()
+        if keys_a is None or keys_b is None:
+            keys = keys_a if keys_b is None else keys_b
+        else:
+            keys = and_keys(keys_a, keys_b)
+        if keys is None:
+            return self, None
+        return _And(_spec(a, "&"), _spec(b, "&")), keys
 
     def dense_bytes(self, L: int, S: int, dtype: torch.dtype = torch.float32) -> int:
         if not self.from_tensor:
