@@ -280,6 +280,64 @@ def test_a_spec_over_no_keys_gives_zeros_on_every_backend(kind: str, backend: st
     assert spec.to_dense(4, 0).shape == (1, 1, 4, 0)
 
 
+def _rows_of_dense(spec: masks.MaskSpec) -> list[str]:
+    """The drawing's rows as the spec's dense form gives them (the reference)."""
+    n = 8 if spec.length is None else spec.length
+    dense = spec.to_dense(n, n)[0, 0, :8, :8]
+    if dense.is_floating_point():
+        dense = dense > float("-inf")
+    return [" ".join("1" if x else "." for x in row) for row in dense.tolist()]
+
+
+@settings(max_examples=60)
+@given(data=st.data())
+def test_a_spec_draws_the_corner_of_its_dense_form(data: st.DataObject) -> None:
+    B = data.draw(st.integers(1, 3))
+    S = data.draw(st.sampled_from([8, 3, 12]))  # key_mask and document: L = S = their length
+    spec = data.draw(specs(B, S, S))
+    assert str(spec).splitlines()[1:] == _rows_of_dense(spec)
+
+
+def test_specs_with_a_bias_a_tensor_or_heads_draw_as_their_dense_form() -> None:
+    keep = torch.tensor([[True, False, True, True, True, True, True, False, True, True]])
+    tensor = torch.rand(1, 1, 8, 8) > 0.4
+    for spec in (
+        masks.alibi(4) & masks.causal(),
+        masks.alibi(4).select_heads(1, 3) & masks.sliding_window(2),
+        ~masks.causal() | masks.key_mask(keep[:, :8]),
+        masks.as_spec(tensor) & masks.causal(),
+        masks.as_spec(torch.where(tensor, 0.5, float("-inf"))),
+        masks.causal() & masks.key_mask(keep),
+        masks.sequence_causal(torch.tensor([6, 9]), 4),
+        masks.prefix_lm(torch.tensor([3, 1])),
+    ):
+        lines = str(spec).splitlines()
+        assert lines[0].startswith(f"{spec!r}, drawn for L = S = ")
+        assert lines[1:] == _rows_of_dense(spec), spec
+
+
+def test_a_long_key_mask_draws_its_corner_without_the_whole_mask() -> None:
+    # the whole mask would be 8 x 65536 x 65536 (34 GB with its index arithmetic): with a
+    # 1 MiB memory limit, building it is refused, so the drawing must not build it
+    keep = torch.ones(8, 65536, dtype=torch.bool)
+    keep[0, 1] = False
+    previous = attnkit.set_memory_limit(2**20)
+    try:
+        drawn = [str(masks.key_mask(keep)), str(masks.causal() & masks.key_mask(keep))]
+        with pytest.raises(attnkit.AttentionMemoryError):
+            masks.key_mask(keep).to_dense(65536, 65536)
+    finally:
+        attnkit.set_memory_limit(previous)
+    keys, causal_keys = (text.splitlines() for text in drawn)
+    assert keys[0] == (
+        "key_mask(<bool (8, 65536)>), drawn for L = S = 65536, its first 8 x 8 pairs "
+        "(1 = may attend):"
+    )
+    assert keys[1:] == ["1 . 1 1 1 1 1 1"] * 8
+    assert causal_keys[1:4] == ["1 . . . . . . .", "1 . . . . . . .", "1 . 1 . . . . ."]
+    assert causal_keys[8] == "1 . 1 1 1 1 1 1"
+
+
 def test_str_of_a_spec_built_for_its_own_length_draws_it() -> None:
     text = str(masks.document(torch.arange(40) % 3))
     lines = text.splitlines()

@@ -34,7 +34,7 @@ import functools
 import importlib
 import re
 import sys
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType, ModuleType
 from typing import Any
@@ -45,7 +45,7 @@ from torch import nn
 
 from attnkit.errors import AttentionInputError
 from attnkit.functional import attention
-from attnkit.masks import MaskSpec, causal, key_mask, sliding_window
+from attnkit.masks import MaskSpec, causal, key_mask, sliding_window, unmasked
 
 __all__ = [
     "SPEC_MODEL_TYPES",
@@ -149,28 +149,8 @@ def register_hf(name: str = "attnkit") -> str:
 # the mask function: transformers' rule -> an attnkit spec where provable, else its dense mask
 
 
-class _Unmasked(MaskSpec):
-    """Every pair allowed (transformers' bidirectional rule, no padding).
-
-    :func:`hf_attention` runs it as ``mask=None, causal=False``; it is a spec rather than
-    ``None`` because ``None`` means "decide by ``is_causal``" to the attention function.
-    """
-
-    def key(self) -> Hashable:
-        return ("unmasked",)
-
-    def allowed(self, b, h, q, kv, off):  # type: ignore[no-untyped-def]
-        return (q >= 0) & (kv >= 0)
-
-    def block_bounds(self, q_lo, q_hi, k_lo, k_hi, off):  # type: ignore[no-untyped-def]
-        every = ((q_lo >= 0) & (k_lo >= 0))[None, None]
-        return every, every
-
-    def __repr__(self) -> str:
-        return "unmasked()"
-
-
-UNMASKED: MaskSpec = _Unmasked()
+#: transformers' bidirectional rule without padding: run as ``mask=None, causal=False``
+UNMASKED: MaskSpec = unmasked()
 
 
 @dataclass

@@ -38,11 +38,13 @@ then evaluates the predicate inside it).
 ``spec.digest()`` hashes a spec's content, its rule and the bytes of every tensor it holds, the
 same in any process for the same mask (``digest.py``): ring attention compares it across ranks.
 
-Where things live: the protocol, combinators and :func:`block_states` in ``spec.py``; the
-built-in rules in ``rules.py``; ALiBi in ``alibi.py``; the KV cache's per-sequence causal rule
-in ``sequence.py``; a mask tensor as a spec in ``dense.py``; :func:`row_spans` (a spec as one
-run of keys per query row, where it is one: what attnkit's row-span kernel runs) in
-``spans.py``; and :func:`as_spec`, the one place
+Where things live: the protocol every rule answers and :func:`block_states` in ``base.py``;
+:class:`MaskSpec`, its combinators and its drawing in ``spec.py``; cache keys in ``keys.py``;
+runs of keys per row in ``runs.py``; the built-in rules in ``rules.py``; ALiBi in ``alibi.py``;
+the KV cache's per-sequence causal rule in ``sequence.py``; a mask tensor as a spec in
+``dense.py``; :func:`row_spans` (a spec as one run of keys per query row, where it is one: what
+attnkit's row-span kernel runs) in ``spans.py``; a spec's fields for ``torch.compile`` in
+``fields.py``; and :func:`as_spec`, the one place
 where the ``causal`` flag and a mask combine, in ``normalize.py``. Constructors raise
 :class:`~attnkit.AttentionInputError` with the fix. A spec built from per-key tensors
 (``key_mask``, ``document``) has a ``length``, which must be the call's ``S``; ``to_dense``
@@ -51,7 +53,9 @@ refuses, before allocating, a dense form above attnkit's memory limit (:mod:`att
 """
 
 from attnkit.masks.alibi import alibi, alibi_slopes, split_alibi
+from attnkit.masks.base import EMPTY, FULL, PARTIAL, BlockMap, block_states
 from attnkit.masks.dense import DenseMask
+from attnkit.masks.keys import tensor_key
 from attnkit.masks.normalize import as_spec
 from attnkit.masks.rules import (
     causal,
@@ -63,10 +67,11 @@ from attnkit.masks.rules import (
     padding,
     prefix_lm,
     sliding_window,
+    unmasked,
 )
 from attnkit.masks.sequence import sequence_causal
 from attnkit.masks.spans import key_holes, local_keys, row_spans
-from attnkit.masks.spec import EMPTY, FULL, PARTIAL, BlockMap, MaskSpec, block_states, tensor_key
+from attnkit.masks.spec import MaskSpec
 
 __all__ = [
     "EMPTY",
@@ -94,4 +99,5 @@ __all__ = [
     "sliding_window",
     "split_alibi",
     "tensor_key",
+    "unmasked",
 ]

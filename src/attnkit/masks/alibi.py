@@ -11,7 +11,8 @@ from collections.abc import Hashable
 import torch
 
 from attnkit.errors import check_int
-from attnkit.masks.spec import MaskSpec, _And, tensor_key
+from attnkit.masks.keys import tensor_key
+from attnkit.masks.spec import MaskSpec, _And
 
 __all__ = ["alibi", "alibi_slopes", "split_alibi"]
 

@@ -23,7 +23,30 @@ from typing import Any
 
 import torch
 
-__all__ = ["spec_digest", "tensor_bytes"]
+__all__ = ["Digestible", "spec_digest", "tensor_bytes"]
+
+
+class Digestible:
+    """What has a content digest: every mask spec (:class:`~attnkit.masks.MaskSpec`)."""
+
+    #: attributes that are caches or derived from others, not content: :meth:`digest` skips them
+    digest_ignores: tuple[str, ...] = ()
+
+    def digest(self) -> str:
+        """A hex digest of the spec's content: its class and every value it holds, tensors by
+        their dtype, shape and bytes (on any device). Two specs have the same digest exactly
+        when they are the same rule over the same values, in any process; ring attention
+        compares them across ranks (see :mod:`attnkit.masks.digest`).
+
+        >>> import torch
+        >>> from attnkit.masks import document
+        >>> a, b = document(torch.tensor([0, 0, 1])), document(torch.tensor([0, 1, 1]))
+        >>> repr(a) == repr(b), a.digest() == b.digest()
+        (True, False)
+        >>> a.digest() == document(torch.tensor([0, 0, 1])).digest()
+        True
+        """
+        return spec_digest(self)
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -52,8 +75,6 @@ def _name(x: Any) -> str:
 
 def _feed(h: Any, x: object, seen: set[int]) -> None:
     """Add ``x`` to the hash ``h``; ``seen`` holds the containers being walked (cycles)."""
-    from attnkit.masks.spec import MaskSpec
-
     if x is None or isinstance(x, (bool, int, float, complex, str, bytes)):
         h.update(f"{type(x).__name__}:{x!r};".encode())
     elif isinstance(x, (torch.dtype, torch.device)):
@@ -67,7 +88,7 @@ def _feed(h: Any, x: object, seen: set[int]) -> None:
             h.update(b";")
     elif id(x) in seen:  # a container inside itself
         h.update(b"cycle;")
-    elif isinstance(x, MaskSpec):
+    elif isinstance(x, Digestible):
         seen.add(id(x))
         cls = type(x)
         h.update(f"spec:{_name(cls)}(".encode())

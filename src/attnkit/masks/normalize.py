@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch
 
+from attnkit.masks.base import spec_error
 from attnkit.masks.dense import DenseMask
 from attnkit.masks.rules import causal, causal_mask, is_causal
-from attnkit.masks.spec import MaskSpec, spec_error
+from attnkit.masks.spec import MaskSpec
 from attnkit.memory import exceeds, refuse
 
 __all__ = ["as_spec"]

@@ -10,7 +10,10 @@ from collections.abc import Hashable
 
 import torch
 
-from attnkit.masks.spec import MaskSpec, _Or, spec_error, tensor_key
+from attnkit.masks.base import spec_error
+from attnkit.masks.keys import tensor_key
+from attnkit.masks.runs import HIGH, LOW, Spans, cpu, document_runs, full, key_run
+from attnkit.masks.spec import MaskSpec, _Or
 
 __all__ = [
     "causal",
@@ -21,6 +24,7 @@ __all__ = [
     "padding",
     "prefix_lm",
     "sliding_window",
+    "unmasked",
 ]
 
 
@@ -137,6 +141,9 @@ class _Causal(MaskSpec):
     def block_bounds(self, q_lo, q_hi, k_lo, k_hi, off):  # type: ignore[no-untyped-def]
         return (k_lo <= q_hi + off)[None, None], (k_hi <= q_lo + off)[None, None]
 
+    def key_runs(self, pos: torch.Tensor, off: int) -> Spans:
+        return full(pos, LOW), pos + off
+
     def __repr__(self) -> str:
         return "causal()"
 
@@ -162,6 +169,9 @@ class _Window(MaskSpec):
         gap = torch.clamp(torch.maximum(k_lo - (q_hi + off), (q_lo + off) - k_hi), min=0)
         far = torch.maximum((q_hi + off - k_lo).abs(), (k_hi - (q_lo + off)).abs())
         return (gap < self.size)[None, None], (far < self.size)[None, None]
+
+    def key_runs(self, pos: torch.Tensor, off: int) -> Spans:
+        return pos + off - self.size + 1, pos + off + self.size - 1
 
     def __repr__(self) -> str:
         return f"sliding_window({self.size})"
@@ -212,6 +222,13 @@ class _Padding(MaskSpec):
             any_, all_ = any_ & (q_lo < m), all_ & (q_hi < m)
         return any_, all_
 
+    def key_runs(self, pos: torch.Tensor, off: int) -> Spans:
+        lengths = cpu(self.lengths)[:, None]
+        lo = full(pos, LOW).expand(lengths.shape[0], -1)
+        if self.q_lengths is not None:  # padded query rows see nothing
+            lo = torch.where(pos < cpu(self.q_lengths)[:, None], LOW, HIGH)
+        return lo, (lengths - 1).expand(-1, pos.shape[1])
+
     def __repr__(self) -> str:
         extra = "" if self.q_lengths is None else f", q_lengths={values_str(self.q_lengths)}"
         return f"padding({values_str(self.lengths)}{extra})"
@@ -259,6 +276,19 @@ class _KeyMask(MaskSpec):
         kept = kept.view(B, 1, 1, -1)
         return kept > 0, kept == (k_hi - k_lo + 1).view(1, 1, 1, -1)
 
+    def key_runs(self, pos: torch.Tensor, off: int) -> Spans | None:
+        return key_run(self.keep, pos)
+
+    def split_holes(self) -> tuple[MaskSpec, torch.Tensor | None]:
+        if self.keep.shape[1] == 0:
+            return self, None
+        keep = self.keep.detach().to("cpu")
+        idx = torch.arange(keep.shape[1])
+        first = torch.where(keep, idx, keep.shape[1]).amin(dim=1, keepdim=True)
+        last = torch.where(keep, idx, -1).amax(dim=1, keepdim=True)
+        hull = (idx >= first) & (idx <= last)
+        return (self, None) if torch.equal(hull, keep) else (_KeyMask(hull), keep)
+
     def __repr__(self) -> str:
         return f"key_mask(<bool {tuple(self.keep.shape)}>)"
 
@@ -294,6 +324,9 @@ class _Document(MaskSpec):
         any_ = (lo_q <= hi_k) & (lo_k <= hi_q)
         all_ = (lo_q == hi_q) & (lo_k == hi_k) & (lo_q == lo_k)
         return any_, all_
+
+    def key_runs(self, pos: torch.Tensor, off: int) -> Spans | None:
+        return document_runs(self.ids, pos + off)
 
     def _range(
         self, lo: torch.Tensor, hi: torch.Tensor, S: int
@@ -349,9 +382,31 @@ class _PrefixKeys(MaskSpec):
         n = self.prefix.view(-1, 1, 1, 1) if isinstance(self.prefix, torch.Tensor) else self.prefix
         return k_lo < n, k_hi < n
 
+    def key_runs(self, pos: torch.Tensor, off: int) -> Spans:
+        n = self.prefix
+        hi = cpu(n)[:, None] - 1 if isinstance(n, torch.Tensor) else full(pos, n - 1)
+        return full(pos, LOW), hi.expand(-1, pos.shape[1])
+
     def __repr__(self) -> str:
         n = values_str(self.prefix) if isinstance(self.prefix, torch.Tensor) else self.prefix
         return f"prefix_keys({n})"
+
+
+class _Unmasked(MaskSpec):
+    """Every pair allowed (transformers' bidirectional rule, no padding)."""
+
+    def key(self) -> Hashable:
+        return ("unmasked",)
+
+    def allowed(self, b, h, q, kv, off):  # type: ignore[no-untyped-def]
+        return (q >= 0) & (kv >= 0)
+
+    def block_bounds(self, q_lo, q_hi, k_lo, k_hi, off):  # type: ignore[no-untyped-def]
+        every = ((q_lo >= 0) & (k_lo >= 0))[None, None]
+        return every, every
+
+    def __repr__(self) -> str:
+        return "unmasked()"
 
 
 def is_causal(spec: MaskSpec | None) -> bool:
@@ -407,6 +462,14 @@ def document(ids: torch.Tensor) -> MaskSpec:
     """Packed sequences: ``ids`` ``(S,)`` or ``(B, S)`` gives each position's document; a query
     attends only to keys of its own document (combine with ``causal()`` for causal packing)."""
     return _Document(ids)
+
+
+def unmasked() -> MaskSpec:
+    """Every pair allowed: a spec that stands for "no mask" where ``None`` would mean
+    "decide by ``is_causal``" (what :func:`attnkit.interop.hf_attention` passes for
+    transformers' bidirectional rule without padding; it runs it as ``mask=None,
+    causal=False``)."""
+    return _Unmasked()
 
 
 def prefix_lm(prefix_len: int | torch.Tensor) -> MaskSpec:

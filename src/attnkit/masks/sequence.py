@@ -10,8 +10,10 @@ from collections.abc import Hashable
 
 import torch
 
+from attnkit.masks.keys import tensor_key
 from attnkit.masks.rules import values_str
-from attnkit.masks.spec import MaskSpec, tensor_key
+from attnkit.masks.runs import LOW, Spans, cpu, full
+from attnkit.masks.spec import MaskSpec
 
 __all__ = ["sequence_causal"]
 
@@ -39,6 +41,10 @@ class _SequenceCausal(MaskSpec):
     def block_bounds(self, q_lo, q_hi, k_lo, k_hi, off):  # type: ignore[no-untyped-def]
         start = (self.lengths - self.new).view(-1, 1, 1, 1)  # (B, 1, 1, 1): query 0's position
         return k_lo <= q_hi + start, k_hi <= q_lo + start
+
+    def key_runs(self, pos: torch.Tensor, off: int) -> Spans:
+        start = cpu(self.lengths - self.new)[:, None]
+        return full(pos, LOW).expand(start.shape[0], -1), pos + start
 
     def __repr__(self) -> str:
         return f"sequence_causal(lengths={values_str(self.lengths)}, new={self.new})"

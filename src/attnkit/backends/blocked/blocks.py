@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attnkit.backends.blocked import rowspan, tiles
+import attnkit.backends.blocked.rowspan as rowspan
+import attnkit.backends.blocked.tiles as tiles
 from attnkit.backends.blocked.config import current
 from attnkit.backends.blocked.plan import Plan, make_plan
 from attnkit.backends.blocked.rowspan import SpanPlan

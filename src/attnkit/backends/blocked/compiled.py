@@ -10,25 +10,14 @@ one opaque custom op (``torch.library.custom_op``) with a fake implementation (s
 a backward op of its own. The compiled graph keeps attnkit's block-sparse kernels: the op plans
 the call when it runs, from the real tensors, with the same plan cache as an eager call.
 
-An op cannot take a mask spec (a Python object), so :func:`flatten` (traced by Dynamo: it only
-reads attributes) turns one into what an op takes: its tensors, its ints (symbolic under dynamic
-shapes), its floats, and a string for the rest (the classes and the ``None``/``bool``/``str``
-constants). :func:`rebuild` makes the same spec again inside the op. The string is a constant of
-the graph: a spec of another structure compiles another graph, as any constant does.
-
->>> from attnkit.masks import causal, sliding_window
->>> spec = causal() & sliding_window(4)
->>> tensors, ints, floats, structure = flatten(spec)
->>> 4 in ints, repr(rebuild(tensors, ints, floats, structure))
-(True, 'causal() & sliding_window(4)')
+An op cannot take a mask spec (a Python object): :func:`~attnkit.masks.fields.flatten` takes
+one apart into its tensors, ints, floats and a string of its structure (a constant of the
+graph), and :func:`~attnkit.masks.fields.rebuild` makes the same spec again inside the op; each
+spec class says what it is made of (:meth:`~attnkit.masks.MaskSpec.compile_fields`).
 """
 
 from __future__ import annotations
 
-import ast
-import functools
-import importlib
-import sys
 from typing import Any
 
 import torch
@@ -45,6 +34,7 @@ from attnkit.backends.second_order import Recompute, reference_grads
 from attnkit.call import AttentionCall
 from attnkit.cpu import path_for, to_float32, upcasts
 from attnkit.masks import MaskSpec
+from attnkit.masks.fields import flatten, rebuild
 
 __all__ = ["OP", "flatten", "rebuild", "run", "unsupported"]
 
@@ -56,57 +46,6 @@ OP = "attnkit::blocked_attention"
 _SPEC_ARGS = "Tensor[] tensors, SymInt[] ints, float[] floats, str structure, float[] scale_cap"
 
 
-def _flatten_node(
-    spec: MaskSpec, tensors: list[torch.Tensor], ints: list[Any], floats: list[float]
-) -> tuple[Any, ...] | str:
-    """One spec as ``(module, class name, ((attribute, kind, payload), ...))``; kinds: ``t``
-    tensor, ``i`` int, ``f`` float (payloads: indices into the lists), ``s`` a spec (payload:
-    its node), ``c`` a ``None``/``bool``/``str`` constant (payload: the value). A string:
-    why the spec cannot be taken apart."""
-    cls = type(spec)
-    if "<locals>" in cls.__qualname__:
-        return f"its class {cls.__qualname__} is defined inside a function"
-    items: list[tuple[str, str, Any]] = []
-    for name, value in vars(spec).items():
-        if isinstance(value, torch.Tensor):
-            tensors.append(value)
-            items.append((name, "t", len(tensors) - 1))
-        elif isinstance(value, MaskSpec):
-            node = _flatten_node(value, tensors, ints, floats)
-            if isinstance(node, str):
-                return node
-            items.append((name, "s", node))
-        elif value is None or isinstance(value, (bool, str)):
-            items.append((name, "c", value))
-        elif isinstance(value, (int, torch.SymInt)):
-            ints.append(value)
-            items.append((name, "i", len(ints) - 1))
-        elif isinstance(value, float):
-            floats.append(value)
-            items.append((name, "f", len(floats) - 1))
-        else:
-            return f"{cls.__name__}.{name} is a {type(value).__name__}"
-    return (cls.__module__, cls.__qualname__, tuple(items))
-
-
-def flatten(
-    spec: MaskSpec | None,
-) -> tuple[list[torch.Tensor], list[Any], list[float], str] | str:
-    """``(tensors, ints, floats, structure)``: ``spec`` in the form the op takes
-    (``structure`` is ``""`` for no mask); or why it cannot be taken apart (a string: its
-    class is local to a function, or an attribute is neither a tensor, a spec, a number, a
-    string nor ``None``)."""
-    tensors: list[torch.Tensor] = []
-    ints: list[Any] = []
-    floats: list[float] = []
-    if spec is None:
-        return tensors, ints, floats, ""
-    node = _flatten_node(spec, tensors, ints, floats)
-    if isinstance(node, str):
-        return node
-    return tensors, ints, floats, repr(node)
-
-
 def unsupported(call: AttentionCall) -> str | None:
     """Why the op cannot run ``call`` (its spec cannot be taken apart), or ``None``."""
     flat = flatten(call.mask)
@@ -116,48 +55,6 @@ def unsupported(call: AttentionCall) -> str | None:
             f"numbers and the names of its classes, but {flat}"
         )
     return None
-
-
-@functools.lru_cache(maxsize=256)
-def _parse(structure: str) -> Any:
-    return ast.literal_eval(structure)
-
-
-@functools.lru_cache(maxsize=256)
-def _class(module: str, qualname: str) -> type[MaskSpec]:
-    obj: Any = sys.modules.get(module) or importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    if not (isinstance(obj, type) and issubclass(obj, MaskSpec)):
-        raise TypeError(f"{module}.{qualname} is not a MaskSpec class")
-    return obj
-
-
-def _rebuild_node(
-    node: Any, tensors: list[torch.Tensor], ints: list[int], floats: list[float]
-) -> MaskSpec:
-    module, qualname, items = node
-    cls = _class(module, qualname)
-    spec = cls.__new__(cls)
-    values: dict[str, list[Any]] = {"t": tensors, "i": ints, "f": floats}
-    for name, kind, payload in items:
-        if kind == "s":
-            value: Any = _rebuild_node(payload, tensors, ints, floats)
-        elif kind == "c":
-            value = payload
-        else:
-            value = values[kind][payload]
-        spec.__dict__[name] = value
-    return spec
-
-
-def rebuild(
-    tensors: list[torch.Tensor], ints: list[int], floats: list[float], structure: str
-) -> MaskSpec | None:
-    """The spec :func:`flatten` took apart (with these tensors and numbers)."""
-    if not structure:
-        return None
-    return _rebuild_node(_parse(structure), tensors, ints, floats)
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
