@@ -10,7 +10,14 @@ import torch
 
 import attnkit
 from attnkit import AttentionCall, AttentionInputError, attention, explain
-from attnkit.backends import AUTO_ORDER, Backend, get_backend, register_backend, unregister_backend
+from attnkit.backends import (
+    AUTO_ORDER,
+    Backend,
+    Decision,
+    get_backend,
+    register_backend,
+    unregister_backend,
+)
 from oracle import reference_attention
 
 
@@ -23,11 +30,15 @@ class Float64Reference(Backend):
 
     def __init__(self) -> None:
         self.calls: list[AttentionCall] = []
+        self.decided: list[AttentionCall] = []
 
-    def check(self, call: AttentionCall) -> str | None:
-        return "no weights here" if call.return_weights else None
+    def decide(self, call: AttentionCall) -> Decision:
+        self.decided.append(call)
+        if call.return_weights:
+            return Decision(self.name, reason="no weights here")
+        return Decision(self.name)
 
-    def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, call: AttentionCall, plan: None) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.calls.append(call)
         mask = call.dense_mask()
         q, k, v = (t.double() for t in (call.q, call.k, call.v))
@@ -59,6 +70,7 @@ def test_a_toy_backend_registers_in_one_class() -> None:
         assert torch.allclose(got.double(), want, atol=1e-6)
         assert isinstance(toy, Float64Reference)
         assert len(toy.calls) == 1
+        assert toy.decided == toy.calls  # asked once, for the call it ran
         call = toy.calls[0]
         assert (call.dims.L, call.dims.S, call.scale) == (5, 7, 1 / math.sqrt(8))
         assert explain(q, k, v).chosen != "test-float64"  # priority None: only when named
