@@ -3,12 +3,9 @@
 Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
 Dk query/key head dim, Dv value head dim.
 
-:func:`attnkit.validate.make_call` is the one door in: it validates the arguments, folds the
-``causal`` flag and the mask into one spec (:func:`attnkit.masks.as_spec`) and fixes the scale.
-Backends then read the call and ask it for the form of the mask they take:
-:attr:`AttentionCall.mask` (a spec, for block-sparse backends), :meth:`AttentionCall.dense_mask`
-(a tensor, materialised once per call) or :attr:`AttentionCall.causal` (the bare causal rule,
-for kernels with a causal flag).
+Built by :func:`attnkit.validate.make_call` (step 1 of the path of a call, described once in
+:mod:`attnkit.backends`); a backend reads the form of the mask it takes from it:
+:attr:`AttentionCall.mask`, :meth:`AttentionCall.dense_mask` or :attr:`AttentionCall.causal`.
 """
 
 from __future__ import annotations

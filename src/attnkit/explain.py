@@ -31,9 +31,10 @@ class Explanation:
     it cannot. ``rules`` maps each backend that can serve the call and has an auto rule for it
     to ``(fires, why)``; ``rule`` is the line that decided auto's choice; ``notes`` holds what
     backends add (a plan, a compile state); ``device`` is the device type auto planned for (its
-    order and the backends' descriptions depend on it). ``cpu_path`` is the path of a bfloat16/float16 CPU call
-    (:mod:`attnkit.cpu`: ``native``, ``fp32-upcast``, ``torch``), else ``None``; ``described``
-    the chosen backend's description on that device. ``str()`` renders the report.
+    order and the backends' descriptions depend on it). ``cpu_path`` is the path of a
+    bfloat16/float16 CPU call (:mod:`attnkit.cpu`: ``native``, ``fp32-upcast``, ``torch``),
+    else ``None``; ``described`` the chosen backend's description on that device. ``str()``
+    renders the report.
     """
 
     chosen: str

@@ -99,6 +99,7 @@ from attnkit.backends.registry import (
     available_backends,
     decision,
     get_backend,
+    ordered,
     register_backend,
     unregister_backend,
 )
@@ -126,9 +127,10 @@ class Choice(NamedTuple):
     """What :func:`choose` found for one call: the decision that runs, and every decision it
     asked for (all registered backends for :func:`attnkit.explain`).
 
-    ``limits`` holds, for each decision that serves the call but whose memory is above attnkit's
-    limit, that limit in bytes; ``fallback``: ``auto`` took a backend whose rule does not fire,
-    because those whose rule fires are above the limit.
+    ``limits`` holds, for each decision that serves the call and whose L x S memory was held to
+    attnkit's limit, that limit in bytes where the memory is above it (``None`` where within);
+    ``fallback``: ``auto`` took a backend whose rule does not fire, because those whose rule
+    fires are above the limit.
     """
 
     call: AttentionCall
@@ -137,7 +139,7 @@ class Choice(NamedTuple):
     requested: str
     where: str
     decisions: dict[str, Decision]
-    limits: dict[str, int]
+    limits: dict[str, int | None]
     fallback: bool = False
 
     @property
@@ -166,12 +168,13 @@ class Choice(NamedTuple):
         """``None`` where backend ``name`` can serve the call within the memory limit, else why
         not, in explain's words."""
         d = self.decisions[name]
-        if d.reason is not None or name not in self.limits or d.memory is None:
+        limit = self.limits.get(name)
+        if d.reason is not None or limit is None or d.memory is None:
             return d.reason
         nbytes, what = d.memory
         return (
             f"{what} would take {format_bytes(nbytes)}, above attnkit's memory limit of "
-            f"{format_bytes(self.limits[name])}"
+            f"{format_bytes(limit)}"
         )
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -189,116 +192,117 @@ class Choice(NamedTuple):
 
 
 def choose(
-    call: AttentionCall, backend: str = "auto", where: str = "attnkit.attention", every: bool = False
+    call: AttentionCall,
+    backend: str = "auto",
+    where: str = "attnkit.attention",
+    every: bool = False,
 ) -> Choice:
     """The decision that runs ``call`` on ``backend`` (``"auto"`` or a name), as a
     :class:`Choice`; raises where a named backend cannot serve it, or nothing fits the memory
     limit. ``every``: ask every registered backend (for :func:`attnkit.explain`), not only
     those the choice needs."""
-    asked = _Asked(call, where)
+    decisions: dict[str, Decision] = {}
+    limits: dict[str, int | None] = {}
     fallback = False
     if backend == "auto":
-        chosen, fallback = asked.auto()
+        chosen, fallback = _auto(call, where, decisions, limits)
     else:
-        chosen = asked.named(backend)
+        chosen = _named(call, backend, where, decisions, limits)
     if every:
         for name in available_backends():
-            d = asked.decisions.get(name) or asked(name)
+            d = decisions.get(name) or _ask(call, name, decisions)
             if d.serves:
-                asked.within(d)
+                _within(call, d, limits)
     return Choice(
-        call,
-        get_backend(chosen.backend),
-        chosen,
-        backend,
-        where,
-        asked.decisions,
-        asked.limits,
-        fallback,
+        call, get_backend(chosen.backend), chosen, backend, where, decisions, limits, fallback
     )
 
 
-class _Asked:
-    """The decisions :func:`choose` asked for one call, and the memory limit of each that
-    serves it, each found once."""
+def _ask(call: AttentionCall, name: str, decisions: dict[str, Decision]) -> Decision:
+    d = decisions[name] = decision(call, name)
+    return d
 
-    def __init__(self, call: AttentionCall, where: str) -> None:
-        self.call, self.where = call, where
-        self.decisions: dict[str, Decision] = {}
-        self.limits: dict[str, int] = {}
-        self.fits: dict[str, bool] = {}
 
-    def __call__(self, name: str) -> Decision:
-        d = self.decisions[name] = decision(self.call, name)
-        return d
+def _within(call: AttentionCall, d: Decision, limits: dict[str, int | None]) -> bool:
+    """``d``'s memory is within attnkit's limit, checked once per decision (``limits`` holds the
+    limit where above, ``None`` where within); always while ``torch.compile`` traces: the guard
+    reads the free memory, which a graph cannot."""
+    if d.memory is None or torch.compiler.is_compiling():
+        return True
+    if d.backend not in limits:
+        limits[d.backend] = exceeds(d.memory[0], call.q.device)
+    return limits[d.backend] is None
 
-    def within(self, d: Decision) -> bool:
-        """``d``'s memory is within attnkit's limit (always while ``torch.compile`` traces: the
-        guard reads the free memory, which a graph cannot)."""
-        if d.memory is None or torch.compiler.is_compiling():
-            return True
-        fits = self.fits.get(d.backend)
-        if fits is None:
-            limit = exceeds(d.memory[0], self.call.q.device)
-            if limit is not None:
-                self.limits[d.backend] = limit
-            fits = self.fits[d.backend] = limit is None
-        return fits
 
-    def too_big(self, d: Decision) -> AttentionInputError:
-        assert d.memory is not None
-        return too_big_error(self.where, self.call, d.backend, *d.memory, self.limits[d.backend])
+def _too_big(where: str, call: AttentionCall, d: Decision, limit: int | None) -> Exception:
+    assert d.memory is not None
+    assert limit is not None
+    return too_big_error(where, call, d.backend, *d.memory, limit)
 
-    def auto(self) -> tuple[Decision, bool]:
-        """``auto``'s decision: the first in its order that serves, fires and fits (``False``);
-        else the first that serves and fits (``True``); else the memory error."""
-        order = auto_order(self.call.device_type)
-        too_big: Decision | None = None
-        for name in order:
-            d = self(name)
-            if d.serves and d.fires:
-                if self.within(d):
-                    return d, False
-                too_big = too_big or d
-        if too_big is not None:  # then any backend that serves the call within the limit
-            for name in order:
-                d = self.decisions[name]  # every one in the order was asked above
-                if d.serves and not d.fires and self.within(d):
-                    return d, True
-            raise self.too_big(too_big)
-        raise AttentionInputError(  # unreachable while `math` serves every call
-            self.where,
+
+def _auto(
+    call: AttentionCall,
+    where: str,
+    decisions: dict[str, Decision],
+    limits: dict[str, int | None],
+) -> tuple[Decision, bool]:
+    """``auto``'s decision: the first in its order that serves, fires and fits (``False``);
+    else the first that serves and fits (``True``); else the memory error. The backends after
+    the one taken are not asked."""
+    order = ordered(call.device_type)
+    too_big: Decision | None = None
+    for backend in order:
+        d = _ask(call, backend.name, decisions)
+        if d.reason is None and (d.rule is None or d.rule[0]):
+            if _within(call, d, limits):
+                return d, False
+            too_big = too_big or d
+    if too_big is not None:  # then any backend that serves the call within the limit
+        for backend in order:
+            d = decisions[backend.name]  # every one in the order was asked above
+            if d.serves and not d.fires and _within(call, d, limits):
+                return d, True
+        raise _too_big(where, call, too_big, limits[too_big.backend])
+    raise AttentionInputError(  # unreachable while `math` serves every call
+        where,
+        "backend",
+        "no registered backend can serve this call.",
+        got=f"backends tried: {', '.join(b.name for b in order)}",
+        expected="at least one backend that serves the call",
+        fix="attnkit.explain(...) with the same arguments lists each backend's reason",
+    )
+
+
+def _named(
+    call: AttentionCall,
+    backend: str,
+    where: str,
+    decisions: dict[str, Decision],
+    limits: dict[str, int | None],
+) -> Decision:
+    """The decision of the backend named ``backend``, which must serve the call and fit."""
+    if not isinstance(backend, str) or backend not in available_backends():
+        raise AttentionInputError(
+            where,
             "backend",
-            "no registered backend can serve this call.",
-            got=f"backends tried: {', '.join(order)}",
-            expected="at least one backend that serves the call",
-            fix="attnkit.explain(...) with the same arguments lists each backend's reason",
+            f"unknown backend {backend!r}.",
+            got=f"backend={backend!r}",
+            expected=f"'auto' or one of {available_backends()}",
+            fix="backend='auto' picks the fastest backend that can serve the call",
         )
-
-    def named(self, backend: str) -> Decision:
-        """The decision of the backend named ``backend``, which must serve the call and fit."""
-        if not isinstance(backend, str) or backend not in available_backends():
-            raise AttentionInputError(
-                self.where,
-                "backend",
-                f"unknown backend {backend!r}.",
-                got=f"backend={backend!r}",
-                expected=f"'auto' or one of {available_backends()}",
-                fix="backend='auto' picks the fastest backend that can serve the call",
-            )
-        d = self(backend)
-        if d.reason is not None:
-            raise AttentionInputError(
-                self.where,
-                "backend",
-                f"backend {backend!r} cannot serve this call: {d.reason}.",
-                got=f"backend={backend!r}",
-                expected="a backend that can serve the call (attnkit never falls back silently)",
-                fix="backend='auto' takes one that can; attnkit.explain(...) shows why",
-            )
-        if not self.within(d):
-            raise self.too_big(d)
-        return d
+    d = _ask(call, backend, decisions)
+    if d.reason is not None:
+        raise AttentionInputError(
+            where,
+            "backend",
+            f"backend {backend!r} cannot serve this call: {d.reason}.",
+            got=f"backend={backend!r}",
+            expected="a backend that can serve the call (attnkit never falls back silently)",
+            fix="backend='auto' takes one that can; attnkit.explain(...) shows why",
+        )
+    if not _within(call, d, limits):
+        raise _too_big(where, call, d, limits[backend])
+    return d
 
 
 def _register_builtin() -> None:

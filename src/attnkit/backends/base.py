@@ -113,7 +113,8 @@ def mask_planning(call: AttentionCall) -> tuple[int, str] | None:
     """The L x S memory of a backend that plans a mask block by block (``blocked``, ``flex``):
     a mask tensor is planned from int64 prefix sums of its shape (a spec of rules needs none),
     so that ``auto`` passes the backend over where they would not fit."""
-    nbytes = 0 if call.mask is None else call.mask.planning_bytes()
+    spec = call.mask
+    nbytes = 0 if spec is None or not spec.from_tensor else spec.planning_bytes()
     if not nbytes:
         return None
     return nbytes, "int64 prefix sums of the mask tensor, to plan its blocks"

@@ -42,9 +42,12 @@ class MathBackend(Backend):
             what += " and the mask spec materialised"
         rule = None
         if call.device_type == "cuda":
-            rule = True, (
-                "the dense fallback, taken only because no fused backend can serve this call "
-                "(their reasons are below): it builds the (B, H, L, S) weights"
+            rule = (
+                True,
+                (
+                    "the dense fallback, taken only because no fused backend can serve this call "
+                    "(their reasons are below): it builds the (B, H, L, S) weights"
+                ),
             )
         note = None
         if call.explaining and call.upcast:

@@ -30,16 +30,30 @@ AUTO_ORDER: list[str] = []
 _OLD_HOOKS = ("check", "rule", "note", "dense_allocation")
 
 
+#: auto's order per device type, as :func:`auto_order` ranks it (cleared when the registry
+#: changes: a backend's priority places it when it is registered)
+_ORDERS: dict[str, tuple[Backend, ...]] = {}
+
+
 def auto_order(device_type: str = "cpu") -> list[str]:
     """The backends ``auto`` tries on ``device_type``, by descending priority there
     (:meth:`Backend.priority_on`); on CPU (and any device no backend names) this is
     :data:`AUTO_ORDER`."""
-    ranked = [b for b in _REGISTRY.values() if b.priority_on(device_type) is not None]
-    ranked.sort(key=lambda b: -(b.priority_on(device_type) or 0))  # stable: by registration
-    return [b.name for b in ranked]
+    return [b.name for b in ordered(device_type)]
+
+
+def ordered(device_type: str) -> tuple[Backend, ...]:
+    """The backends of :func:`auto_order`, ranked once per device type and registry."""
+    found = _ORDERS.get(device_type)
+    if found is None:
+        ranked = [b for b in _REGISTRY.values() if b.priority_on(device_type) is not None]
+        ranked.sort(key=lambda b: -(b.priority_on(device_type) or 0))  # stable: registration
+        found = _ORDERS[device_type] = tuple(ranked)
+    return found
 
 
 def _reorder() -> None:
+    _ORDERS.clear()
     AUTO_ORDER[:] = auto_order("cpu")
 
 

@@ -89,7 +89,7 @@ def _refusal(call: AttentionCall) -> str | None:
             f"value head dim Dv={v.shape[-1]} differs from Dk={q.shape[-1]}; "
             "torch would drop to its math path"
         )
-    if any(t.stride(-1) != 1 for t in (q, k, v)):
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         return "q, k or v has a last dim that is not contiguous (stride != 1)"
     if device == "cpu":
         if call.dropout_p > 0.0:
@@ -99,9 +99,7 @@ def _refusal(call: AttentionCall) -> str | None:
     return None
 
 
-def _cuda_refusal(
-    call: AttentionCall, plan: _Plan, memory: tuple[int, str] | None
-) -> str | None:
+def _cuda_refusal(call: AttentionCall, plan: _Plan, memory: tuple[int, str] | None) -> str | None:
     """torch's own public rules on CUDA (not run on the CPU-only test machine). They read the
     mask, so it is materialised here, not above the memory limit."""
     if memory is not None and exceeds(memory[0], call.q.device) is not None:
@@ -139,16 +137,16 @@ class SdpaBackend(Backend):
         spec materialised for torch."""
         reason = _refusal(call)
         if reason is not None:
-            return Decision(self.name, reason=reason)
+            return Decision(self.name, reason)
         plan = _plan(call)
         memory = _memory(call, plan)
         if call.device_type == "cuda":
             reason = _cuda_refusal(call, plan, memory)
             if reason is not None:
-                return Decision(self.name, reason=reason)
+                return Decision(self.name, reason)
             memory = None  # the mask torch's rules read is materialised: nothing more to allocate
         note = _note(call, plan) if call.explaining else None
-        return Decision(self.name, memory=memory, plan=plan, note=note)
+        return Decision(self.name, None, None, memory, plan, note)
 
     def run(
         self, call: AttentionCall, plan: _Plan | None = None

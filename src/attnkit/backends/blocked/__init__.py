@@ -161,7 +161,7 @@ class _BlockedAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None
 
 
-def _refusal(call: AttentionCall) -> str | None:
+def _refusal(call: AttentionCall, compiling: bool) -> str | None:
     """Why blocked cannot serve the call, or ``None``."""
     if call.return_weights:
         return "it never forms the attention weights (return_weights=True)"
@@ -171,17 +171,17 @@ def _refusal(call: AttentionCall) -> str | None:
         return "it does not differentiate a float mask"
     if call.q.device.type == "meta":
         return "it plans from the mask's values, and meta tensors have none"
-    if torch.compiler.is_compiling():
+    if compiling:
         return compiled.unsupported(call)
     return None
 
 
-def _plain_causal(call: AttentionCall) -> bool:
+def _plain_causal(call: AttentionCall, compiling: bool) -> bool:
     """A plain causal CPU call large enough for auto's rule to ask whether the row-span kernel
     runs it (not while torch.compile traces, where SDPA keeps them)."""
-    extras = call.softcap is not None or call.sinks is not None
-    big = call.dims.L * call.dims.S >= rowspan.CAUSAL_MIN_PAIRS
-    return not extras and call.causal and big and not torch.compiler.is_compiling()
+    if compiling or call.softcap is not None or call.sinks is not None:
+        return False
+    return call.dims.L * call.dims.S >= rowspan.CAUSAL_MIN_PAIRS and call.causal
 
 
 def _rule(call: AttentionCall, causal_plan: BlockPlan | None) -> tuple[bool, str]:
@@ -248,31 +248,26 @@ class BlockedBackend(Backend):
         (a large plain causal call: does the row-span kernel run it?), where the rule fires
         (auto will run it), and for explain's note; else when it runs, so that a decision
         auto passes over plans nothing. Inside ``torch.compile`` the custom op plans."""
-        reason = _refusal(call)
+        compiling = torch.compiler.is_compiling()
+        reason = _refusal(call, compiling)
         if reason is not None:
-            return Decision(self.name, reason=reason)
-        plan = _plan(call) if _plain_causal(call) else None
+            return Decision(self.name, reason)
+        plan = _plan(call) if _plain_causal(call, compiling) else None
         rule = _rule(call, plan)
-        dense = call.mask is not None and call.mask.from_tensor  # planning reads the whole mask
-        eager = not torch.compiler.is_compiling()
-        if plan is None and eager and (rule[0] or (call.explaining and not dense)):
+        spec = call.mask
+        dense = spec is not None and spec.from_tensor  # planning reads the whole mask
+        if plan is None and not compiling and (rule[0] or (call.explaining and not dense)):
             plan = _plan(call)
         note = self._note(call, plan) if call.explaining else None
+        device = call.device_type
         described = None
-        if call.device_type != "cpu":
+        if device != "cpu":
             described = (
                 "block-sparse online softmax: visits only non-empty blocks of a mask spec, "
-                f"torch matmuls on tiles on {call.device_type} (no fused kernel), own backward "
-                "(memory grows with L)"
+                f"torch matmuls on tiles on {device} (no fused kernel), own backward (memory "
+                "grows with L)"
             )
-        return Decision(
-            self.name,
-            rule=rule,
-            memory=mask_planning(call),
-            plan=plan,
-            note=note,
-            description=described,
-        )
+        return Decision(self.name, None, rule, mask_planning(call), plan, note, described)
 
     def run(
         self, call: AttentionCall, plan: BlockPlan | None = None
