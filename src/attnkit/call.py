@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -73,6 +73,9 @@ class AttentionCall:
     explaining: bool = False
     cpu_path: str | None = None
     _dense: dict[str, torch.Tensor | None] = field(default_factory=dict, repr=False)
+    #: each backend's :class:`~attnkit.backends.Decision` for this call, asked once
+    #: (:func:`attnkit.backends.registry.decision`)
+    _decisions: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(

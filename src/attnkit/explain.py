@@ -1,5 +1,8 @@
 """``explain()``: which backend :func:`attnkit.attention` takes for a call, and why not the others.
 
+It prints the decisions the dispatcher makes for the call (see :mod:`attnkit.backends` for the
+path of a call), every registered backend's, each asked once.
+
 Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
 Dk query/key head dim, Dv value head dim.
 """
@@ -11,18 +14,10 @@ from dataclasses import dataclass, field
 import torch
 
 from attnkit import cpu
-from attnkit.backends import (
-    auto_order,
-    available_backends,
-    choose,
-    get_backend,
-    over_limit,
-    rule_of,
-)
+from attnkit.backends import auto_order, available_backends, choose, get_backend
 from attnkit.call import AttentionCall, Dims
 from attnkit.mask_checks import check_mask
 from attnkit.masks import MaskSpec
-from attnkit.memory import format_bytes
 from attnkit.validate import check_qkv, check_scalars, check_sinks, warn_if_inverted_causal
 
 __all__ = ["Explanation", "explain"]
@@ -33,11 +28,12 @@ class Explanation:
     """What :func:`explain` found: the backend chosen and each backend's verdict.
 
     ``verdicts`` maps each registered backend to ``None`` (it can serve the call) or the reason
-    it cannot. ``rules`` maps each backend with an auto rule to ``(fires, why)``; ``rule`` is
-    the line that decided auto's choice; ``notes`` holds what backends add (a plan, a compile
-    state); ``device`` is the device type auto planned for (its order and the backends'
-    descriptions depend on it). ``cpu_path`` is the path of a bfloat16/float16 CPU call
-    (:mod:`attnkit.cpu`: ``native``, ``fp32-upcast``, ``torch``), else ``None``. ``str()``
+    it cannot. ``rules`` maps each backend that can serve the call and has an auto rule for it
+    to ``(fires, why)``; ``rule`` is the line that decided auto's choice; ``notes`` holds what
+    backends add (a plan, a compile state); ``device`` is the device type auto planned for (its
+    order and the backends' descriptions depend on it). ``cpu_path`` is the path of a
+    bfloat16/float16 CPU call (:mod:`attnkit.cpu`: ``native``, ``fp32-upcast``, ``torch``),
+    else ``None``; ``described`` the chosen backend's description on that device. ``str()``
     renders the report.
     """
 
@@ -51,11 +47,12 @@ class Explanation:
     notes: dict[str, str] = field(default_factory=dict)
     device: str = "cpu"
     cpu_path: str | None = None
+    described: str = ""
 
     def __str__(self) -> str:
         lines = [f"attnkit.explain: {self.summary}"]
         if self.requested == "auto":
-            described = get_backend(self.chosen).describe(self.device)
+            described = self.described or get_backend(self.chosen).description
             lines.append(f"  auto takes: {self.chosen} ({described})")
             lines.append(f"  auto's rule: {self.rule}")
             if self.chosen in self.notes:
@@ -157,40 +154,27 @@ def explain(
         dropout_p=dropout_p, return_weights=return_weights, softcap=softcap, sinks=sinks,
         explaining=True,
     )  # fmt: skip
-    chosen = choose(call, backend, where)
-    backends = {name: get_backend(name) for name in available_backends()}
-    verdicts = {name: b.check(call) for name, b in backends.items()}
-    for name, b in backends.items():
-        over = over_limit(b, call) if verdicts[name] is None else None
-        if over is not None:
-            (nbytes, what), limit = over
-            verdicts[name] = (
-                f"{what} would take {format_bytes(nbytes)}, above attnkit's memory limit of "
-                f"{format_bytes(limit)}"
-            )
-    rules = {name: rule for name, b in backends.items() if (rule := b.rule(call)) is not None}
+    choice = choose(call, backend, where, every=True)  # every backend's decision, once each
+    names = available_backends()
+    verdicts = {name: choice.verdict(name) for name in names}
+    decisions = [choice.decisions[name] for name in names]
+    rules = {d.backend: d.rule for d in decisions if d.rule is not None}
     notes = {
-        name: note
-        for name, b in backends.items()
-        if verdicts[name] is None and (note := b.note(call)) is not None
+        d.backend: d.note for d in decisions if verdicts[d.backend] is None and d.note is not None
     }
     d = call.dims
     summary = _summary(call, mask, causal)
-    fires, why = rule_of(chosen, call)
-    if not fires:  # auto's second pass: the backends whose rule fires are above the memory limit
-        why = (
-            "the backends whose rule fires would allocate L x S tensors above attnkit's memory "
-            f"limit; {chosen.name} is the first in auto's order that serves the call within it"
-        )
+    chosen = choice.decision
     return Explanation(
-        chosen.name,
+        chosen.backend,
         backend,
         d,
         summary,
         verdicts,
         rules,
-        why,
+        choice.why,
         notes,
         call.device_type,
         call.cpu_path,
+        chosen.description or choice.backend.description,
     )

@@ -1,5 +1,5 @@
-"""``attention()``: build the call -> choose a backend -> run it (see :mod:`attnkit.backends`
-for the path of one call, hop by hop).
+"""``attention()``, the one entry point; the path of a call is described in
+:mod:`attnkit.backends`.
 
 Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
 Dk query/key head dim, Dv value head dim.
@@ -11,7 +11,7 @@ from typing import Literal, NamedTuple, overload
 
 import torch
 
-from attnkit.backends import choose, nonfinite, second_order
+from attnkit.backends import choose
 from attnkit.call import AttentionCall
 from attnkit.inspect.tracing import record_attention, recording
 from attnkit.mask_checks import check_mask
@@ -156,10 +156,8 @@ def attention(
 def run_call(call: AttentionCall, backend: str = "auto", where: str = WHERE) -> AttentionOutput:
     """Run a call built by :meth:`AttentionCall.build` on ``backend`` ("auto" or a name):
     always ``(output, weights or None)``. The modules build their calls and run them here."""
-    chosen = choose(call, backend, where)
-    out, weights = nonfinite.serve(chosen, call)  # NaN or inf in q, k, v: NaN where it reaches
-    if weights is None and not chosen.twice_differentiable:  # second derivatives: the math
-        out = second_order.wrap(call, chosen.name, out, where)  # backend's, or refused
+    choice = choose(call, backend, where)
+    out, weights = choice.run()
     if recording():  # attnkit.trace() is open: record shapes into this thread's traces
-        record_attention(call.q, call.k, call.v, out, chosen.name, chosen.fused)
+        record_attention(call.q, call.k, call.v, out, choice.name, choice.backend.fused)
     return AttentionOutput(out, weights)

@@ -203,3 +203,28 @@ def test_choosing_flex_for_a_large_spec_builds_no_mask(on_cuda: None) -> None:
     assert choose(call, "auto", "test").name == "flex"
     assert call.dense_mask_bytes() > 0  # still to build: nothing was materialised
     assert "dense" not in call._dense
+
+
+def test_flex_reads_sdpas_decision_and_nobody_asks_torch_twice(
+    on_cuda: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """flex's CUDA rule ("what sdpa cannot serve") reads the registered sdpa's decision for the
+    call; the dispatcher and explain reuse it, so torch's rules are asked once per call."""
+    asked: list[str] = []
+
+    def counted(*args: object) -> str | None:
+        asked.append("cuda_fused_kernel")
+        return _h100_rules(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sdpa, "cuda_fused_kernel", counted)
+    q, k, v = _qkv(H=32, Hkv=8, dtype=torch.float32)  # grouped float32: no fused SDPA kernel
+    call = make_call(q, k, v, None, True, None, 0.0, where="test")
+    choice = choose(call, "auto", "test")
+    assert choice.name == "flex"
+    assert list(choice.decisions) == ["flex"]  # sdpa was asked by flex's rule, for the call
+    assert call._decisions["sdpa"].reason is not None
+    assert asked == ["cuda_fused_kernel"]
+    e = attnkit.explain(q, k, v, causal=True)
+    assert e.chosen == "flex"
+    assert asked == ["cuda_fused_kernel"] * 2  # one more call, asked once
+    assert "torch reports no fused CUDA kernel" in str(e.verdicts["sdpa"])

@@ -79,7 +79,9 @@ def test_check_agrees_with_torch_fused_dispatch(
     L, S = LS
     q, k, v, mask = _tensors(dtype, Dv, Hkv, strided, mask_kind, mask_grad, L, S)
     torch_fused = _torch_runs_fused(q, k, v, mask, dropout_p, backward=mask_grad)
-    reason = SDPA.check(make_call(q, k, v, mask, False, 0.25, dropout_p, False, where="test"))
+    reason = SDPA.decide(
+        make_call(q, k, v, mask, False, 0.25, dropout_p, False, where="test")
+    ).reason
     assert (reason is None) == torch_fused, reason
     chosen = attnkit.explain(q, k, v, mask=mask, dropout_p=dropout_p).chosen
     assert chosen == ("sdpa" if torch_fused else "math")
@@ -88,7 +90,7 @@ def test_check_agrees_with_torch_fused_dispatch(
 def test_return_weights_is_never_sdpa() -> None:
     q = torch.randn(1, 2, 4, 8)
     assert "weights" in str(
-        SDPA.check(make_call(q, q, q, None, False, 1.0, 0.0, True, where="test"))
+        SDPA.decide(make_call(q, q, q, None, False, 1.0, 0.0, True, where="test")).reason
     )
     assert attnkit.explain(q, q, q, return_weights=True).chosen == "math"
 

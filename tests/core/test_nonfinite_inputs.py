@@ -23,9 +23,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnkit
-from attnkit import AttentionMaskWarning, KVCache, masks
-from attnkit.backends import nonfinite
+from attnkit import AttentionCall, AttentionMaskWarning, KVCache, masks
+from attnkit.backends import Backend, nonfinite, register_backend, unregister_backend
 from attnkit.masks import MaskSpec
+from calls import make_call
 from oracle import naive_bound, reference_attention
 from strategies import Sizes, qkv, span_specs, specs
 
@@ -37,7 +38,10 @@ SIZES = Sizes(
     head_dims=(4, 8),
     value_dims=(3, 8),
 )
-BACKENDS = ["auto", "math", "sdpa", "blocked"]
+#: every backend the library registers, and auto: the rule is part of the contract each runs
+#: under (:mod:`attnkit.backends`), so a new backend is held to it here with no test of its own
+REGISTERED = attnkit.available_backends()
+BACKENDS = ["auto", *REGISTERED]
 BAD = (math.nan, math.inf, -math.inf)
 MASK_KINDS = ["none", "bool", "float", "spec", "span spec", "causal", "causal+bool"]
 
@@ -120,6 +124,18 @@ def _servable(case: Case, backend: str, **kw: object) -> bool:
             case.q, case.k, case.v, mask=case.mask, causal=case.causal, **case.extra, **kw
         ).verdicts
     return verdicts[backend] is None
+
+
+def _skip_unless_served(
+    backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object
+) -> None:
+    """Skip a fixed-size test for a backend that serves no call of its kind (flex on CPU: one
+    128 x 128 block, or a gradient); :func:`test_every_registered_backend_follows_the_rule`
+    finds a call each backend serves."""
+    if backend != "auto":
+        why = attnkit.explain(q, k, v, **kw).verdicts[backend]  # type: ignore[arg-type]
+        if why is not None:
+            pytest.skip(f"{backend} cannot serve this call: {why}")
 
 
 def _oracle(case: Case, **kw: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,6 +225,7 @@ def test_a_loss_that_reads_a_nan_row_gets_nan_gradients(backend: str) -> None:
     q, k, v = _qkv()
     v[0, 1, 3, 2] = math.nan
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    _skip_unless_served(backend, q, k, v, causal=True)
     out = attnkit.attention(q, k, v, causal=True, backend=backend)
     assert out[0, 2:4, 3:].isnan().all()
     assert torch.isfinite(out[0, 2:4, :3]).all()
@@ -299,6 +316,117 @@ def test_a_shared_key_value_tensor_and_a_nan_query_together() -> None:
     _same_rows(res.weights, ref_w, 1e-5)
 
 
+def _contract_cases() -> list[Case]:
+    """Calls with NaN and inf in q, k and v that every registered backend serves one of, the
+    smallest first: float64 and float32 with a spec, and one past flex's one-block refusal
+    (the shapes and spec structure of tests/backends/test_flex.py, whose kernel it reuses)."""
+    found = []
+    for dtype in (torch.float64, torch.float32):
+        g = torch.Generator().manual_seed(5)
+        q = torch.randn(2, 4, 6, 8, generator=g, dtype=dtype)
+        k = torch.randn(2, 2, 9, 8, generator=g, dtype=dtype)
+        v = torch.randn(2, 2, 9, 8, generator=g, dtype=dtype)
+        spec = masks.causal() & masks.sliding_window(4)
+        bad = [
+            ("k", (0, 1, 5, 3), math.nan),
+            ("v", (1, 0, 8, 0), math.inf),
+            ("q", (1, 3, 2, 1), -math.inf),
+        ]
+        for name, at, value in bad:
+            {"q": q, "k": k, "v": v}[name][at] = value
+        found.append(Case(q, k, v, spec, False, bad))
+    g = torch.Generator().manual_seed(0)
+    B, L, S = 2, 150, 170
+    q = torch.randn(B, 4, L, 16, generator=g)
+    k = torch.randn(B, 2, S, 16, generator=g)
+    v = torch.randn(B, 2, S, 8, generator=g)
+    ids = torch.zeros(B, S, dtype=torch.long)
+    ids[:, 60:] = 1
+    ids[1, 120:] = 2
+    keep = torch.rand(B, S, generator=g) > 0.2
+    spec = (
+        ((masks.causal() & masks.sliding_window(40)) | masks.prefix_lm(torch.tensor([10, 30])))
+        & masks.document(ids)
+        & masks.key_mask(keep)
+        & ~masks.padding(torch.tensor([0, 5]), q_lengths=torch.tensor([0, 3]))
+        & masks.padding(torch.tensor([S, 150]), q_lengths=torch.tensor([140, L]))
+    )
+    bad = [
+        ("k", (0, 1, 50, 3), math.nan),
+        ("v", (1, 0, 125, 0), math.inf),
+        ("q", (1, 3, 20, 2), -math.inf),
+    ]
+    for name, at, value in bad:
+        {"q": q, "k": k, "v": v}[name][at] = value
+    found.append(Case(q, k, v, spec, False, bad))
+    return found
+
+
+@pytest.mark.parametrize("backend", REGISTERED)
+def test_every_registered_backend_follows_the_rule(backend: str) -> None:
+    """The shared check of the contract: output (and weights, where the backend returns them)
+    NaN exactly in the rows the oracle has NaN, the other rows as without the bad entries, and
+    their gradients too, where the backend takes a gradient."""
+    case = next((c for c in _contract_cases() if _servable(c, backend)), None)
+    assert case is not None, f"backend {backend!r} serves none of the contract's calls: add one"
+    ref_out, ref_w = _oracle(case)
+    naive = _oracle(case, dtype=case.q.dtype)[0]
+    nan = ref_out.isnan().any(dim=-1)
+    assert nan.any()
+    assert not nan.all()
+    tol = 2 * _err(naive[~nan], ref_out[~nan]) + (1e-10 if case.q.dtype == torch.float64 else 2e-6)
+    out = _attention(case, backend)
+    assert isinstance(out, torch.Tensor)
+    _same_rows(out, ref_out, tol)
+    if _servable(case, backend, return_weights=True):
+        res = _attention(case, backend, return_weights=True)
+        assert isinstance(res, attnkit.AttentionOutput)
+        assert res.weights is not None
+        _same_rows(res.weights, ref_w, tol)
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (case.q, case.k, case.v))
+    leaf = Case(q, k, v, case.mask, case.causal, case.bad, case.extra)
+    if not _servable(leaf, backend):
+        return  # no gradient on this backend (flex on CPU): refused, as its verdict says
+    ref = _oracle(leaf)[0]
+    grad_out = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=ref.dtype)
+    grad_out = grad_out.masked_fill(nan[..., None], 0.0)
+    want = torch.autograd.grad(ref, (q, k, v), grad_out, allow_unused=True)
+    got = torch.autograd.grad(_attention(leaf, backend), (q, k, v), grad_out.to(q.dtype))
+    for name, g_got, g_want in zip("qkv", got, want, strict=True):
+        g_want = torch.zeros_like(g_got) if g_want is None else g_want
+        assert torch.isfinite(g_got).all(), name
+        assert _err(g_got, g_want) <= 1e3 * tol, name
+
+
+def test_a_registered_backend_follows_the_rule_with_no_code_of_its_own() -> None:
+    """A naive backend (``weights @ v`` over every key, a NaN score taken as it comes) breaks
+    the rule on its own; registered, it runs under the dispatcher's contract and follows it."""
+
+    class Naive(Backend):
+        name = "test-naive"
+
+        def run(self, call: AttentionCall, plan: None) -> tuple[torch.Tensor, None]:
+            G = call.dims.H // call.dims.Hkv
+            k, v = call.k.repeat_interleave(G, 1), call.v.repeat_interleave(G, 1)
+            s = call.q @ k.transpose(-1, -2) * call.scale
+            mask = call.dense_mask()
+            if mask is not None:
+                s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask
+            w = torch.nan_to_num(s.softmax(-1), nan=0.0)
+            return w @ v, None
+
+    case = _contract_cases()[0]
+    ref_out, _ = _oracle(case)
+    call = make_call(case.q, case.k, case.v, case.mask, False, None, 0.0, where="test")
+    alone = Naive().run(call, None)[0]  # its own answer: NaN rows where the oracle has none
+    assert not torch.equal(alone.isnan().all(dim=-1), ref_out.isnan().all(dim=-1))
+    register_backend(Naive())
+    try:
+        _same_rows(_attention(case, "test-naive"), ref_out, 1e-10)
+    finally:
+        unregister_backend("test-naive")
+
+
 def test_a_finite_call_takes_no_per_row_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """The common case pays one sum per tensor; the per-row work runs only when it is not
     finite (and a sum that overflows is re-checked exactly, not taken for NaN)."""
@@ -308,7 +436,10 @@ def test_a_finite_call_takes_no_per_row_path(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(nonfinite, "sees_keys", fail)
     q, k, v = _qkv()
-    for backend in BACKENDS:
+    verdicts = attnkit.explain(q, k, v, causal=True).verdicts
+    served = [b for b in BACKENDS if b == "auto" or verdicts[b] is None]
+    assert {"auto", "math", "sdpa", "blocked"} <= set(served)
+    for backend in served:
         assert torch.isfinite(attnkit.attention(q, k, v, causal=True, backend=backend)).all()
     monkeypatch.undo()
     big = torch.full((1, 1, 6, 8), 3e37)  # finite values; their float32 sum is inf
@@ -321,6 +452,10 @@ def test_a_nan_in_a_kv_cache_reaches_only_the_sequences_that_see_it(backend: str
     """A ragged cache: sequence 0 was truncated to 3 tokens, so its slots 3 and 4 hold stale
     entries it no longer sees; a NaN there changes nothing. A NaN in a live entry of sequence 1
     makes sequence 1's new token NaN, and only it."""
+    g = torch.Generator().manual_seed(3)
+    _skip_unless_served(  # the shapes of the new token's call: 1 query, 6 slots, 4 / 2 heads
+        backend, *(torch.randn(2, h, n, 4, generator=g) for h, n in ((4, 1), (2, 6), (2, 6)))
+    )
     torch.manual_seed(3)
     mha = attnkit.MultiHeadAttention(16, 4, num_kv_heads=2, causal=True, backend=backend).eval()
     x0, x = torch.randn(2, 5, 16), torch.randn(2, 1, 16)

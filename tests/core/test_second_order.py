@@ -249,7 +249,7 @@ class _DropoutToy(Backend):
     name = "test-dropout-toy"
     priority = None
 
-    def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, call: AttentionCall, plan: None) -> tuple[torch.Tensor, torch.Tensor | None]:
         return get_backend("math").run(call)[0], None
 
 

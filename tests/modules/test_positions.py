@@ -18,7 +18,7 @@ import torch
 
 import attnkit
 from attnkit import AttentionCall, AttentionInputError
-from attnkit.backends import Backend, register_backend, unregister_backend
+from attnkit.backends import Backend, Decision, register_backend, unregister_backend
 from attnkit.masks import EMPTY, MaskSpec, causal, padding, sliding_window
 from attnkit.modules.positions import LearnedPositions, RotaryEmbedding, alibi, alibi_slopes
 from oracle import reference_attention
@@ -247,12 +247,12 @@ class _SpecBackend(Backend):
     name = "test_blocked"
     description = "test"
 
-    def check(self, call: AttentionCall) -> str | None:
+    def decide(self, call: AttentionCall) -> Decision:
         spec = call.mask
         ok = spec is not None and not spec.from_tensor and not call.causal
-        return None if ok else "test backend: specs only"
+        return Decision(self.name, reason=None if ok else "test backend: specs only")
 
-    def run(self, call: AttentionCall) -> tuple[torch.Tensor, None]:
+    def run(self, call: AttentionCall, plan: None) -> tuple[torch.Tensor, None]:
         return _blocked_run(call)
 
 

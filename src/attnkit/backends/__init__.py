@@ -3,175 +3,287 @@
 Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
 Dk query/key head dim, Dv value head dim.
 
-The path of one call, e.g. ``attnkit.attention(q, k, v, mask=masks.causal() &
-masks.sliding_window(256))``:
+This is the one description of the path of a call; the other modules point here. The path of
+``attnkit.attention(q, k, v, mask=masks.causal() & masks.sliding_window(256))``:
 
-1. :func:`attnkit.validate.make_call` validates the arguments and builds one frozen
-   :class:`~attnkit.AttentionCall`; :func:`attnkit.masks.as_spec` folds the ``causal`` flag and
-   the mask into one spec there, the only place they combine.
-2. :func:`choose` picks the backend: a named one if its ``check`` passes (else an error, never
-   a fallback), or for ``"auto"`` the first backend, by descending priority on the call's
-   device (:func:`auto_order`), whose ``rule`` fires and whose ``check`` passes. On CPU the
-   order is ``blocked > sdpa > math`` and a spec on a large problem goes to ``blocked``; on
-   CUDA it is ``flex > sdpa > blocked > math``: a spec goes to ``flex`` (compiled
-   ``flex_attention``), so does what torch's fused SDPA kernels cannot take (grouped-query in
-   float32), and ``math`` (the L x S weights) only serves what nothing else can. A backend
-   whose ``dense_allocation`` (its L x S memory) is above attnkit's memory limit
-   (:mod:`attnkit.memory`) is refused when named and passed over by ``auto``, which then takes
-   the first backend that serves the call within the limit, its rule fired or not; if none
-   does, :class:`~attnkit.AttentionMemoryError` says how much and the way out.
-3. ``backend.run(call)``, through :func:`attnkit.backends.nonfinite.serve` (NaN or inf in q, k
-   or v: the backend runs with them zeroed and the rows that could see them are set to NaN;
-   a finite call pays one sum per tensor): ``blocked`` plans the call once
-   (:mod:`attnkit.backends.blocked.plan`: attnkit's row-span kernel where the mask allows one
-   run of keys per query row (for bfloat16 on a CPU with AVX512-BF16, its build on the CPU's
-   bf16 dot products), else tiles of torch's fused CPU kernel over the non-empty blocks; on
-   CUDA, torch matmuls on those tiles) and runs it forward (and backward, from the same plan)
-   with autograd.
-4. :func:`attnkit.functional.run_call` hands the output of a backend whose graph does not
-   differentiate twice (``twice_differentiable``: all but ``math``) to
-   :mod:`attnkit.backends.second_order`, so that a second derivative (``create_graph=True``)
-   is the math backend's; first derivatives stay the backend's own.
+1. The checks of :mod:`attnkit.validate` and :mod:`attnkit.mask_checks` read the arguments
+   (q/k/v into :class:`~attnkit.call.Dims`, the numbers, the mask, the sinks), then
+   :meth:`AttentionCall.build` makes one frozen :class:`~attnkit.AttentionCall`;
+   :func:`attnkit.masks.as_spec` folds the ``causal`` flag and the mask into one spec there,
+   the only place they combine.
+2. :func:`choose` collects decisions and picks one. Each backend is asked one question per
+   call, :meth:`Backend.decide`, whose :class:`Decision` holds everything about it: whether it
+   can serve the call and why not, ``auto``'s rule for it, its L x S memory, its plan, and the
+   note :func:`attnkit.explain` prints. A decision is made at most once per call
+   (:func:`~attnkit.backends.registry.decision` keeps it with the call), and read by the
+   dispatcher, the run and ``explain`` alike. A named backend runs if its decision serves the
+   call (else an error, never a fallback). ``"auto"`` asks the backends by descending priority
+   on the call's device (:func:`auto_order`) and stops at the first whose decision serves the
+   call, whose rule fires, and whose memory is within attnkit's limit (:mod:`attnkit.memory`);
+   the backends after it are not asked. On CPU the order is ``blocked > sdpa > math`` and a
+   spec on a large problem goes to ``blocked``; on CUDA it is ``flex > sdpa > blocked > math``:
+   a spec goes to ``flex`` (compiled ``flex_attention``), so does what torch's fused SDPA
+   kernels cannot take (grouped-query in float32: flex's rule reads sdpa's decision), and
+   ``math`` (the L x S weights) only serves what nothing else can. Where the backends whose rule
+   fires are all above the memory limit, ``auto`` takes the first in its order that serves the
+   call within it, its rule fired or not (every backend in the order has been asked by then);
+   if none does, :class:`~attnkit.AttentionMemoryError` says how much and the way out.
+   ``explain`` asks every registered backend, and prints the same decisions.
+3. :meth:`Choice.run` runs the decision under the contract every backend runs under:
+   ``backend.run(call, decision.plan)``, where
+
+   * NaN or inf in q, k or v (:mod:`attnkit.backends.nonfinite`, eager calls on the CPU): the
+     backend runs on copies with them zeroed, and the rows that could see them are set to NaN;
+     a finite call pays one sum per tensor;
+   * second derivatives: the output of a backend whose graph does not differentiate twice
+     (``twice_differentiable``: all but ``math``) goes through
+     :mod:`attnkit.backends.second_order`, so that a second derivative (``create_graph=True``)
+     is the math backend's; first derivatives stay the backend's own.
+
+   ``blocked`` runs the plan its decision made (:mod:`attnkit.backends.blocked.plan`:
+   attnkit's row-span kernel where the mask allows one run of keys per query row (for bfloat16
+   on a CPU with AVX512-BF16, its build on the CPU's bf16 dot products), else tiles of torch's
+   fused CPU kernel over the non-empty blocks; on CUDA, torch matmuls on those tiles), forward
+   and backward from the same plan, with autograd.
 
 Inside ``torch.compile`` (``fullgraph=True`` included) the dispatcher makes the same choice, and
 the choice traces: ``blocked`` runs as one custom op, ``attnkit::blocked_attention``
 (:mod:`attnkit.backends.blocked.compiled`: the same kernels, planned when the op runs), ``flex``
-calls ``flex_attention`` inside the graph, and ``sdpa`` and ``math`` are torch ops.
-:func:`attnkit.explain`'s notes say what a compiled call runs where it differs.
+calls ``flex_attention`` inside the graph, and ``sdpa`` and ``math`` are torch ops; the memory
+guard does not run (it reads the free memory, which a graph cannot). :func:`attnkit.explain`'s
+notes say what a compiled call runs where it differs.
 
 Dense backends (``math``, ``sdpa``) ask the call for ``call.dense_mask()`` (materialised once);
 spec backends (``blocked``, ``flex``) read ``call.mask``; kernels with a causal flag read
 ``call.causal``. No backend sees an argument it cannot take, so none re-checks its input.
 
-Adding a backend is one file: subclass :class:`Backend`, register an instance::
+Adding a backend is one class in one file: subclass :class:`Backend`, answer ``decide`` and
+``run``, register an instance::
 
     import torch
-    from attnkit.backends import Backend, register_backend
+    from attnkit.backends import Backend, Decision, register_backend
 
     class Reference(Backend):
         name = "reference"
         description = "float64 matmul, softmax, matmul"
         priority = None                   # only when named; a number puts it in auto's order
 
-        def check(self, call):
-            return "no weights" if call.return_weights else None
+        def decide(self, call):           # asked once per call
+            if call.return_weights:
+                return Decision(self.name, reason="no weights")
+            return Decision(self.name)    # serves; no rule, no L x S memory, no plan
 
-        def run(self, call):
-            mask = call.dense_mask()     # None, bool (True = may attend) or float (added)
+        def run(self, call, plan):        # plan: what decide put in Decision.plan
+            mask = call.dense_mask()      # None, bool (True = may attend) or float (added)
             ...
             return out, None
 
     register_backend(Reference())
 
-``tests/backends/test_registry.py`` registers a toy backend this way.
+A decision may also carry ``rule=(fires, why)`` (auto's rule), ``memory=(bytes, what)`` (its
+L x S memory, which the dispatcher holds to the limit), ``plan=`` (handed to ``run``) and
+``note=`` (a line for ``explain``, made where ``call.explaining``).
+``tests/backends/test_registry.py`` registers a toy backend this way, and
+``tests/test_nonfinite_inputs.py`` holds every registered backend to the NaN rule.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from attnkit.backends.base import Backend
+from attnkit.backends import nonfinite, second_order
+from attnkit.backends.base import Backend, Decision
+from attnkit.backends.registry import (
+    AUTO_ORDER,
+    auto_order,
+    available_backends,
+    decision,
+    get_backend,
+    ordered,
+    register_backend,
+    unregister_backend,
+)
 from attnkit.call import AttentionCall
 from attnkit.errors import AttentionInputError
-from attnkit.memory import exceeds
+from attnkit.memory import exceeds, format_bytes
 from attnkit.validate import too_big_error
 
 __all__ = [
     "AUTO_ORDER",
     "Backend",
+    "Choice",
+    "Decision",
     "auto_order",
     "available_backends",
     "choose",
+    "decision",
     "get_backend",
-    "over_limit",
     "register_backend",
     "unregister_backend",
 ]
 
-_REGISTRY: dict[str, Backend] = {}
 
-#: the backends ``auto`` tries on CPU, by descending priority (kept in step with the registry);
-#: :func:`auto_order` gives the order on another device type
-AUTO_ORDER: list[str] = []
+class Choice(NamedTuple):
+    """What :func:`choose` found for one call: the decision that runs, and every decision it
+    asked for (all registered backends for :func:`attnkit.explain`).
 
+    ``limits`` holds, for each decision that serves the call and whose L x S memory was held to
+    attnkit's limit, that limit in bytes where the memory is above it (``None`` where within);
+    ``fallback``: ``auto`` took a backend whose rule does not fire, because those whose rule
+    fires are above the limit.
+    """
 
-def auto_order(device_type: str = "cpu") -> list[str]:
-    """The backends ``auto`` tries on ``device_type``, by descending priority there
-    (:meth:`Backend.priority_on`); on CPU (and any device no backend names) this is
-    :data:`AUTO_ORDER`."""
-    ranked = [b for b in _REGISTRY.values() if b.priority_on(device_type) is not None]
-    ranked.sort(key=lambda b: -(b.priority_on(device_type) or 0))  # stable: by registration
-    return [b.name for b in ranked]
+    call: AttentionCall
+    backend: Backend
+    decision: Decision
+    requested: str
+    where: str
+    decisions: dict[str, Decision]
+    limits: dict[str, int | None]
+    fallback: bool = False
 
+    @property
+    def name(self) -> str:
+        """The chosen backend's name."""
+        return self.decision.backend
 
-def _reorder() -> None:
-    AUTO_ORDER[:] = auto_order("cpu")
+    @property
+    def why(self) -> str:
+        """The line that decided: auto's rule, or why a backend whose rule does not fire was
+        taken."""
+        if self.fallback:
+            return (
+                "the backends whose rule fires would allocate L x S tensors above attnkit's "
+                f"memory limit; {self.name} is the first in auto's order that serves the call "
+                "within it"
+            )
+        if self.decision.rule is not None:
+            return self.decision.rule[1]
+        device = self.call.device_type
+        order = auto_order(device)
+        on = "" if order == AUTO_ORDER else f" on {device}"
+        return f"the first in auto's order{on} ({' > '.join(order)}) that can serve"
 
-
-def register_backend(backend: Backend) -> Backend:
-    """Register ``backend`` under ``backend.name``; its ``priority`` places it in ``auto``."""
-    if not isinstance(backend, Backend):
-        raise TypeError(f"register_backend takes a Backend instance, not {type(backend).__name__}")
-    if not backend.name or backend.name == "auto" or backend.name in _REGISTRY:
-        raise ValueError(f"a backend named {backend.name!r} is already registered or reserved")
-    _REGISTRY[backend.name] = backend
-    _reorder()
-    return backend
-
-
-def unregister_backend(name: str) -> None:
-    """Remove a backend registered with :func:`register_backend` (``KeyError`` if none)."""
-    del _REGISTRY[name]
-    _reorder()
-
-
-def get_backend(name: str) -> Backend:
-    """The backend registered under ``name`` (``KeyError`` if none)."""
-    return _REGISTRY[name]
-
-
-def available_backends() -> list[str]:
-    """Names of all registered backends, in registration order."""
-    return list(_REGISTRY)
-
-
-def rule_of(backend: Backend, call: AttentionCall) -> tuple[bool, str]:
-    """``(fires, why)`` of ``backend``'s auto rule; a backend without one always fires."""
-    rule = backend.rule(call)
-    if rule is None:
-        order = auto_order(call.device_type)
-        where = "" if order == AUTO_ORDER else f" on {call.device_type}"
-        return True, f"the first in auto's order{where} ({' > '.join(order)}) that can serve"
-    return rule
-
-
-def choose(call: AttentionCall, backend: str, where: str) -> Backend:
-    """The backend that runs ``call``: named (must serve it) or ``"auto"``."""
-    if backend == "auto":
-        order = auto_order(call.device_type)
-        too_big: tuple[Backend, tuple[int, str], int] | None = None
-        for name in order:
-            chosen = _REGISTRY[name]
-            if rule_of(chosen, call)[0] and chosen.check(call) is None:
-                over = over_limit(chosen, call)
-                if over is None:
-                    return chosen
-                too_big = too_big or (chosen, *over)
-        if too_big is not None:  # then any backend that serves the call within the limit
-            for name in order:
-                chosen = _REGISTRY[name]
-                if chosen.check(call) is None and over_limit(chosen, call) is None:
-                    return chosen
-            raise too_big_error(where, call, too_big[0].name, *too_big[1], too_big[2])
-        raise AttentionInputError(  # unreachable while `math` serves every call
-            where,
-            "backend",
-            "no registered backend can serve this call.",
-            got=f"backends tried: {', '.join(order)}",
-            expected="at least one backend that serves the call",
-            fix="attnkit.explain(...) with the same arguments lists each backend's reason",
+    def verdict(self, name: str) -> str | None:
+        """``None`` where backend ``name`` can serve the call within the memory limit, else why
+        not, in explain's words."""
+        d = self.decisions[name]
+        limit = self.limits.get(name)
+        if d.reason is not None or limit is None or d.memory is None:
+            return d.reason
+        nbytes, what = d.memory
+        return (
+            f"{what} would take {format_bytes(nbytes)}, above attnkit's memory limit of "
+            f"{format_bytes(limit)}"
         )
-    if not isinstance(backend, str) or backend not in _REGISTRY:
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(out, weights or None)``: the chosen backend's ``run`` on its decision's plan,
+        under the contract of step 3 above (non-finite inputs, second derivatives)."""
+        call, backend, plan = self.call, self.backend, self.decision.plan
+
+        def run(c: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return backend.run(c, plan)
+
+        out, weights = nonfinite.serve(run, call)  # NaN or inf in q, k, v: NaN where it reaches
+        if weights is None and not backend.twice_differentiable:  # second derivatives: the
+            out = second_order.wrap(call, backend.name, out, self.where)  # math backend's
+        return out, weights
+
+
+def choose(
+    call: AttentionCall,
+    backend: str = "auto",
+    where: str = "attnkit.attention",
+    every: bool = False,
+) -> Choice:
+    """The decision that runs ``call`` on ``backend`` (``"auto"`` or a name), as a
+    :class:`Choice`; raises where a named backend cannot serve it, or nothing fits the memory
+    limit. ``every``: ask every registered backend (for :func:`attnkit.explain`), not only
+    those the choice needs."""
+    decisions: dict[str, Decision] = {}
+    limits: dict[str, int | None] = {}
+    fallback = False
+    if backend == "auto":
+        chosen, fallback = _auto(call, where, decisions, limits)
+    else:
+        chosen = _named(call, backend, where, decisions, limits)
+    if every:
+        for name in available_backends():
+            d = decisions.get(name) or _ask(call, name, decisions)
+            if d.serves:
+                _within(call, d, limits)
+    return Choice(
+        call, get_backend(chosen.backend), chosen, backend, where, decisions, limits, fallback
+    )
+
+
+def _ask(call: AttentionCall, name: str, decisions: dict[str, Decision]) -> Decision:
+    d = decisions[name] = decision(call, name)
+    return d
+
+
+def _within(call: AttentionCall, d: Decision, limits: dict[str, int | None]) -> bool:
+    """``d``'s memory is within attnkit's limit, checked once per decision (``limits`` holds the
+    limit where above, ``None`` where within); always while ``torch.compile`` traces: the guard
+    reads the free memory, which a graph cannot."""
+    if d.memory is None or torch.compiler.is_compiling():
+        return True
+    if d.backend not in limits:
+        limits[d.backend] = exceeds(d.memory[0], call.q.device)
+    return limits[d.backend] is None
+
+
+def _too_big(where: str, call: AttentionCall, d: Decision, limit: int | None) -> Exception:
+    assert d.memory is not None
+    assert limit is not None
+    return too_big_error(where, call, d.backend, *d.memory, limit)
+
+
+def _auto(
+    call: AttentionCall,
+    where: str,
+    decisions: dict[str, Decision],
+    limits: dict[str, int | None],
+) -> tuple[Decision, bool]:
+    """``auto``'s decision: the first in its order that serves, fires and fits (``False``);
+    else the first that serves and fits (``True``); else the memory error. The backends after
+    the one taken are not asked."""
+    order = ordered(call.device_type)
+    too_big: Decision | None = None
+    for backend in order:
+        d = _ask(call, backend.name, decisions)
+        if d.reason is None and (d.rule is None or d.rule[0]):
+            if _within(call, d, limits):
+                return d, False
+            too_big = too_big or d
+    if too_big is not None:  # then any backend that serves the call within the limit
+        for backend in order:
+            d = decisions[backend.name]  # every one in the order was asked above
+            if d.serves and not d.fires and _within(call, d, limits):
+                return d, True
+        raise _too_big(where, call, too_big, limits[too_big.backend])
+    raise AttentionInputError(  # unreachable while `math` serves every call
+        where,
+        "backend",
+        "no registered backend can serve this call.",
+        got=f"backends tried: {', '.join(b.name for b in order)}",
+        expected="at least one backend that serves the call",
+        fix="attnkit.explain(...) with the same arguments lists each backend's reason",
+    )
+
+
+def _named(
+    call: AttentionCall,
+    backend: str,
+    where: str,
+    decisions: dict[str, Decision],
+    limits: dict[str, int | None],
+) -> Decision:
+    """The decision of the backend named ``backend``, which must serve the call and fit."""
+    if not isinstance(backend, str) or backend not in available_backends():
         raise AttentionInputError(
             where,
             "backend",
@@ -180,32 +292,19 @@ def choose(call: AttentionCall, backend: str, where: str) -> Backend:
             expected=f"'auto' or one of {available_backends()}",
             fix="backend='auto' picks the fastest backend that can serve the call",
         )
-    chosen = _REGISTRY[backend]
-    reason = chosen.check(call)
-    if reason is not None:
+    d = _ask(call, backend, decisions)
+    if d.reason is not None:
         raise AttentionInputError(
             where,
             "backend",
-            f"backend {backend!r} cannot serve this call: {reason}.",
+            f"backend {backend!r} cannot serve this call: {d.reason}.",
             got=f"backend={backend!r}",
             expected="a backend that can serve the call (attnkit never falls back silently)",
             fix="backend='auto' takes one that can; attnkit.explain(...) shows why",
         )
-    over = over_limit(chosen, call)
-    if over is not None:
-        raise too_big_error(where, call, backend, *over[0], over[1])
-    return chosen
-
-
-def over_limit(backend: Backend, call: AttentionCall) -> tuple[tuple[int, str], int] | None:
-    """``((bytes, what), limit)`` when ``backend``'s L x S memory for ``call`` is above
-    attnkit's memory limit (:mod:`attnkit.memory`), else ``None`` (always while
-    ``torch.compile`` traces: the guard reads the free memory, which a graph cannot)."""
-    if torch.compiler.is_compiling():
-        return None
-    need = backend.dense_allocation(call)
-    limit = None if need is None else exceeds(need[0], call.q.device)
-    return None if need is None or limit is None else (need, limit)
+    if not _within(call, d, limits):
+        raise _too_big(where, call, d, limits[backend])
+    return d
 
 
 def _register_builtin() -> None:

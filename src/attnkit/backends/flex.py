@@ -17,9 +17,9 @@ the caller's graph, with a block mask built in that graph by ``create_block_mask
 spec's predicate (attnkit's block map and caches read values and ids, which a graph cannot).
 
 On CPU, this torch's compiled ``flex_attention`` runs inference only (no backward), in float32,
-bfloat16 and float16; :func:`check` says so instead of failing inside the compiler, and ``auto``
+bfloat16 and float16; its decision says so instead of failing inside the compiler, and ``auto``
 uses flex only when named. On CUDA it trains too, and ``auto`` tries it first
-(:meth:`FlexBackend.rule`): for a mask spec, and for what torch's fused SDPA kernels cannot
+(:func:`_rule`): for a mask spec, and for what torch's fused SDPA kernels cannot
 serve (grouped-query heads in float32). docs/cuda.md has what has run on a GPU (nothing yet).
 """
 
@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from attnkit.backends.base import Backend, mask_planning
-from attnkit.backends.sdpa import SdpaBackend
+from attnkit.backends.base import Backend, Decision, mask_planning
+from attnkit.backends.registry import decision
 from attnkit.call import AttentionCall
 from attnkit.masks import FULL, PARTIAL, MaskSpec, block_states
 
@@ -55,7 +55,6 @@ class _Entry:
 
 
 _CACHE: OrderedDict[Hashable, _Entry] = OrderedDict()
-_SDPA = SdpaBackend()  # its check: what torch's fused kernels serve, read by flex's CUDA rule
 _COMPILED: list[Callable[..., torch.Tensor]] = []
 
 
@@ -154,13 +153,140 @@ def _run_traced(call: AttentionCall) -> torch.Tensor:
     )
 
 
+def _refusal(call: AttentionCall) -> str | None:
+    """Why flex cannot serve the call, or ``None``."""
+    reason = unavailable()
+    if reason is not None:
+        return reason
+    if call.return_weights:
+        return "flex_attention does not return the attention weights (return_weights=True)"
+    if call.dropout_p > 0.0:
+        return "flex_attention has no dropout (dropout_p > 0)"
+    if call.softcap is not None or call.sinks is not None:
+        return "soft-cap and sinks are not wired into flex's score_mod; blocked serves them"
+    mask = call.mask
+    if mask is not None and mask.from_tensor:
+        return (
+            "it takes mask specs (attnkit.masks), which flex evaluates block by block; a "
+            "dense mask tensor gives it nothing to skip (sdpa or blocked serve it)"
+        )
+    if mask is not None and mask.has_bias:
+        return "score biases (has_bias) are not wired into flex's score_mod; blocked adds them"
+    q = call.q
+    device = call.device_type
+    if device == "cuda":
+        if q.dtype not in _CPU_DTYPES:
+            return f"flex on CUDA compiles float32, bfloat16 and float16, not {q.dtype}"
+        small = min(call.dims.Dk, call.dims.Dv)
+        if small < MIN_HEAD_DIM:
+            return (
+                f"flex_attention's CUDA kernels need head dims of at least {MIN_HEAD_DIM} "
+                f"(Dk={call.dims.Dk}, Dv={call.dims.Dv})"
+            )
+        return None
+    if device == "cpu":
+        if q.dtype not in _CPU_DTYPES:
+            return f"flex on CPU compiles float32, bfloat16 and float16, not {q.dtype}"
+        if call.needs_grad:
+            return (
+                f"torch {torch.__version__}'s flex_attention has no backward on CPU (a "
+                "gradient is needed); blocked trains with mask specs"
+            )
+    L, S = call.dims.L, call.dims.S
+    if L <= BLOCK and S <= BLOCK:
+        return (
+            f"L = {L} and S = {S} fit in one {BLOCK} x {BLOCK} block: flex has nothing to "
+            "skip, and would compile a kernel for this shape (seconds); sdpa or blocked "
+            "serve it"
+        )
+    return None
+
+
+def _rule(call: AttentionCall) -> tuple[bool, str] | None:
+    """On CUDA (its only device in ``auto``'s order), ``auto`` takes flex for a mask spec (it
+    visits only the spec's non-empty blocks) and for what torch's fused SDPA kernels cannot
+    serve (grouped-query heads in float32, ``Dv != Dk``, ...: it reads the ``sdpa`` backend's
+    decision for the call, which the dispatcher then reuses), before ``blocked`` (torch matmuls
+    on tiles there) and ``math``."""
+    if call.device_type != "cuda":
+        return None
+    spec, L, S = call.mask, call.dims.L, call.dims.S
+    flag = spec is None or spec.from_tensor or (call.causal and L == S)
+    small = L <= BLOCK and S <= BLOCK
+    if not flag and not small:  # decided without asking sdpa (that would build the mask)
+        return True, (
+            "a mask spec on CUDA: flex's compiled kernel visits only the non-empty "
+            f"{BLOCK} x {BLOCK} blocks of the spec's block map (the block mask is built "
+            "from it once per spec and shape, and cached)"
+        )
+    try:  # no mask, a tensor, the causal flag, or one block: what sdpa decides
+        sdpa_why = decision(call, "sdpa").reason
+    except KeyError:
+        sdpa_why = "no backend named 'sdpa' is registered"
+    if sdpa_why is not None:
+        return True, (
+            f"torch's fused SDPA kernels cannot serve this call ({sdpa_why}); flex's "
+            "compiled kernel is the next fused path on CUDA"
+        )
+    if not flag:
+        return False, (
+            f"L = {L} and S = {S} fit in one {BLOCK} x {BLOCK} block: nothing to skip; "
+            "sdpa on the materialised mask needs no compile"
+        )
+    what = "no mask" if spec is None else "the causal flag"
+    what = "a mask tensor" if spec is not None and spec.from_tensor else what
+    return False, (
+        f"{what}: torch's fused SDPA kernel takes the call as it is, with no blocks to skip"
+    )
+
+
+def _note(call: AttentionCall) -> str:
+    """Whether the kernel for this call is compiled, what its compile took, and what a call
+    inside ``torch.compile`` runs instead."""
+    entry = _CACHE.get(_key(call.mask, call.q, call.k, call.v))
+    if entry is None or entry.seconds is None:
+        took = "tens of seconds on a 2-core CPU" if call.device_type == "cpu" else "seconds"
+        state = (
+            "not compiled for this shape and mask yet: the first call compiles "
+            f"({took}), later calls run the cached kernel"
+        )
+    else:
+        state = (
+            f"compiled and cached for this shape and mask (the first call took "
+            f"{entry.seconds:.1f} s, compile included); {entry.calls} calls since"
+        )
+    path = ""
+    if call.cpu_path is not None:  # torch compiles it: attnkit's CPU path does not apply
+        path = f"; takes q, k, v in {call.q.dtype} as they are (the CPU path is not applied)"
+    return (
+        state
+        + path
+        + (
+            "; under torch.compile, flex_attention is compiled into the caller's graph and its "
+            "block mask built there by create_block_mask (the spec's predicate on every pair)"
+        )
+    )
+
+
 class FlexBackend(Backend):
     name = "flex"
     description = "torch's flex_attention, compiled once per mask and shape (inference only on CPU)"
     priorities = {"cuda": 40}  # noqa: RUF012 (on CPU: only when named)
     fused = True
 
-    def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def decide(self, call: AttentionCall) -> Decision:
+        """Whether flex serves the call (:func:`_refusal`), auto's rule on CUDA (:func:`_rule`)
+        and the compile state for explain. Its plan, the block mask, is built (and cached per
+        spec and shape) when it runs, so a decision costs no block map."""
+        reason = _refusal(call)
+        if reason is not None:
+            return Decision(self.name, reason=reason)
+        note = _note(call) if call.explaining else None
+        return Decision(self.name, rule=_rule(call), memory=mask_planning(call), note=note)
+
+    def run(
+        self, call: AttentionCall, plan: None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if torch.compiler.is_compiling():
             return _run_traced(call), None
         q, k, v = call.q, call.k, call.v
@@ -182,113 +308,3 @@ class FlexBackend(Backend):
             entry.seconds = time.perf_counter() - t0
         entry.calls += 1
         return out, None
-
-    def dense_allocation(self, call: AttentionCall) -> tuple[int, str] | None:
-        return mask_planning(call)
-
-    def check(self, call: AttentionCall) -> str | None:
-        reason = unavailable()
-        if reason is not None:
-            return reason
-        if call.return_weights:
-            return "flex_attention does not return the attention weights (return_weights=True)"
-        if call.dropout_p > 0.0:
-            return "flex_attention has no dropout (dropout_p > 0)"
-        if call.softcap is not None or call.sinks is not None:
-            return "soft-cap and sinks are not wired into flex's score_mod; blocked serves them"
-        mask = call.mask
-        if mask is not None and mask.from_tensor:
-            return (
-                "it takes mask specs (attnkit.masks), which flex evaluates block by block; a "
-                "dense mask tensor gives it nothing to skip (sdpa or blocked serve it)"
-            )
-        if mask is not None and mask.has_bias:
-            return "score biases (has_bias) are not wired into flex's score_mod; blocked adds them"
-        q = call.q
-        device = call.device_type
-        if device == "cuda":
-            if q.dtype not in _CPU_DTYPES:
-                return f"flex on CUDA compiles float32, bfloat16 and float16, not {q.dtype}"
-            small = min(call.dims.Dk, call.dims.Dv)
-            if small < MIN_HEAD_DIM:
-                return (
-                    f"flex_attention's CUDA kernels need head dims of at least {MIN_HEAD_DIM} "
-                    f"(Dk={call.dims.Dk}, Dv={call.dims.Dv})"
-                )
-            return None
-        if device == "cpu":
-            if q.dtype not in _CPU_DTYPES:
-                return f"flex on CPU compiles float32, bfloat16 and float16, not {q.dtype}"
-            if call.needs_grad:
-                return (
-                    f"torch {torch.__version__}'s flex_attention has no backward on CPU (a "
-                    "gradient is needed); blocked trains with mask specs"
-                )
-        L, S = call.dims.L, call.dims.S
-        if L <= BLOCK and S <= BLOCK:
-            return (
-                f"L = {L} and S = {S} fit in one {BLOCK} x {BLOCK} block: flex has nothing to "
-                "skip, and would compile a kernel for this shape (seconds); sdpa or blocked "
-                "serve it"
-            )
-        return None
-
-    def rule(self, call: AttentionCall) -> tuple[bool, str] | None:
-        """On CUDA (its only device in ``auto``'s order), ``auto`` takes flex for a mask spec
-        (it visits only the spec's non-empty blocks) and for what torch's fused SDPA kernels
-        cannot serve (grouped-query heads in float32, ``Dv != Dk``, ...), before ``blocked``
-        (torch matmuls on tiles there) and ``math``."""
-        if call.device_type != "cuda":
-            return None
-        spec, L, S = call.mask, call.dims.L, call.dims.S
-        flag = spec is None or spec.from_tensor or (call.causal and L == S)
-        small = L <= BLOCK and S <= BLOCK
-        if not flag and not small:  # decided without asking sdpa (that would build the mask)
-            return True, (
-                "a mask spec on CUDA: flex's compiled kernel visits only the non-empty "
-                f"{BLOCK} x {BLOCK} blocks of the spec's block map (the block mask is built "
-                "from it once per spec and shape, and cached)"
-            )
-        sdpa_why = _SDPA.check(call)  # no mask, a tensor, the causal flag, or one block
-        if sdpa_why is not None:
-            return True, (
-                f"torch's fused SDPA kernels cannot serve this call ({sdpa_why}); flex's "
-                "compiled kernel is the next fused path on CUDA"
-            )
-        if not flag:
-            return False, (
-                f"L = {L} and S = {S} fit in one {BLOCK} x {BLOCK} block: nothing to skip; "
-                "sdpa on the materialised mask needs no compile"
-            )
-        what = "no mask" if spec is None else "the causal flag"
-        what = "a mask tensor" if spec is not None and spec.from_tensor else what
-        return False, (
-            f"{what}: torch's fused SDPA kernel takes the call as it is, with no blocks to skip"
-        )
-
-    def note(self, call: AttentionCall) -> str:
-        """Whether the kernel for this call is compiled, what its compile took, and what a call
-        inside ``torch.compile`` runs instead."""
-        entry = _CACHE.get(_key(call.mask, call.q, call.k, call.v))
-        if entry is None or entry.seconds is None:
-            took = "tens of seconds on a 2-core CPU" if call.device_type == "cpu" else "seconds"
-            state = (
-                "not compiled for this shape and mask yet: the first call compiles "
-                f"({took}), later calls run the cached kernel"
-            )
-        else:
-            state = (
-                f"compiled and cached for this shape and mask (the first call took "
-                f"{entry.seconds:.1f} s, compile included); {entry.calls} calls since"
-            )
-        path = ""
-        if call.cpu_path is not None:  # torch compiles it: attnkit's CPU path does not apply
-            path = f"; takes q, k, v in {call.q.dtype} as they are (the CPU path is not applied)"
-        return (
-            state
-            + path
-            + (
-                "; under torch.compile, flex_attention is compiled into the caller's graph and its "
-                "block mask built there by create_block_mask (the spec's predicate on every pair)"
-            )
-        )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attnkit.backends.base import Backend
+from attnkit.backends.base import Backend, Decision
 from attnkit.call import AttentionCall
 
 __all__ = ["MathBackend", "attend"]
@@ -26,30 +26,38 @@ class MathBackend(Backend):
     priority = 10
     twice_differentiable = True  # plain torch ops: autograd differentiates them again
 
-    def rule(self, call: AttentionCall) -> tuple[bool, str] | None:
-        """On CUDA, say why the dense fallback was taken: every backend before it refused."""
-        if call.device_type != "cuda":
-            return None
-        return True, (
-            "the dense fallback, taken only because no fused backend can serve this call (their "
-            "reasons are below): it builds the (B, H, L, S) weights"
-        )
-
-    def dense_allocation(self, call: AttentionCall) -> tuple[int, str]:
-        """The scores and weights ``(B, H, L, S)``: about three such tensors are alive at once
-        (scores, masked scores, weights), plus the mask when a spec is materialised."""
+    def decide(self, call: AttentionCall) -> Decision:
+        """Serves every call; its memory is the scores and weights ``(B, H, L, S)``: about
+        three such tensors are alive at once (scores, masked scores, weights), plus the mask
+        when a spec is materialised. On CUDA its rule says why the dense fallback was taken:
+        every backend before it refused."""
         B, H, L, S = call.dims.B, call.dims.H, call.dims.L, call.dims.S
-        scores = B * H * L * S * call.compute_dtype.itemsize
+        dtype = call.compute_dtype
         mask = call.dense_mask_bytes()
         what = (
-            f"the math backend's scores and weights (B={B}, H={H}, L={L}, S={S}) in "
-            f"{call.compute_dtype} (about 3 such tensors at once)"
+            f"the math backend's scores and weights (B={B}, H={H}, L={L}, S={S}) in {dtype} "
+            "(about 3 such tensors at once)"
         )
         if mask:
             what += " and the mask spec materialised"
-        return 3 * scores + mask, what
+        rule = None
+        if call.device_type == "cuda":
+            rule = (
+                True,
+                (
+                    "the dense fallback, taken only because no fused backend can serve this call "
+                    "(their reasons are below): it builds the (B, H, L, S) weights"
+                ),
+            )
+        note = None
+        if call.explaining and call.upcast:
+            note = "computes in float32 on float32 copies of q, k, v (fp32-upcast)"
+        memory = 3 * B * H * L * S * dtype.itemsize + mask, what
+        return Decision(self.name, rule=rule, memory=memory, note=note)
 
-    def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(
+        self, call: AttentionCall, plan: None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         q, k, v = call.q, call.k, call.v
         if call.upcast:  # fp32-upcast: no bf16/fp16 matmul on a CPU without their instructions
             q, k, v = q.float(), k.float(), v.float()
@@ -60,11 +68,6 @@ class MathBackend(Backend):
         dtype = call.q.dtype  # the input dtype (out and weights were float32 on fp32-upcast)
         weights_out = weights.to(dtype) if call.return_weights else None
         return out.to(dtype), weights_out
-
-    def note(self, call: AttentionCall) -> str | None:
-        if call.upcast:
-            return "computes in float32 on float32 copies of q, k, v (fp32-upcast)"
-        return None
 
 
 def attend(

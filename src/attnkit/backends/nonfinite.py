@@ -17,7 +17,11 @@ Left to themselves the backends each break it their own way: torch's fused CPU k
 attnkit's take a NaN score for a masked one (a row that sees a NaN key comes out finite), and a
 plain ``weights @ v`` gives every row NaN when one value is NaN, rows that give it weight 0
 included (``0 * NaN``). So :func:`serve` runs the backend on inputs whose non-finite entries
-are zeroed, then sets the rows that saw them to NaN.
+are zeroed, then sets the rows that saw them to NaN. This is part of the contract every
+backend's decision runs under (step 3 of :mod:`attnkit.backends`): the dispatcher runs each
+through :func:`serve`, so a backend's ``run`` never sees a non-finite input on an eager CPU
+call, and a new backend follows the rule with no code of its own
+(``tests/test_nonfinite_inputs.py`` holds every registered backend to it).
 
 Cost: the common all-finite call pays one float32 sum of each of q, k and v and one read of
 the total; only a call that holds a non-finite number pays the per-row work (which key
@@ -34,12 +38,12 @@ it reads, exactly.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from attnkit.backends.base import Backend
 from attnkit.call import AttentionCall
 
 __all__ = ["sees_keys", "serve"]
@@ -48,10 +52,15 @@ __all__ = ["sees_keys", "serve"]
 _CHUNK_PAIRS = 1 << 20
 
 
-def serve(backend: Backend, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``backend.run(call)`` under the rule above: ``(out, weights or None)``."""
+Run = Callable[[AttentionCall], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def serve(run: Run, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``run(call)`` (a backend's run on its decision's plan) under the rule above:
+    ``(out, weights or None)``. The dispatcher runs every backend through it
+    (:meth:`attnkit.backends.Choice.run`)."""
     if not _checked(call) or _all_finite(call):
-        return backend.run(call)
+        return run(call)
     q, k, v = call.q, call.k, call.v
     fq, fk = torch.isfinite(q.detach()), torch.isfinite(k.detach())
     fv = fk if v is k else torch.isfinite(v.detach())
@@ -60,7 +69,7 @@ def serve(backend: Backend, call: AttentionCall) -> tuple[torch.Tensor, torch.Te
     bad_v = ~fv.all(dim=-1)  # (B, Hkv, S)
     k_clean = _zeroed(k, fk)
     v_clean = k_clean if v is k else _zeroed(v, fv)
-    out, weights = backend.run(replace(call, q=_zeroed(q, fq), k=k_clean, v=v_clean))
+    out, weights = run(replace(call, q=_zeroed(q, fq), k=k_clean, v=v_clean))
     sees_kv = sees_keys(call, bad_k | bad_v)  # (B, H, L)
     out = nan_rows(out, bad_q | sees_kv)
     if weights is not None:  # NaN where a key was bad; a bad value leaves the weights as they are

@@ -6,17 +6,18 @@ Dk query/key head dim, Dv value head dim.
 The fused backends have a first derivative of their own and none of its derivative: torch's
 fused ``sdpa`` kernels raise when their backward is differentiated, and ``blocked``'s backward
 (attnkit's row-span kernel or the tiles, run outside autograd) would give a second derivative
-of 0 where the math backend gives another value. So :func:`attnkit.functional.run_call` hands
-the output of every backend whose own graph does not differentiate twice
-(:attr:`~attnkit.backends.Backend.twice_differentiable` false: all built-in backends but
-``math``) to one autograd node,
-``_SecondOrder``. Its backward passes the gradient on to the backend's own backward (the fast
-first derivative, unchanged) unless autograd records a graph of the backward, that is unless
-the caller asked for ``create_graph=True`` (``torch.autograd.grad(..., create_graph=True)``,
-``torch.autograd.functional.hessian``, ``gradgradcheck``, a gradient penalty). Then it
-recomputes the gradients of q, k, v, the sinks and a float mask that needs one, differentiably,
-through the math backend's formula (:func:`attnkit.backends.math.attend`, in float32; float64
-for float64 inputs) on the same mask and scale: every higher derivative is the math backend's.
+of 0 where the math backend gives another value. So the dispatcher (step 3 of
+:mod:`attnkit.backends`, :meth:`~attnkit.backends.Choice.run`) hands the output of every backend
+whose own graph does not differentiate twice
+(:attr:`~attnkit.backends.Backend.twice_differentiable` false: all built-in backends but ``math``)
+to one autograd node, ``_SecondOrder``. Its backward passes the gradient on to the backend's own
+backward (the fast first derivative, unchanged) unless autograd records a graph of the backward,
+that is unless the caller asked for ``create_graph=True`` (``torch.autograd.grad(...,
+create_graph=True)``, ``torch.autograd.functional.hessian``, ``gradgradcheck``, a gradient
+penalty). Then it recomputes the gradients of q, k, v, the sinks and a float mask that needs one,
+differentiably, through the math backend's formula (:func:`attnkit.backends.math.attend`, in
+float32; float64 for float64 inputs) on the same mask and scale: every higher derivative is the
+math backend's.
 
 That recompute builds the ``(B, H, L, S)`` scores and weights, as ``math`` does: it is refused
 (:class:`~attnkit.AttentionMemoryError`) above attnkit's memory limit; and it refuses dropout

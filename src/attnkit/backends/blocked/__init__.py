@@ -5,8 +5,8 @@ Dk query/key head dim, Dv value head dim.
 
 The package, in the order a call goes through it:
 
-* ``__init__`` (here): the backend (``check``, ``rule``, ``note``, ``run``) and the autograd
-  function, which plans once and hands the same plan to the forward and the backward;
+* ``__init__`` (here): the backend (its one decision per call, and ``run``) and the autograd
+  function, which takes the decision's plan and hands it to the forward and the backward;
 * ``compiled``: inside ``torch.compile``, ``run`` hands the call to one custom op,
   ``attnkit::blocked_attention`` (forward and backward ops over the same functions below),
   which Dynamo keeps opaque; the spec goes in as tensors, numbers and a string;
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from attnkit.backends.base import Backend, mask_planning
+from attnkit.backends.base import Backend, Decision, mask_planning
 from attnkit.backends.blocked import compiled, rowspan
 from attnkit.backends.blocked.blocks import (
     WHOLE,
@@ -161,6 +161,80 @@ class _BlockedAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None
 
 
+def _refusal(call: AttentionCall, compiling: bool) -> str | None:
+    """Why blocked cannot serve the call, or ``None``."""
+    if call.return_weights:
+        return "it never forms the attention weights (return_weights=True)"
+    if call.dropout_p > 0.0:
+        return "it has no dropout (dropout_p > 0)"
+    if call.mask_needs_grad:
+        return "it does not differentiate a float mask"
+    if call.q.device.type == "meta":
+        return "it plans from the mask's values, and meta tensors have none"
+    if compiling:
+        return compiled.unsupported(call)
+    return None
+
+
+def _plain_causal(call: AttentionCall, compiling: bool) -> bool:
+    """A plain causal CPU call large enough for auto's rule to ask whether the row-span kernel
+    runs it (not while torch.compile traces, where SDPA keeps them)."""
+    if compiling or call.softcap is not None or call.sinks is not None:
+        return False
+    return call.dims.L * call.dims.S >= rowspan.CAUSAL_MIN_PAIRS and call.causal
+
+
+def _rule(call: AttentionCall, causal_plan: BlockPlan | None) -> tuple[bool, str]:
+    """auto takes ``blocked`` for a mask spec on a problem of at least ``min_pairs``, and for
+    plain causal calls that attnkit's row-span kernel runs (``causal_plan``: the plan of a
+    :func:`_plain_causal` call, else ``None``), from
+    :data:`~attnkit.backends.blocked.rowspan.CAUSAL_MIN_PAIRS` pairs (where it was measured
+    faster than SDPA's ``is_causal``); on CUDA, for whatever ``flex`` and ``sdpa`` (before it
+    there) could not serve."""
+    if call.device_type == "cuda":
+        return True, (
+            "flex and torch's fused SDPA kernels cannot serve this call (see below): "
+            "blocked is the next path that never builds the L x S scores"
+        )
+    spec = call.mask
+    extras = call.softcap is not None or call.sinks is not None
+    L, S = call.dims.L, call.dims.S
+    compiling = torch.compiler.is_compiling()
+    plan = causal_plan
+    if plan is not None and plan.spans.serves:
+        on = str(call.q.dtype)
+        if call.upcast:
+            on = f"float32 copies of {on}" if _converts(call, plan) else f"{on}, read directly"
+        return True, (
+            f"causal on CPU ({on}), L x S >= 1024 x 1024: attnkit's row-span kernel, "
+            "measured 1.2-1.6x faster than SDPA's is_causal (benchmarks/kernel_spans.py)"
+        )
+    if not extras and (spec is None or spec.from_tensor or call.causal):
+        why = ""
+        if plan is not None:  # big enough, but the kernel does not run it
+            why = f"; this {L} x {S} call is plain causal, but {plan.spans.reason}"
+        elif call.causal and not compiling and L * S < rowspan.CAUSAL_MIN_PAIRS:
+            why = f"; this causal call is {L} x {S}"
+        return False, (
+            "auto takes it for mask specs, soft-caps and sinks, and for plain causal "
+            "CPU calls its kernel runs from L x S = 1024 x 1024 (where it is faster)" + why
+        )
+    pairs = current().min_pairs
+    if pairs > L * S:
+        # the sizes in words, but not while torch.compile traces: formatting a symbolic size
+        # fixes it, and the graph would be compiled again for every new length
+        sizes = "L x S" if compiling else f"L x S = {L} x {S}"
+        return False, (
+            f"{sizes} is below {pairs} pairs, where one fused call on the "
+            "materialised mask costs less"
+        )
+    what = "a mask spec" if not extras else "a soft-cap or sinks (no fused torch kernel)"
+    return True, (
+        f"{what} and L x S >= {pairs}: blocked visits only the non-empty blocks "
+        "and never builds the L x S scores"
+    )
+
+
 class BlockedBackend(Backend):
     name = "blocked"
     description = (
@@ -172,20 +246,40 @@ class BlockedBackend(Backend):
     priorities = {"cuda": 15}  # noqa: RUF012 (on CUDA: after flex and sdpa, before math)
     fused = True
 
-    def describe(self, device_type: str) -> str:
-        if device_type == "cpu":
-            return self.description
-        return (
-            "block-sparse online softmax: visits only non-empty blocks of a mask spec, torch "
-            f"matmuls on tiles on {device_type} (no fused kernel), own backward (memory grows "
-            "with L)"
-        )
+    def decide(self, call: AttentionCall) -> Decision:
+        """Whether blocked serves the call, auto's rule (:func:`_rule`), the L x S memory of
+        planning a mask tensor, and the plan (:func:`_plan`): made here where the rule needs it
+        (a large plain causal call: does the row-span kernel run it?), where the rule fires
+        (auto will run it), and for explain's note; else when it runs, so that a decision
+        auto passes over plans nothing. Inside ``torch.compile`` the custom op plans."""
+        compiling = torch.compiler.is_compiling()
+        reason = _refusal(call, compiling)
+        if reason is not None:
+            return Decision(self.name, reason)
+        plan = _plan(call) if _plain_causal(call, compiling) else None
+        rule = _rule(call, plan)
+        spec = call.mask
+        dense = spec is not None and spec.from_tensor  # planning reads the whole mask
+        if plan is None and not compiling and (rule[0] or (call.explaining and not dense)):
+            plan = _plan(call)
+        note = self._note(call, plan) if call.explaining else None
+        device = call.device_type
+        described = None
+        if device != "cpu":
+            described = (
+                "block-sparse online softmax: visits only non-empty blocks of a mask spec, "
+                f"torch matmuls on tiles on {device} (no fused kernel), own backward (memory "
+                "grows with L)"
+            )
+        return Decision(self.name, None, rule, mask_planning(call), plan, note, described)
 
-    def run(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(
+        self, call: AttentionCall, plan: BlockPlan | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if torch.compiler.is_compiling():  # one opaque op in the graph; it plans when it runs
             return compiled.run(call), None
         q, k, v, sinks = call.q, call.k, call.v, call.sinks
-        plan = _plan(call)
+        plan = _plan(call) if plan is None else plan  # a decision that needed no plan
         upcast = _converts(call, plan)
         grads = call.needs_grad or (sinks is not None and sinks.requires_grad)
         if grads and torch.is_grad_enabled():
@@ -195,74 +289,7 @@ class BlockedBackend(Backend):
         out, lse = forward_with_lse(qc, kc, vc, mask=call.mask, scale=call.scale, plan=plan)
         return with_sinks(out, lse, sinks)[0].to(q.dtype), None
 
-    def dense_allocation(self, call: AttentionCall) -> tuple[int, str] | None:
-        return mask_planning(call)
-
-    def check(self, call: AttentionCall) -> str | None:
-        if call.return_weights:
-            return "it never forms the attention weights (return_weights=True)"
-        if call.dropout_p > 0.0:
-            return "it has no dropout (dropout_p > 0)"
-        if call.mask_needs_grad:
-            return "it does not differentiate a float mask"
-        if call.q.device.type == "meta":
-            return "it plans from the mask's values, and meta tensors have none"
-        if torch.compiler.is_compiling():
-            return compiled.unsupported(call)
-        return None
-
-    def rule(self, call: AttentionCall) -> tuple[bool, str]:
-        """auto takes ``blocked`` for a mask spec on a problem of at least ``min_pairs``, and for
-        plain causal calls that attnkit's row-span kernel runs, from
-        :data:`~attnkit.backends.blocked.rowspan.CAUSAL_MIN_PAIRS` pairs (where it was measured
-        faster than SDPA's ``is_causal``; not while torch.compile traces, where SDPA keeps
-        them); on CUDA, for whatever ``flex`` and ``sdpa`` (before it there) could not serve."""
-        if call.device_type == "cuda":
-            return True, (
-                "flex and torch's fused SDPA kernels cannot serve this call (see below): "
-                "blocked is the next path that never builds the L x S scores"
-            )
-        spec = call.mask
-        extras = call.softcap is not None or call.sinks is not None
-        L, S = call.dims.L, call.dims.S
-        big = L * S >= rowspan.CAUSAL_MIN_PAIRS
-        compiling = torch.compiler.is_compiling()
-        # the sizes in words, but not while torch.compile traces: formatting a symbolic size
-        # fixes it, and the graph would be compiled again for every new length
-        sizes = "L x S" if compiling else f"L x S = {L} x {S}"
-        plain_causal = not extras and call.causal and big and not compiling
-        plan = _plan(call) if plain_causal else None
-        if plan is not None and plan.spans.serves:
-            on = str(call.q.dtype)
-            if call.upcast:
-                on = f"float32 copies of {on}" if _converts(call, plan) else f"{on}, read directly"
-            return True, (
-                f"causal on CPU ({on}), L x S >= 1024 x 1024: attnkit's row-span kernel, "
-                "measured 1.2-1.6x faster than SDPA's is_causal (benchmarks/kernel_spans.py)"
-            )
-        if not extras and (spec is None or spec.from_tensor or call.causal):
-            why = ""
-            if plain_causal and plan is not None:  # big enough, but the kernel does not run it
-                why = f"; this {L} x {S} call is plain causal, but {plan.spans.reason}"
-            elif call.causal and not big and not compiling:
-                why = f"; this causal call is {L} x {S}"
-            return False, (
-                "auto takes it for mask specs, soft-caps and sinks, and for plain causal "
-                "CPU calls its kernel runs from L x S = 1024 x 1024 (where it is faster)" + why
-            )
-        pairs = current().min_pairs
-        if pairs > L * S:
-            return False, (
-                f"{sizes} is below {pairs} pairs, where one fused call on the materialised "
-                "mask costs less"
-            )
-        what = "a mask spec" if not extras else "a soft-cap or sinks (no fused torch kernel)"
-        return True, (
-            f"{what} and L x S >= {pairs}: blocked visits only the non-empty blocks "
-            "and never builds the L x S scores"
-        )
-
-    def note(self, call: AttentionCall) -> str:
+    def _note(self, call: AttentionCall, plan: BlockPlan | None) -> str:
         """The plan in one line, and what changes under ``torch.compile``, for
         :func:`attnkit.explain`."""
         reason = compiled.unsupported(call)
@@ -271,11 +298,9 @@ class BlockedBackend(Backend):
             if reason is None
             else f"; {reason}, so it cannot serve a compiled call"
         )
-        return self._plan_note(call) + under_compile
+        return self._plan_note(call, plan) + under_compile
 
-    def _plan_note(self, call: AttentionCall) -> str:
-        dense = call.mask is not None and call.mask.from_tensor  # planning reads the whole mask
-        plan = None if dense else _plan(call)
+    def _plan_note(self, call: AttentionCall, plan: BlockPlan | None) -> str:
         prefix = ""
         if call.cpu_path is not None:
             how = "float32 copies of q, k, v" if call.upcast else f"q, k, v in {call.q.dtype}"
@@ -286,7 +311,7 @@ class BlockedBackend(Backend):
                     f"{call.cpu_path} path: attnkit's row-span kernel reads {name} q, k, v "
                     "directly (float32 inside, no float32 copies); "
                 )
-        if plan is None:
+        if plan is None or (call.mask is not None and call.mask.from_tensor):
             return prefix + (
                 "a dense mask: its empty blocks are found when it runs (one pass over the mask)"
             )
