@@ -136,6 +136,9 @@ def attention(
     >>> q = torch.randn(2, 8, 5, 16); k = v = torch.randn(2, 2, 7, 16)
     >>> attention(q, k, v, causal=True).shape
     torch.Size([2, 8, 5, 16])
+
+    Long because this docstring is the function's reference; the body is the checks, one
+    call built, one run.
     """
     dims = check_qkv(q, k, v, where=WHERE)
     check_mask(mask, q, dims, where=WHERE)
