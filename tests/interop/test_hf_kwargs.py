@@ -1,0 +1,250 @@
+"""What attnkit does with each keyword argument transformers' attention layers pass, and with
+models whose masks or weights take another way than the attention function.
+
+Every name a model in the installed transformers writes into its ``attention_interface(...)``
+call is classified (computed, harmless, refused); a refused feature is refused by name with
+the fix, an unknown one too; harmless ones leave the output unchanged. Tiny random models
+against ``eager``: DeepSeek-V3.2 (sparse top-k selection, refused), DeepSeek-V4 (its float
+block bias on the mask), Bloom (its own attention: refused by the mask function), and the
+weights of ``output_attentions=True`` where the model does not hand the flag on (GPT-2,
+GPTBigCode) and where it does (OPT, Qwen3).
+
+Tolerances: logits ``atol=1e-4``; attention weights ``atol=1e-5`` (float32).
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import inspect
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import attnkit
+import attnkit.interop.hf_attention as hfa
+from attnkit import AttentionInputError
+from attnkit.interop import register_hf
+from attnkit.interop.hf_kwargs import KWARGS
+
+transformers = pytest.importorskip("transformers")
+
+ATOL_LOGITS = 1e-4
+ATOL_WEIGHTS = 1e-5
+VOCAB, B, T = 64, 2, 9
+EAGER_FIX = 'fix:      load this model with attn_implementation="eager"'
+
+register_hf()
+
+
+def _pair(config: Any, causal_lm: bool = True) -> tuple[Any, Any]:
+    """(eager model, attnkit model) with the same random weights (std 0.3, so that attention
+    matters), in eval mode."""
+    auto = transformers.AutoModelForCausalLM if causal_lm else transformers.AutoModel
+    models = []
+    for impl in ("eager", "attnkit"):
+        torch.manual_seed(0)
+        models.append(auto.from_config(copy.deepcopy(config), attn_implementation=impl))
+    ref, ours = models
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(std=0.3)
+    ours.load_state_dict(ref.state_dict())
+    assert ours.config._attn_implementation == "attnkit"
+    return ref.eval(), ours.eval()
+
+
+def _batch(length: int = T) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids ``(B, length)`` and their mask with the first row left-padded by 3."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (B, length), generator=g)
+    mask = torch.ones(B, length, dtype=torch.long)
+    mask[0, :3] = 0
+    ids[0, :3] = 0
+    return ids, mask
+
+
+class _Layer(torch.nn.Module):
+    """A stand-in attention layer (what hf_attention reads of it: is_causal, config)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.is_causal = True
+
+
+def _qkv() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 6, 8, generator=g)
+    k, v = torch.randn(1, 2, 6, 8, generator=g), torch.randn(1, 2, 6, 8, generator=g)
+    return q, k, v
+
+
+# ---------------------------------------------------------------------------------------------
+# the survey: every name a model writes into its attention call is classified
+
+
+def _written_names() -> dict[str, set[str]]:
+    """Keyword names in every ``attention_interface(...)`` call of the installed models."""
+    root = Path(inspect.getfile(transformers)).parent / "models"
+    names: dict[str, set[str]] = {}
+    for path in sorted(root.glob("*/modeling_*.py")):
+        source = path.read_text()
+        if "attention_interface(" not in source:
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            if called != "attention_interface":
+                continue
+            for keyword in node.keywords:
+                if keyword.arg is not None:
+                    names.setdefault(keyword.arg, set()).add(path.parent.name)
+    return names
+
+
+def test_every_keyword_a_model_writes_into_its_attention_call_is_classified() -> None:
+    names = _written_names()
+    assert len(names) > 10  # the survey found the calls (transformers 5.24: 21 names)
+    assert {"dropout", "scaling", "indices", "block_indices", "s_aux"} <= set(names)
+    positional = {"attention_mask", "query", "key", "value"}  # hf_attention's own parameters
+    missing = {n: sorted(m)[:3] for n, m in names.items() if n not in KWARGS and n not in positional}
+    assert missing == {}
+    assert set(inspect.signature(hfa.hf_attention).parameters) >= positional
+    assert KWARGS["indices"].kind == KWARGS["block_indices"].kind == "refused"
+    assert {"deepseek_v32", "glm_moe_dsa", "mistral_large4"} <= names["indices"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the attention function on its own: refused, unknown, harmless
+
+
+REFUSED = {
+    # kwarg: (value a model passes, the feature the message names)
+    "indices": (
+        torch.zeros(1, 6, 2, dtype=torch.int32),
+        "DeepSeek-V3.2's sparse top-k key selection (indices=..., its DSA indexer)",
+    ),
+    "block_indices": (
+        torch.zeros(1, 2, 6, 1, dtype=torch.long),
+        "MiniMax-M3's block-sparse key selection (block_indices=...)",
+    ),
+    "position_bias": (torch.zeros(1, 4, 6, 6), "a relative position bias (position_bias)"),
+    "sinks": (torch.zeros(1, 4, 6, 1), "per-token attention sinks (sinks=..."),
+    "head_mask": (torch.ones(4), "a head mask (head_mask)"),
+}
+
+
+@pytest.mark.parametrize("kwarg", list(REFUSED))
+def test_a_feature_attnkit_does_not_compute_is_refused_by_name(kwarg: str) -> None:
+    value, feature = REFUSED[kwarg]
+    q, k, v = _qkv()
+    with pytest.raises(AttentionInputError, match=r"hf_attention \(_Layer\)") as info:
+        hfa.hf_attention(_Layer(), q, k, v, None, **{kwarg: value})
+    message = str(info.value)
+    assert f"this model uses {feature}" in message
+    assert "which attnkit does not compute yet" in message
+    assert f"got:      {kwarg}=tensor {tuple(value.shape)} from _Layer" in message
+    assert f"expected: {kwarg}=None" in message
+    assert EAGER_FIX in message
+    assert info.value.argument == kwarg
+
+
+@pytest.mark.parametrize("kwarg", list(REFUSED))
+def test_a_refused_feature_that_is_off_is_accepted(kwarg: str) -> None:
+    q, k, v = _qkv()
+    out, _ = hfa.hf_attention(_Layer(), q, k, v, None, **{kwarg: None})
+    torch.testing.assert_close(out, attnkit.attention(q, k, v, causal=True).transpose(1, 2))
+
+
+@pytest.mark.parametrize("value", [torch.ones(6), 0.5, True, "top-k"])
+def test_an_unknown_keyword_is_refused_by_name(value: object) -> None:
+    q, k, v = _qkv()
+    with pytest.raises(AttentionInputError) as info:
+        hfa.hf_attention(_Layer(), q, k, v, None, topk_scores=value)
+    message = str(info.value)
+    assert "this model passes topk_scores=, which attnkit does not know" in message
+    assert "it may change what attention computes, so attnkit does not ignore it" in message
+    assert info.value.argument == "topk_scores"
+    assert EAGER_FIX in message
+
+
+def test_an_unknown_keyword_that_is_none_is_accepted() -> None:
+    q, k, v = _qkv()
+    out, _ = hfa.hf_attention(_Layer(), q, k, v, None, topk_scores=None)
+    torch.testing.assert_close(out, attnkit.attention(q, k, v, causal=True).transpose(1, 2))
+
+
+HARMLESS_VALUES = {
+    "position_ids": torch.arange(6)[None],
+    "use_cache": True,
+    "cache_position": torch.arange(6),
+    "max_length_q": 6,
+    "max_length_k": 6,
+    "output_hidden_states": True,
+    "output_router_logits": True,
+    "num_items_in_batch": torch.tensor(12),
+    "deterministic": True,
+    "seq_idx": torch.zeros(1, 6, dtype=torch.int32),
+    "encoder_hidden_states": torch.randn(1, 6, 32),
+    "token_type_ids": torch.zeros(1, 6, dtype=torch.long),
+    "layer_idx": 1,
+}
+
+
+def test_every_harmless_keyword_leaves_the_output_unchanged() -> None:
+    harmless = {n for n, k in KWARGS.items() if k.kind == "harmless"}
+    assert set(HARMLESS_VALUES) <= harmless
+    q, k, v = _qkv()
+    expected = attnkit.attention(q, k, v, causal=True).transpose(1, 2)
+    for name in sorted(harmless):
+        value = HARMLESS_VALUES.get(name, object())  # any value: it is never read
+        out, weights = hfa.hf_attention(_Layer(), q, k, v, None, **{name: value})
+        assert weights is None, name
+        torch.testing.assert_close(out, expected, msg=name)
+
+
+def test_the_table_says_why_for_every_name() -> None:
+    for name, entry in KWARGS.items():
+        assert entry.kind in ("computed", "harmless", "refused"), name
+        assert len(entry.what) > 10, name
+        assert entry.models, name
+        assert (entry.kind == "refused") == bool(entry.loss), name
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V3.2: its top-k key selection is refused (attnkit computed dense attention before)
+
+
+def _deepseek_v32() -> Any:
+    return transformers.DeepseekV32Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, index_n_heads=2,
+        index_head_dim=16, index_topk=4, pad_token_id=0,
+    )  # fmt: skip
+
+
+def test_deepseek_v32_sparse_selection_is_refused_not_computed_densely(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ref, ours = _pair(_deepseek_v32())
+    ids = _batch()[0][1:]  # (1, T): more keys than the top 4, so the selection matters
+    with torch.no_grad():
+        expected = ref(ids).logits
+        with monkeypatch.context() as m:  # indices ignored: the dense attention of before
+            m.setattr(hfa, "check_kwargs", lambda module, kwargs: None)
+            dense = ours(ids).logits
+        assert (dense - expected).abs().max() > 1e-3  # the selection changes the model
+        with pytest.raises(AttentionInputError) as info:
+            ours(ids)
+    message = str(info.value)
+    assert "hf_attention (DeepseekV32Attention)" in message
+    assert "this model uses DeepSeek-V3.2's sparse top-k key selection (indices=" in message
+    assert f"got:      indices=tensor (1, {T}, 4) from DeepseekV32Attention, model_type " in message
+    assert "'deepseek_v32'" in message
+    assert EAGER_FIX in message
