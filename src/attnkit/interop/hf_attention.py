@@ -61,7 +61,7 @@ from attnkit.interop.hf_mask import (
     hf_mask,
     load_masking_utils,
 )
-from attnkit.masks import DenseMask, MaskSpec, causal_mask, sliding_window
+from attnkit.masks import DenseMask, MaskSpec, causal, sliding_window
 
 __all__ = [
     "SPEC_MODEL_TYPES",
@@ -150,17 +150,15 @@ def _mask_and_causal(
 def _with_documents(
     mask: MaskSpec | torch.Tensor | None, causal_flag: bool, documents: torch.Tensor
 ) -> MaskSpec | torch.Tensor:
-    """``mask`` (or the causal rule) and "a query sees only keys of its own document"."""
-    if isinstance(mask, torch.Tensor):
+    """``mask`` and the causal rule (what :func:`_mask_and_causal` gave) and "a query sees only
+    keys of its own document", as one mask."""
+    if isinstance(mask, torch.Tensor):  # the whole rule (causal_flag is False with a mask)
         if mask.dtype == torch.bool:
             return mask & documents
         return mask.masked_fill(~documents, -math.inf)
-    if mask is not None:
-        return mask & DenseMask(documents)
-    if not causal_flag:
-        return documents
-    L, S = documents.shape[-2:]
-    return documents & causal_mask(L, S, device=documents.device)
+    if causal_flag:
+        mask = causal() if mask is None else mask & causal()
+    return documents if mask is None else mask & DenseMask(documents)
 
 
 def attention_arguments(
@@ -188,10 +186,10 @@ def attention_arguments(
     check_kwargs(module, kwargs)
     mask, causal_flag = _mask_and_causal(module, attention_mask, is_causal, sliding_window)
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
-        if sizes is None:
+        if sizes is None:  # the lengths the cumulative lengths end at
             ends = [kwargs.get(n) for n in ("cu_seq_lens_q", "cu_seq_lens_k")]
-            ends = [int(e[-1]) if isinstance(e, torch.Tensor) and e.numel() else 0 for e in ends]
-            sizes = (1, ends[0], ends[1])
+            L, S = (int(e[-1]) if isinstance(e, torch.Tensor) and e.numel() else 0 for e in ends)
+            sizes = (1, L, S)
         documents = packed_documents(module, kwargs, *sizes)
         if documents is not None:
             mask, causal_flag = _with_documents(mask, causal_flag, documents), False
@@ -254,7 +252,10 @@ def hf_attention(
     if want:
         out, weights = attention(query, key, value, return_weights=True, **common)
         model_type = getattr(getattr(module, "config", None), "model_type", None)
-        if common["sinks"] is not None and model_type in SINKS_OUTSIDE_WEIGHTS_MODEL_TYPES:
+        renormalise = (
+            common["sinks"] is not None and model_type in SINKS_OUTSIDE_WEIGHTS_MODEL_TYPES
+        )
+        if weights is not None and renormalise:
             total = weights.sum(dim=-1, keepdim=True)  # 1 - the sink's share; 0: no key
             weights = weights / torch.where(total > 0, total, torch.ones_like(total))
     else:

@@ -33,6 +33,7 @@ __all__ = [
     "Kwarg",
     "check_kwargs",
     "collecting_attentions",
+    "markdown_table",
     "packed_documents",
 ]
 
@@ -77,8 +78,9 @@ def _refused(feature: str, models: str, loss: str) -> Kwarg:
 
 _BOOKKEEPING = "bookkeeping of the model's forward (caches, outputs, loss); eager ignores it"
 _CONSUMED = (
-    "the layer's own inputs (states, caches, rotary tables, encoder states, the vision "
-    "tower's cut points): it already made q, k, v and the mask from them; eager ignores them"
+    "the layer's or the model's own inputs (states, caches, rotary tables, encoder states, "
+    "token ids, pixels, the vision tower's cut points): q, k, v and the mask were made from "
+    "them before the call; eager ignores them"
 )
 
 KWARGS: dict[str, Kwarg] = {
@@ -103,7 +105,8 @@ KWARGS: dict[str, Kwarg] = {
     "output_attentions": _computed(
         "`return_weights` (the weights `(B, H, L, S)` are returned; so they are whenever "
         "transformers' output capturing collects attentions)",
-        "models that hand it on (most take it from the capture context instead)",
+        "models that hand it on; GPT-2, GPTBigCode, OPT and others drop it before their "
+        "layers, and the capture context says it instead",
     ),
     "cu_seq_lens_q": _computed(
         "packed documents (flash-attention's varlen form, one packed row, B = 1): a query "
@@ -151,6 +154,13 @@ KWARGS: dict[str, Kwarg] = {
             "mm_token_type_ids",
             "cu_seqlens",
             "max_seqlen",
+            "input_ids",
+            "inputs_embeds",
+            "pixel_values",
+            "pixel_values_videos",
+            "image_grid_thw",
+            "video_grid_thw",
+            "input_features",
         ],
         _harmless(_CONSUMED, "layers that take them by `**kwargs` and pass them on"),
     ),
@@ -160,7 +170,7 @@ KWARGS: dict[str, Kwarg] = {
         "hybrid Mamba models (Bamba, ...)",
     ),
     "deterministic": _harmless(
-        "flash-attention's choice of a deterministic backward; attnkit's is deterministic",
+        "flash-attention's choice of backward kernel; eager ignores it",
         "ModernBERT",
     ),
     # refused: features attnkit does not compute
@@ -188,7 +198,7 @@ KWARGS: dict[str, Kwarg] = {
     ),
     "head_mask": _refused(
         "a head mask (head_mask)",
-        "older encoders",
+        "none in transformers 5.24 (older encoders passed it)",
         "a factor on each head's weights",
     ),
 }
@@ -316,3 +326,19 @@ def packed_documents(
     doc_q = _doc_ids(module, "cu_seq_lens_q", cu_q, L, "query")
     doc_k = _doc_ids(module, "cu_seq_lens_k", cu_k, S, "key")
     return (doc_q[:, None] == doc_k[None, :])[None, None]
+
+
+def markdown_table() -> str:
+    """:data:`KWARGS` as the table of ``docs/hf.md`` (names with the same entry share a row)."""
+    rows: dict[Kwarg, list[str]] = {}
+    for name, entry in KWARGS.items():
+        rows.setdefault(entry, []).append(name)
+    lines = [
+        "| keyword | attnkit | what it does, or why | models that pass it |",
+        "|---|---|---|---|",
+    ]
+    for entry, names in rows.items():
+        what = entry.what if entry.kind != "refused" else f"{entry.what}: {entry.loss}"
+        shown = ", ".join(f"`{n}`" for n in names)
+        lines.append(f"| {shown} | {entry.kind} | {what} | {entry.models} |")
+    return "\n".join(lines)

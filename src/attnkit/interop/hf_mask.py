@@ -252,9 +252,8 @@ def _refuse_models_outside_the_interface() -> None:
     model = _calling_model()
     if model is None:
         return
-    cls = type(model)
-    uses_interface = cls._can_set_attn_implementation  # transformers' own check (its source)
-    if uses_interface():
+    cls: Any = type(model)
+    if cls._can_set_attn_implementation():  # transformers' own check (reads the class's source)
         return
     raise AttentionInputError(
         f"{WHERE_MASK} ({cls.__name__})",
