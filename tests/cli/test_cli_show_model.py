@@ -253,10 +253,7 @@ def test_show_model_bad_options_are_one_line(
     assert not out.exists()
 
 
-def test_a_model_that_drops_output_attentions_is_named_for_what_it_does(tmp_path: Path) -> None:
-    """GPT-2's code does not hand output_attentions to its attention function: attnkit runs
-    every layer, yet no weights come back. The error says exactly that (it said before that
-    the attention did not run on attnkit)."""
+def _gpt2_checkpoint(tmp_path: Path) -> Path:
     path = tmp_path / "gpt2"
     torch.manual_seed(0)
     config = transformers.GPT2Config(
@@ -265,12 +262,67 @@ def test_a_model_that_drops_output_attentions_is_named_for_what_it_does(tmp_path
     transformers.GPT2Model(config).save_pretrained(path)
     for name in TOKENIZER:
         shutil.copy(Path(gt.get_model_path()) / name, path / name)
+    return path
+
+
+def test_show_model_draws_the_maps_of_a_model_that_drops_output_attentions(
+    tmp_path: Path,
+) -> None:
+    """GPT-2's code does not hand output_attentions to its attention function; transformers'
+    output capturing collects the weights each layer returns, and attnkit returns them when
+    it collects (it returned none before, and show refused GPT-2)."""
+    path = _gpt2_checkpoint(tmp_path)
+    out = tmp_path / "maps"
+    result = runner.invoke(app, ["show", TEXT, "--model", str(path), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    with np.load(out / "attention.npz", allow_pickle=False) as npz:
+        attentions = npz["attentions"]
+    assert attentions.shape == (2, 4, 9, 9)  # (N, H, T, T)
+    ids = [101, 2166, 2003, 2460, 1010, 4521, 18064, 2034, 102]
+    expected, _ = _eager_attentions(path, ids)
+    torch.testing.assert_close(torch.from_numpy(attentions), expected, atol=1e-5, rtol=0)
+    assert not np.triu(attentions, k=1).any()  # causal
+    assert "ran on attnkit: 2 attention calls" in result.stdout
+
+
+def test_a_model_that_drops_output_attentions_is_named_for_what_it_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model whose weights do not come back (GPT-2 with transformers' output capturing not
+    seen, as where its collector is missing): attnkit runs every layer, yet no weights come
+    back. The error says exactly that (it said before that the attention did not run on
+    attnkit)."""
+    import attnkit.interop.hf_attention as hfa
+
+    monkeypatch.setattr(hfa, "collecting_attentions", lambda: False)
+    path = _gpt2_checkpoint(tmp_path)
     result = runner.invoke(app, ["show", TEXT, "--model", str(path), "--out", str(tmp_path / "o")])
     _check_one_line_error(
         result,
         "gpt2 ran its attention on attnkit (2 attnkit calls for 2 layers) but returned no "
         "attention weights",
         'attn_implementation="eager" returns its weights',
+    )
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_model_whose_attention_skips_the_interface_is_one_line(tmp_path: Path) -> None:
+    """Bloom runs its own attention on the masks it asks the mask interface for: show refused
+    nothing before and drew maps that were not attnkit's (and not eager's)."""
+    path = tmp_path / "bloom"
+    torch.manual_seed(0)
+    config = transformers.BloomConfig(
+        vocab_size=SMALL["vocab_size"], hidden_size=16, n_layer=2, n_head=4
+    )
+    transformers.BloomModel(config).save_pretrained(path)
+    for name in TOKENIZER:
+        shutil.copy(Path(gt.get_model_path()) / name, path / name)
+    result = runner.invoke(app, ["show", TEXT, "--model", str(path), "--out", str(tmp_path / "o")])
+    _check_one_line_error(
+        result,
+        "BloomModel's attention layers do not call transformers' AttentionInterface, so "
+        'attn_implementation="attnkit" would not run attnkit',
+        'load this model with attn_implementation="eager"',
     )
     assert not (tmp_path / "o").exists()
 
