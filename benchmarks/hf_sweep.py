@@ -183,13 +183,13 @@ def run_type(transformers: Any, model_type: str) -> tuple[str, str]:
     weights = 0.0
     if len(mine) == len(theirs):
         for a, b in zip(mine, theirs, strict=True):
-            rows = (
-                real[:, None, :, None] if a.dim() == 4 and tuple(a.shape[::2]) == (B, T) else None
-            )
-            diff = (a - b).abs() if a.shape == b.shape else torch.tensor(float("inf"))
-            weights = max(
-                weights, float(diff[rows.expand_as(a)].max() if rows is not None else diff.max())
-            )
+            if a.shape != b.shape:
+                weights = float("inf")
+                continue
+            diff = (a - b).abs()
+            if diff.dim() == 4 and tuple(diff.shape[::2]) == (B, T):  # real query rows only
+                diff = diff[real[:, None, :, None].expand_as(diff)]
+            weights = max(weights, float(diff.max()))
     detail = f"logits {gap:.1e}, maps {len(mine)}/{len(theirs)}, weights {weights:.1e}"
     ok = gap <= ATOL_LOGITS and len(mine) == len(theirs) and weights <= ATOL_WEIGHTS
     return ("match" if ok else "DIFFER"), detail

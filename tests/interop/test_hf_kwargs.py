@@ -502,3 +502,25 @@ def test_cu_seq_lens_without_a_mask_keep_the_layers_own_rule(
     assert weights is not None
     torch.testing.assert_close(weights, expected.weights)
     assert not weights[..., ~allowed].any()
+
+
+@pytest.mark.parametrize(
+    ("name", "skips"),
+    [("BloomModel", True), ("TrOCRForCausalLM", True), ("XGLMModel", True),
+     ("LlamaModel", False), ("GPT2Model", False), ("PaliGemmaModel", False)],
+)  # fmt: skip
+def test_which_models_skip_the_interface_is_transformers_own_answer(name: str, skips: bool) -> None:
+    import attnkit.interop.hf_mask as hm
+
+    cls = getattr(transformers, name)
+    assert hm._skips_the_interface(cls) is skips
+    assert (not cls._can_set_attn_implementation()) is skips
+
+
+def test_a_model_class_whose_source_cannot_be_read_is_not_refused() -> None:
+    """A model defined in a notebook: its source is not there to read, so it is not refused
+    (transformers' own check answers False there)."""
+    import attnkit.interop.hf_mask as hm
+
+    notebook = type("NotebookModel", (transformers.BloomModel,), {"__module__": "__notebook__"})
+    assert hm._skips_the_interface(notebook) is False

@@ -79,8 +79,8 @@ def _refused(feature: str, models: str, loss: str) -> Kwarg:
 _BOOKKEEPING = "bookkeeping of the model's forward (caches, outputs, loss); eager ignores it"
 _CONSUMED = (
     "the layer's or the model's own inputs (states, caches, rotary tables, encoder states, "
-    "token ids, pixels, the vision tower's cut points): q, k, v and the mask were made from "
-    "them before the call; eager ignores them"
+    "token ids, pixels, labels, the vision tower's cut points): q, k, v and the mask were "
+    "made from them before the call; eager ignores them"
 )
 
 KWARGS: dict[str, Kwarg] = {
@@ -161,6 +161,7 @@ KWARGS: dict[str, Kwarg] = {
             "image_grid_thw",
             "video_grid_thw",
             "input_features",
+            "labels",
         ],
         _harmless(_CONSUMED, "layers that take them by `**kwargs` and pass them on"),
     ),

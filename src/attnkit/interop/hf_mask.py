@@ -7,14 +7,17 @@ transformers calls the mask function once per forward with the mask *rule* (its
 the queries and keys start (``q_offset``, ``kv_offset``). Where attnkit can prove the rule, it
 returns an attnkit mask spec (``causal() & sliding_window(w) & key_mask(keep)``) and
 block-sparse backends skip the empty blocks; anywhere else it returns transformers' own dense
-mask ``(B, 1, L, S)``: a causal or window rule is never dropped or guessed. This module also
-checks the installed transformers for :func:`attnkit.interop.register_hf`.
+mask ``(B, 1, L, S)``: a causal or window rule is never dropped or guessed (eager's float form
+for the models whose code adds float biases to it). A model whose attention layers do not call
+transformers' attention interface is refused here, the one place attnkit sees it. This module
+also checks the installed transformers for :func:`attnkit.interop.register_hf`.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import re
 import sys
 from collections.abc import Callable
@@ -219,10 +222,36 @@ def _calling_model() -> nn.Module | None:
         if frame is None:
             return None
         me = frame.f_locals.get("self")
-        if isinstance(me, nn.Module) and hasattr(type(me), "_can_set_attn_implementation"):
+        if isinstance(me, nn.Module) and hasattr(me, "config") and hasattr(me, "_supports_sdpa"):
             return me
         frame = frame.f_back
     return None
+
+
+_SKIPS: dict[type, bool] = {}  # _skips_the_interface per model class (it reads source files)
+_ATTENTION_CLASS = re.compile(r"^class \w*Attention\w*\(nn\.Module\):", re.MULTILINE)
+
+
+def _skips_the_interface(cls: type) -> bool:
+    """Whether the source of ``cls`` (or of the classes it derives from) defines attention
+    layers and never calls ``ALL_ATTENTION_FUNCTIONS``: transformers' own test
+    (``PreTrainedModel._can_set_attn_implementation``), except that a class whose source cannot
+    be read (a notebook's) counts as calling it."""
+    for klass in cls.__mro__:
+        if klass.__module__.startswith(("torch.", "builtins")) or klass.__name__ in (
+            "PreTrainedModel",
+            "GenerationMixin",
+        ):
+            continue
+        try:
+            code = inspect.getsource(sys.modules[klass.__module__])
+        except (KeyError, OSError, TypeError):
+            return False
+        if "ALL_ATTENTION_FUNCTIONS" in code:
+            return False
+        if _ATTENTION_CLASS.search(code):
+            return True
+    return False
 
 
 def _refuse_models_outside_the_interface() -> None:
@@ -232,8 +261,10 @@ def _refuse_models_outside_the_interface() -> None:
     model = _calling_model()
     if model is None:
         return
-    cls: Any = type(model)
-    if cls._can_set_attn_implementation():  # transformers' own check (reads the class's source)
+    cls = type(model)
+    if cls not in _SKIPS:
+        _SKIPS[cls] = _skips_the_interface(cls)
+    if not _SKIPS[cls]:
         return
     raise AttentionInputError(
         f"{WHERE_MASK} ({cls.__name__})",
@@ -279,7 +310,8 @@ def hf_mask(
     Raises:
         AttentionInputError: the model asking (the nearest ``PreTrainedModel`` up the stack)
             does not run its attention through transformers' ``AttentionInterface`` (Bloom,
-            TrOCR, BigBird, ...: transformers' own check, ``_can_set_attn_implementation``),
+            TrOCR, BigBird, ...: its source defines attention layers and never calls the
+            interface, as transformers' own ``_can_set_attn_implementation`` checks),
             so attnkit would never run and its own attention would read attnkit's masks.
             Not checked while ``torch.compile`` traces (it reads the call stack).
     """
