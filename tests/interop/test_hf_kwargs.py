@@ -1,13 +1,10 @@
-"""What attnkit does with each keyword argument transformers' attention layers pass, and with
-models whose masks or weights take another way than the attention function.
+"""What attnkit does with each keyword argument transformers' attention layers pass.
 
 Every name a model in the installed transformers writes into its ``attention_interface(...)``
 call is classified (computed, harmless, refused); a refused feature is refused by name with
-the fix, an unknown one too; harmless ones leave the output unchanged. Tiny random models
-against ``eager``: DeepSeek-V3.2 (sparse top-k selection, refused), DeepSeek-V4 (its float
-block bias on the mask), Bloom (its own attention: refused by the mask function), and the
-weights of ``output_attentions=True`` where the model does not hand the flag on (GPT-2,
-GPTBigCode) and where it does (OPT, Qwen3).
+the fix, an unknown one too; harmless ones leave the output unchanged. DeepSeek-V3.2's sparse
+top-k selection is refused (a tiny random model; attnkit computed dense attention before).
+Packed documents from ``cu_seq_lens_q`` / ``cu_seq_lens_k`` against ``eager`` on each document.
 
 Tolerances: logits ``atol=1e-4``; attention weights ``atol=1e-5`` (float32).
 """
@@ -15,7 +12,6 @@ Tolerances: logits ``atol=1e-4``; attention weights ``atol=1e-5`` (float32).
 from __future__ import annotations
 
 import ast
-import copy
 import inspect
 from pathlib import Path
 from typing import Any
@@ -28,52 +24,11 @@ import attnkit.interop.hf_attention as hfa
 from attnkit import AttentionInputError
 from attnkit.interop import register_hf
 from attnkit.interop.hf_kwargs import KWARGS, markdown_table
-
-transformers = pytest.importorskip("transformers")
-
-ATOL_LOGITS = 1e-4
-ATOL_WEIGHTS = 1e-5
-VOCAB, B, T = 64, 2, 9
-EAGER_FIX = 'fix:      load this model with attn_implementation="eager"'
+from hf_tiny import ATOL_LOGITS, EAGER_FIX, VOCAB, Layer, T, batch, pair, tiny_config, transformers
 
 register_hf()
 
 DOCS = (Path(__file__).resolve().parents[2] / "docs" / "hf.md").read_text()
-
-
-def _pair(config: Any, causal_lm: bool = True) -> tuple[Any, Any]:
-    """(eager model, attnkit model) with the same random weights (std 0.3, so that attention
-    matters), in eval mode."""
-    auto = transformers.AutoModelForCausalLM if causal_lm else transformers.AutoModel
-    models = []
-    for impl in ("eager", "attnkit"):
-        torch.manual_seed(0)
-        models.append(auto.from_config(copy.deepcopy(config), attn_implementation=impl))
-    ref, ours = models
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.normal_(std=0.3)
-    ours.load_state_dict(ref.state_dict())
-    assert ours.config._attn_implementation == "attnkit"
-    return ref.eval(), ours.eval()
-
-
-def _batch(length: int = T) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids ``(B, length)`` and their mask with the first row left-padded by 3."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, VOCAB, (B, length), generator=g)
-    mask = torch.ones(B, length, dtype=torch.long)
-    mask[0, :3] = 0
-    ids[0, :3] = 0
-    return ids, mask
-
-
-class _Layer(torch.nn.Module):
-    """A stand-in attention layer (what hf_attention reads of it: is_causal, config)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.is_causal = True
 
 
 def _qkv() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -146,12 +101,12 @@ REFUSED = {
 def test_a_feature_attnkit_does_not_compute_is_refused_by_name(kwarg: str) -> None:
     value, feature = REFUSED[kwarg]
     q, k, v = _qkv()
-    with pytest.raises(AttentionInputError, match=r"hf_attention \(_Layer\)") as info:
-        hfa.hf_attention(_Layer(), q, k, v, None, **{kwarg: value})
+    with pytest.raises(AttentionInputError, match=r"hf_attention \(Layer\)") as info:
+        hfa.hf_attention(Layer(), q, k, v, None, **{kwarg: value})
     message = str(info.value)
     assert f"this model uses {feature}" in message
     assert "which attnkit does not compute yet" in message
-    assert f"got:      {kwarg}=tensor {tuple(value.shape)} from _Layer" in message
+    assert f"got:      {kwarg}=tensor {tuple(value.shape)} from Layer" in message
     assert f"expected: {kwarg}=None" in message
     assert EAGER_FIX in message
     assert info.value.argument == kwarg
@@ -160,7 +115,7 @@ def test_a_feature_attnkit_does_not_compute_is_refused_by_name(kwarg: str) -> No
 @pytest.mark.parametrize("kwarg", list(REFUSED))
 def test_a_refused_feature_that_is_off_is_accepted(kwarg: str) -> None:
     q, k, v = _qkv()
-    out, _ = hfa.hf_attention(_Layer(), q, k, v, None, **{kwarg: None})
+    out, _ = hfa.hf_attention(Layer(), q, k, v, None, **{kwarg: None})
     torch.testing.assert_close(out, attnkit.attention(q, k, v, causal=True).transpose(1, 2))
 
 
@@ -168,7 +123,7 @@ def test_a_refused_feature_that_is_off_is_accepted(kwarg: str) -> None:
 def test_an_unknown_keyword_is_refused_by_name(value: object) -> None:
     q, k, v = _qkv()
     with pytest.raises(AttentionInputError) as info:
-        hfa.hf_attention(_Layer(), q, k, v, None, topk_scores=value)
+        hfa.hf_attention(Layer(), q, k, v, None, topk_scores=value)
     message = str(info.value)
     assert "this model passes topk_scores=, which attnkit does not know" in message
     assert "it may change what attention computes, so attnkit does not ignore it" in message
@@ -178,7 +133,7 @@ def test_an_unknown_keyword_is_refused_by_name(value: object) -> None:
 
 def test_an_unknown_keyword_that_is_none_is_accepted() -> None:
     q, k, v = _qkv()
-    out, _ = hfa.hf_attention(_Layer(), q, k, v, None, topk_scores=None)
+    out, _ = hfa.hf_attention(Layer(), q, k, v, None, topk_scores=None)
     torch.testing.assert_close(out, attnkit.attention(q, k, v, causal=True).transpose(1, 2))
 
 
@@ -206,7 +161,7 @@ def test_every_harmless_keyword_leaves_the_output_unchanged() -> None:
     expected = attnkit.attention(q, k, v, causal=True).transpose(1, 2)
     for name in sorted(harmless):
         value = HARMLESS_VALUES.get(name, object())  # any value: it is never read
-        out, weights = hfa.hf_attention(_Layer(), q, k, v, None, **{name: value})
+        out, weights = hfa.hf_attention(Layer(), q, k, v, None, **{name: value})
         assert weights is None, name
         torch.testing.assert_close(out, expected, msg=name)
 
@@ -242,8 +197,8 @@ def _deepseek_v32() -> Any:
 def test_deepseek_v32_sparse_selection_is_refused_not_computed_densely(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    ref, ours = _pair(_deepseek_v32())
-    ids = _batch()[0][1:]  # (1, T): more keys than the top 4, so the selection matters
+    ref, ours = pair(_deepseek_v32())
+    ids = batch()[0][1:]  # (1, T): more keys than the top 4, so the selection matters
     with torch.no_grad():
         expected = ref(ids).logits
         with monkeypatch.context() as m:  # indices ignored: the dense attention of before
@@ -262,169 +217,12 @@ def test_deepseek_v32_sparse_selection_is_refused_not_computed_densely(
 
 
 # ---------------------------------------------------------------------------------------------
-# output_attentions: the weights come back wherever eager returns them
-
-
-def _tiny(name: str) -> Any:
-    small = {"vocab_size": VOCAB, "pad_token_id": 0}
-    gpt = {"n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64}
-    llama_like = {
-        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2,
-    }  # fmt: skip
-    configs = {
-        # these three drop output_attentions before their layers (their weights came back
-        # as an empty tuple on attnkit): transformers' output capturing collects them
-        "gpt2": lambda: transformers.GPT2Config(**small, **gpt),
-        "gpt_bigcode": lambda: transformers.GPTBigCodeConfig(**small, **gpt, multi_query=True),
-        "opt": lambda: transformers.OPTConfig(
-            **small, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
-            word_embed_proj_dim=32,
-        ),
-        "qwen3": lambda: transformers.Qwen3Config(**small, **llama_like, head_dim=8),
-        "granite_swa": lambda: transformers.GraniteSWAConfig(
-            **small, **llama_like, sliding_window=4,
-            layer_types=["full_attention", "sliding_attention"],
-        ),
-    }  # fmt: skip
-    return configs[name]()
-
-
-def _assert_weights_match(got: Any, expected: Any, real: torch.Tensor, heads: int = 4) -> None:
-    assert expected is not None
-    assert len(expected) == 2
-    assert got is not None
-    assert len(got) == len(expected)
-    for mine, theirs in zip(got, expected, strict=True):
-        assert mine.shape == theirs.shape == (real.shape[0], heads, real.shape[1], real.shape[1])
-        rows = real[:, None, :, None].expand_as(mine)  # real query rows
-        torch.testing.assert_close(mine[rows], theirs[rows], atol=ATOL_WEIGHTS, rtol=0)
-        assert mine[rows].abs().sum() > 0
-
-
-@pytest.mark.parametrize("name", ["gpt2", "gpt_bigcode", "opt", "qwen3"])
-def test_output_attentions_returns_eager_weights(name: str) -> None:
-    ref, ours = _pair(_tiny(name))
-    ids, mask = _batch()
-    real = mask.bool()
-    with torch.no_grad(), attnkit.trace() as t:
-        got = ours(ids, attention_mask=mask, output_attentions=True)
-        plain = ours(ids, attention_mask=mask)
-    expected = ref(ids, attention_mask=mask, output_attentions=True)
-    assert len(t.backends) == 4  # attnkit ran every layer, with and without weights
-    torch.testing.assert_close(got.logits[real], expected.logits[real], atol=ATOL_LOGITS, rtol=0)
-    _assert_weights_match(got.attentions, expected.attentions, real)
-    assert plain.attentions is None
-
-
-@pytest.mark.parametrize("name", ["gpt2", "opt"])
-def test_output_attentions_from_the_config_and_in_generate(name: str) -> None:
-    config = _tiny(name)
-    config.output_attentions = True
-    ref, ours = _pair(config)
-    ids, mask = _batch()
-    real = mask.bool()
-    with torch.no_grad():
-        _assert_weights_match(ours(ids, attention_mask=mask).attentions,
-                              ref(ids, attention_mask=mask).attentions, real)  # fmt: skip
-    kwargs = {"max_new_tokens": 3, "do_sample": False, "return_dict_in_generate": True}
-    expected = ref.generate(ids, attention_mask=mask, **kwargs)
-    got = ours.generate(ids, attention_mask=mask, **kwargs)
-    assert torch.equal(got.sequences, expected.sequences)
-    assert len(got.attentions) == len(expected.attentions) == 3  # one tuple per step
-    _assert_weights_match(got.attentions[0], expected.attentions[0], real)  # the prompt
-    for step in (1, 2):  # one new query against the cache
-        for mine, theirs in zip(got.attentions[step], expected.attentions[step], strict=True):
-            assert mine.shape == theirs.shape == (B, 4, 1, T + step)
-            torch.testing.assert_close(mine, theirs, atol=ATOL_WEIGHTS, rtol=0)
-
-
-def test_granite_swa_weights_are_eager_weights_before_the_sink() -> None:
-    """Granite SWA's eager applies its sinks as a scale on the output and returns the softmax
-    before it; attnkit's weights carry the sink's share (as gpt-oss's eager returns them):
-    they are renormalised for Granite SWA, and its outputs match eager either way."""
-    ref, ours = _pair(_tiny("granite_swa"))
-    with torch.no_grad():  # sinks start at 0: give them weight, so that they matter
-        for model in (ref, ours):
-            for layer in model.model.layers:
-                layer.self_attn.sinks.copy_(torch.linspace(-1.0, 2.0, 4))
-    ids, mask = _batch()
-    real = mask.bool()
-    with torch.no_grad():
-        got = ours(ids, attention_mask=mask, output_attentions=True)
-        expected = ref(ids, attention_mask=mask, output_attentions=True)
-    torch.testing.assert_close(got.logits[real], expected.logits[real], atol=ATOL_LOGITS, rtol=0)
-    _assert_weights_match(got.attentions, expected.attentions, real)
-    rows = real[:, None, :, None].expand_as(got.attentions[0])
-    sums = got.attentions[0].sum(-1, keepdim=True).expand_as(got.attentions[0])[rows]
-    torch.testing.assert_close(sums, torch.ones_like(sums))
-
-
-# ---------------------------------------------------------------------------------------------
-# the mask function: models whose masks take another way
-
-
-def test_a_model_whose_attention_skips_the_interface_is_refused() -> None:
-    """Bloom builds its masks through the mask interface but runs its own attention (ALiBi):
-    on attnkit's bool mask it gave other logits, and attnkit never ran."""
-    config = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)
-    ref, ours = _pair(config)
-    ids, mask = _batch()
-    with pytest.raises(AttentionInputError) as info, attnkit.trace() as t:
-        ours(ids, attention_mask=mask)
-    assert t.backends == []
-    message = str(info.value)
-    assert message.startswith("attnkit.interop.hf_mask (BloomModel): BloomModel's attention ")
-    assert "do not call transformers' AttentionInterface" in message
-    assert 'attn_implementation="attnkit" would not run attnkit' in message
-    assert "got:      model_type 'bloom', attn_implementation='attnkit'" in message
-    assert 'fix:      load this model with attn_implementation="eager"' in message
-    assert info.value.argument == "attn_implementation"
-    with torch.no_grad():
-        ref(ids, attention_mask=mask)  # eager runs it
-
-
-def _deepseek_v4() -> Any:
-    return transformers.DeepseekV4Config(
-        vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, q_lora_rank=16,
-        num_experts_per_tok=2, n_routed_experts=4, sliding_window=4, index_n_heads=2,
-        index_head_dim=8, index_topk=4, qk_rope_head_dim=8, o_lora_rank=16, o_groups=2,
-        layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
-        pad_token_id=0,
-    )  # fmt: skip
-
-
-def test_deepseek_v4_gets_eager_float_mask_and_matches_eager() -> None:
-    """DeepSeek-V4 appends its compressor's float bias to the mask with
-    ``.to(attention_mask.dtype)``: on a bool mask that turned blocked into allowed."""
-    ref, ours = _pair(_deepseek_v4())
-    ids, mask = _batch()
-    real = mask.bool()
-    seen: list[torch.Tensor] = []
-    real_attention = hfa.attention
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        seen.append(kwargs["mask"])
-        return real_attention(*args, **kwargs)
-
-    with torch.no_grad(), pytest.MonkeyPatch.context() as m:
-        m.setattr(hfa, "attention", recording)
-        got = ours(ids, attention_mask=mask).logits
-        expected = ref(ids, attention_mask=mask).logits
-    torch.testing.assert_close(got[real], expected[real], atol=ATOL_LOGITS, rtol=0)
-    assert len(seen) == 2
-    assert all(isinstance(x, torch.Tensor) and x.dtype == torch.float32 for x in seen)
-    assert seen[1].shape[-1] > T  # the compressed entries appended by the model's code
-
-
-# ---------------------------------------------------------------------------------------------
 # packed documents: cu_seq_lens_q / cu_seq_lens_k
 
 
 def _packed() -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """One row of two documents (5 and 4 tokens), flash-attention's varlen arguments."""
-    ids = _batch()[0][1:]  # (1, T)
+    ids = batch()[0][1:]  # (1, T)
     position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3]])
     cu = torch.tensor([0, 5, T], dtype=torch.int32)
     varlen = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": 5, "max_length_k": 5}
@@ -432,7 +230,7 @@ def _packed() -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
 
 
 def test_packed_documents_from_cu_seq_lens_match_eager_on_each_document() -> None:
-    ref, ours = _pair(_tiny("qwen3"))
+    ref, ours = pair(tiny_config("qwen3"))
     ids, position_ids, varlen = _packed()
     with torch.no_grad():  # each document on its own, on eager
         first = ref(ids[:, :5]).logits
@@ -467,7 +265,7 @@ def test_cu_seq_lens_that_do_not_describe_the_row_are_refused(
     q, k, v = (torch.randn(1, 4, T, 8) for _ in range(3))
     varlen = {**_packed()[2], **change}
     with pytest.raises(AttentionInputError) as info:
-        hfa.hf_attention(_Layer(), q, k, v, None, **varlen)
+        hfa.hf_attention(Layer(), q, k, v, None, **varlen)
     assert problem in str(info.value)
     assert info.value.argument == argument
     assert "DataCollatorWithFlattening" in str(info.value)
@@ -476,7 +274,7 @@ def test_cu_seq_lens_that_do_not_describe_the_row_are_refused(
 def test_cu_seq_lens_with_a_batch_of_rows_are_refused() -> None:
     q, k, v = (torch.randn(2, 4, T, 8) for _ in range(3))
     with pytest.raises(AttentionInputError) as info:
-        hfa.hf_attention(_Layer(), q, k, v, None, **_packed()[2])
+        hfa.hf_attention(Layer(), q, k, v, None, **_packed()[2])
     assert "cut one packed row into documents, but the batch has 2 rows" in str(info.value)
 
 
@@ -489,7 +287,7 @@ def test_cu_seq_lens_without_a_mask_keep_the_layers_own_rule(
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 4, T, 8, generator=g) for _ in range(3))
     rule = {"is_causal": is_causal, "sliding_window": window, "output_attentions": True}
-    out, weights = hfa.hf_attention(_Layer(), q, k, v, None, **rule, **_packed()[2])
+    out, weights = hfa.hf_attention(Layer(), q, k, v, None, **rule, **_packed()[2])
     doc = torch.tensor([0] * 5 + [1] * 4)
     allowed = doc[:, None] == doc[None, :]
     i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
@@ -502,25 +300,3 @@ def test_cu_seq_lens_without_a_mask_keep_the_layers_own_rule(
     assert weights is not None
     torch.testing.assert_close(weights, expected.weights)
     assert not weights[..., ~allowed].any()
-
-
-@pytest.mark.parametrize(
-    ("name", "skips"),
-    [("BloomModel", True), ("TrOCRForCausalLM", True), ("XGLMModel", True),
-     ("LlamaModel", False), ("GPT2Model", False), ("PaliGemmaModel", False)],
-)  # fmt: skip
-def test_which_models_skip_the_interface_is_transformers_own_answer(name: str, skips: bool) -> None:
-    import attnkit.interop.hf_mask as hm
-
-    cls = getattr(transformers, name)
-    assert hm._skips_the_interface(cls) is skips
-    assert (not cls._can_set_attn_implementation()) is skips
-
-
-def test_a_model_class_whose_source_cannot_be_read_is_not_refused() -> None:
-    """A model defined in a notebook: its source is not there to read, so it is not refused
-    (transformers' own check answers False there)."""
-    import attnkit.interop.hf_mask as hm
-
-    notebook = type("NotebookModel", (transformers.BloomModel,), {"__module__": "__notebook__"})
-    assert hm._skips_the_interface(notebook) is False
