@@ -394,25 +394,13 @@ def test_row_selection() -> None:
     assert len(full) == len(WORKLOADS) * 4 * 2 * 2
 
 
-def test_the_old_group_name_still_works_on_the_command_line(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """``-g issue14`` is ``-g masks`` on the command line, with a line on stderr saying so; the
-    library knows ``masks`` only."""
-    asked: list[list[tuple[str, int, str, str]]] = []
-
-    def run(rows: list[tuple[str, int, str, str]], **kwargs: object) -> BenchResult:
-        asked.append(list(rows))
-        return BenchResult({}, 1.0, [], 5)
-
-    monkeypatch.setattr(bench, "run", run)
-    args = ["bench", "--dtype", "bfloat16", "--mode", "fwd+bwd", "--no-memory"]
-    for group in ("issue14", "masks"):
-        result = CliRunner().invoke(app, [*args, "-g", group])
-        assert result.exit_code == 0, result.output
-        said = "attnkit bench: -g issue14 is now -g masks (the old name will go)"
-        assert (said in result.stderr) == (group == "issue14")
-    assert asked == [[("window", 4096, "bfloat16", "fwd+bwd")]] * 2
+def test_a_group_name_that_is_not_one_is_one_line() -> None:
+    """Only the groups' own names are taken (a retired name is refused like any other), on the
+    command line in one line, exit 2, naming the groups there are; the library the same."""
+    result = CliRunner().invoke(app, ["bench", "-g", "issue14", "--no-memory"])
+    assert result.exit_code == 2, result.output
+    assert "'issue14' is not one of acceptance, masks" in result.output
+    assert "Traceback" not in result.output
     with pytest.raises(AttentionInputError, match="'issue14' is not one of acceptance, masks"):
         bench.plan_rows(groups=["issue14"])
 

@@ -22,8 +22,6 @@ if TYPE_CHECKING:
     from attnkit.bench.results import BenchResult
 
 MIN_REPS = 5  # the fewest timed calls whose median the command publishes
-#: old group names the command line still takes (deprecated): the name it stands for
-GROUP_ALIASES = {"issue14": "masks"}
 
 
 def _check_outputs(outputs: dict[str, Path | None]) -> None:
@@ -66,17 +64,6 @@ def _check_reps(reps: int) -> None:
         )
 
 
-def _groups(groups: list[str] | None) -> list[str] | None:
-    """The groups asked for, an old name (:data:`GROUP_ALIASES`) as the name it now has, with a
-    line on stderr saying so."""
-    if not groups:
-        return groups
-    for old in dict.fromkeys(g for g in groups if g in GROUP_ALIASES):
-        new = GROUP_ALIASES[old]
-        typer.echo(f"attnkit bench: -g {old} is now -g {new} (the old name will go)", err=True)
-    return [GROUP_ALIASES.get(g, g) for g in groups]
-
-
 Names = list[str] | None
 WorkloadOption = Annotated[
     Names,
@@ -115,7 +102,7 @@ GroupOption = Annotated[
         "-g",
         metavar="<group>",
         help="only the rows of a group: acceptance (the suite's own), masks (every mask kind "
-        "through one kernel, and bfloat16 against float32; issue14 is its old name) (repeat; "
+        "through one kernel, and bfloat16 against float32) (repeat; "
         "not with -w, -L, --full or --quick)",
     ),
 ]
@@ -200,7 +187,7 @@ def bench(
         # every check first: nothing is measured until all options and paths are good
         rows = api.plan_rows(
             workloads=workload, lengths=length, dtypes=dtype, modes=mode,
-            full=full, quick=quick, groups=_groups(group),
+            full=full, quick=quick, groups=group,
         )  # fmt: skip
         _check_reps(reps)
         peers = peer or (list(PEERS) if full else QUICK_PEERS if quick else None)
