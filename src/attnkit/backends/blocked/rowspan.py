@@ -33,8 +33,9 @@ bfloat16/float16 only for a caller that wants results in that dtype (``in_dtype=
 blocked backend on the ``fp32-upcast`` CPU path, :mod:`attnkit.cpu`), since
 :func:`~attnkit.backends.blocked.forward_with_lse` otherwise returns float32.
 
-It is compiled on first use with :func:`torch.utils.cpp_extension.load_inline` (gcc, about
-30 s, cached under ``~/.cache/torch_extensions``; ``make setup`` builds it ahead). Where it
+It is compiled on first use (gcc, about 30 s; :mod:`attnkit.backends.blocked.jit`: one cached
+build per source, flags and Python environment under ``~/.cache/attnkit/kernels``, behind a
+lock that dies with its holder; ``make setup`` builds it ahead). Where it
 cannot be built or run (no AVX2, no compiler, ``ATTNKIT_SPAN_KERNEL=0``), :func:`status` says
 why and the blocked backend keeps to torch's kernel: ``attnkit.explain`` shows which one runs.
 """
@@ -53,6 +54,7 @@ from typing import Any
 
 import torch
 
+from attnkit.backends.blocked import jit
 from attnkit.cpu import hardware_flags
 from attnkit.masks import MaskSpec, causal_window, key_holes, local_keys, row_spans, split_alibi
 
@@ -117,19 +119,14 @@ def _has_f16c() -> bool:
 def _compile(name: str, flags: list[str]) -> tuple[Any, str | None, float | None]:
     """``(module, None, seconds)``, or ``(None, why, None)`` where it cannot be built."""
     try:
-        from torch.utils.cpp_extension import load_inline
-
         source = resources.files("attnkit.backends.blocked").joinpath("csrc/row_span.cpp")
         t0 = time.perf_counter()
-        module = load_inline(  # type: ignore[no-untyped-call]
-            name=name,
-            cpp_sources=[source.read_text()],
-            functions=["span_forward", "span_backward", "span_low_dtypes"],
-            extra_cflags=["-O3", "-mavx2", "-mfma", *flags, "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            no_implicit_headers=True,
-            with_pytorch_error_handling=False,
-            verbose=False,
+        module = jit.load(
+            name,
+            source.read_text(),
+            ["span_forward", "span_backward", "span_low_dtypes"],
+            ["-O3", "-mavx2", "-mfma", *flags, "-fopenmp"],
+            ["-fopenmp"],
         )
         return module, None, time.perf_counter() - t0
     except Exception as e:  # no compiler, no ninja, a failed build: say so, run without
