@@ -36,7 +36,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 __all__ = ["Trace", "TraceStep", "active_trace", "trace"]
 
@@ -260,14 +260,7 @@ def record_module_abort() -> None:
 # the recorders' bodies, run eagerly (compiled graphs run them through the ops below)
 
 
-def _attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    backend: str,
-    fused: bool,
-) -> None:
+def _attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, backend: str, fused: bool) -> None:
     B, H, L, _ = q.shape
     S = k.shape[2]
     skipped = "fused kernel: never materialised" if fused else ""
@@ -285,19 +278,11 @@ def _attention(
 
 
 def _module_start(
-    module_id: int,
-    module_type: str,
-    seq_first: bool,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    q_proj: torch.Tensor,
-    k_proj: torch.Tensor,
-    v_proj: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    module_id: int, module_type: str, seq_first: bool, *tensors: torch.Tensor
 ) -> None:
+    """``tensors``: query, key, value, q_proj, k_proj, v_proj, q, k, v, as
+    :func:`record_module_start` takes them."""
+    query, key, value, q_proj, k_proj, v_proj, q, k, v = tensors
     input_dims = {"query": ("B", "L", "E"), "key": ("B", "S", "Ek"), "value": ("B", "S", "Ev")}
     if seq_first:  # nn.MultiheadAttention's layout; the module works batch-first inside
         input_dims = {n: (d[1], d[0], d[2]) for n, d in input_dims.items()}
