@@ -18,8 +18,10 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import attnkit
 from attnkit import AttentionInputError, KVCache
+from attnkit.masks import causal
 from attnkit.models import GPT, GPTConfig
-from attnkit.modules.positions import RotaryEmbedding
+from attnkit.modules import TransformerConfig, TransformerStack
+from attnkit.modules.positions import RotaryEmbedding, alibi
 from oracle import reference_attention, within_naive
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method`:DeprecationWarning")
@@ -113,7 +115,7 @@ def test_static_attention_is_the_oracle_per_sequence(
             torch.testing.assert_close(outs[0], outs[1], atol=1e-12, rtol=0)
 
 
-def test_a_static_cache_in_a_rope_module_equals_the_full_forward() -> None:
+def test_a_static_cache_in_a_rope_module_equals_the_dynamic_cache() -> None:
     """MultiHeadAttention with RoPE and GQA decodes a ragged batch with a static cache as
     with the dynamic one (the positions come from the lengths tensor)."""
     torch.manual_seed(3)
@@ -130,6 +132,18 @@ def test_a_static_cache_in_a_rope_module_equals_the_full_forward() -> None:
             outs.append(torch.cat([mha(steps[:, i : i + 1], kv_cache=cache).output
                                    for i in range(4)], dim=1))  # fmt: skip
     torch.testing.assert_close(outs[0], outs[1], atol=1e-12, rtol=0)
+
+
+def test_a_module_mask_with_a_static_cache_is_refused() -> None:
+    """The buffer's end is not each sequence's: an end-aligned user rule (here ALiBi &
+    causal, whose distances would be counted from the buffer's end) is refused, not run."""
+    stack = TransformerStack(TransformerConfig(dim=32, num_heads=4, norm_first=True), 2).eval()
+    cache = [KVCache(2, 4, max_len=11, head_dim=8, static=True) for _ in range(2)]
+    with pytest.raises(AttentionInputError, match="static KV cache attends over its whole") as e:
+        stack(torch.randn(2, 5, 32), mask=alibi(4) & causal(), kv_cache=cache)
+    assert "static=False" in str(e.value)
+    assert "max_len=11" in str(e.value)
+    assert cache[0].lengths.tolist() == [0, 0]  # nothing was written
 
 
 def _decoder(

@@ -20,7 +20,9 @@ every later step without recompiling. The price: each step attends over all ``N`
 (a backend that plans the spec skips the masked blocks; a dense mask reads them), so build it
 with ``max_len`` no larger than the prompt plus the new tokens need. Errors from a compiled
 graph (writing past ``max_len``) are a ``RuntimeError`` with the same words; eager calls raise
-:class:`~attnkit.AttentionInputError` as the dynamic cache does.
+:class:`~attnkit.AttentionInputError` as the dynamic cache does. The modules refuse a user's
+``mask`` with a static cache (:meth:`KVCache.mask_error`): over the whole buffer, an end-aligned
+rule would place the new queries at the buffer's end.
 """
 
 from __future__ import annotations
@@ -223,6 +225,23 @@ class KVCache(nn.Module):
             return None
         lengths = self.lengths.clone()
         return sequence_causal(lengths, new) if causal else padding(lengths)
+
+    def mask_error(self, where: str, mask: object) -> AttentionInputError:
+        """The error for a module's ``mask`` given with a static cache, which refuses one: its
+        keys are the whole buffer, so a rule placed from the end of the keys (``causal``,
+        ``sliding_window``, ``alibi``: query ``i`` at key ``i + S - L``) would place the new
+        queries at the buffer's end instead of after each sequence's last token."""
+        kind = type(mask).__name__
+        return AttentionInputError(
+            where,
+            "mask",
+            "a static KV cache attends over its whole buffer, where a mask's end-aligned "
+            "positions (causal, sliding_window, alibi) would stand at the buffer's end, not "
+            "after each sequence's last token; it takes no mask.",
+            got=f"mask ({kind}) with {WHERE}(static=True, max_len={self.max_len})",
+            expected="mask=None with a static cache (its own rule is the causal one)",
+            fix="decode a masked or ALiBi model with the dynamic cache (static=False)",
+        )
 
     def truncate(self, lengths: int | torch.Tensor) -> None:
         """Shorten sequences to ``lengths`` (int or ``(B,)``, at most the current lengths).
