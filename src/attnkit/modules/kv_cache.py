@@ -199,13 +199,13 @@ class KVCache(nn.Module):
             pos = torch.full((B,), pos, dtype=torch.long, device=lengths.device)
         if can_read_values(pos):
             self._check_range(int(pos.min()), int(pos.max()), T, pos)
-        else:
-            ok = (pos >= 0) & (pos + T <= self.max_len) & (pos <= lengths)
+        elif torch.compiler.is_compiling():  # no sizes in the words: they may be symbolic
+            ok = (pos >= 0) & (pos + T <= self.k.shape[2]) & (pos <= lengths)
             torch._assert_async(
                 ok.all(),
-                f"{WHERE}.update: `pos` out of range: writing {T} token(s) needs "
-                f"0 <= pos <= each sequence's cached length and pos + T <= max_len="
-                f"{self.max_len} (build the cache with a larger max_len, or reset() it)",
+                f"{WHERE}.update: `pos` out of range: writing T new tokens needs 0 <= pos <= "
+                "each sequence's cached length and pos + T <= max_len (build the cache with a "
+                "larger max_len: prompt + new tokens, or reset() it)",
             )
         idx = pos[:, None] + torch.arange(T, device=pos.device)  # (B, T)
         self.k.scatter_(2, idx[:, None, :, None].expand(B, Hkv, T, Dk), k)
