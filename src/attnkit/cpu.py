@@ -230,7 +230,9 @@ def to_float32(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
     inference tensor, which cannot be written outside it) is replaced outside it.
     """
     total = sum(t.numel() for t in ts)
-    if total * 4 > KEEP_BYTES:  # a long call: its compute dwarfs the page faults; keep nothing
+    # a long call: its compute dwarfs the page faults; keep nothing. A compiled graph keeps
+    # nothing either: the buffer is Python state (and is_inference() cannot be traced)
+    if total * 4 > KEEP_BYTES or torch.compiler.is_compiling():
         return tuple(t.to(torch.float32, memory_format=torch.contiguous_format) for t in ts)
     buf: torch.Tensor | None = getattr(_local, "buf", None)
     stale = buf is not None and buf.is_inference() and not torch.is_inference_mode_enabled()

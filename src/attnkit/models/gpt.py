@@ -12,7 +12,6 @@ goes through :func:`attnkit.attention`. :func:`attnkit.interop.from_hf` loads a 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -22,12 +21,12 @@ from torch import nn
 
 from attnkit.configs import derive_config
 from attnkit.errors import AttentionInputError, check_int, shape_str
+from attnkit.models.generate_args import Backend, check_compile_args, check_generate_args
 from attnkit.models.token_ids import check_token_ids
 from attnkit.modules.kv_cache import KVCache
 from attnkit.modules.masking import check_zero_one
 from attnkit.modules.positions import LearnedPositions
 from attnkit.modules.transformer import Activation, TransformerConfig, TransformerStack
-from attnkit.validate import is_real
 
 __all__ = ["GPT", "GPTConfig"]
 
@@ -82,7 +81,9 @@ class GPT(nn.Module):
     - ``kv_cache``: one :class:`~attnkit.KVCache` per layer (:meth:`new_cache`). ``input_ids``
       are then the *new* tokens; each sequence continues at its cached length.
 
-    :meth:`generate` decodes greedily by default, with the cache.
+    :meth:`generate` decodes greedily by default, with the cache; ``generate(...,
+    compile=True)`` compiles its decode step over a static-shape cache (``new_cache(...,
+    static=True)``), which compiles once instead of at every step.
 
     >>> model = GPT(GPTConfig(vocab_size=100, max_positions=32, dim=32, num_layers=2,
     ...                       num_heads=4)).eval()
@@ -105,10 +106,13 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
 
-    def new_cache(self, batch_size: int, max_len: int | None = None) -> list[KVCache]:
+    def new_cache(
+        self, batch_size: int, max_len: int | None = None, *, static: bool = False
+    ) -> list[KVCache]:
         """One empty :class:`~attnkit.KVCache` per layer, on the model's dtype and device.
 
-        ``max_len`` defaults to ``max_positions``.
+        ``max_len`` defaults to ``max_positions``; ``static=True`` builds static-shape caches
+        (for a compiled decode step, as :meth:`generate` with ``compile`` uses).
         """
         c = self.config
         w = self.tok_emb.weight
@@ -120,6 +124,7 @@ class GPT(nn.Module):
                 c.dim // c.num_heads,
                 dtype=w.dtype,
                 device=w.device,
+                static=static,
             )
             for _ in range(c.num_layers)
         ]
@@ -176,6 +181,8 @@ class GPT(nn.Module):
         top_k: int | None = None,
         attention_mask: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
+        compile: bool | Backend = False,
+        static_cache: bool | None = None,
     ) -> torch.Tensor:
         """Append ``max_new_tokens`` tokens to each prompt: ``(B, T) -> (B, T + N)``.
 
@@ -189,9 +196,21 @@ class GPT(nn.Module):
         with **left or right padding**; each sequence continues right after its own last real
         token. The result is ``input_ids`` as given (padding where it was) followed by the
         ``N`` new tokens of each sequence.
+
+        Compiled decoding: ``compile=True`` runs each decode step (one token per sequence
+        against the cache) through ``torch.compile(fullgraph=True)`` with its default backend
+        (inductor), ``compile="aot_eager"`` (any ``torch.compile`` backend, a name or a
+        callable) with that one. The step then uses a static-shape cache
+        (``KVCache(..., static=True)``: the whole buffer, masked by each sequence's length),
+        so the step compiles once and no later step recompiles; the prompt runs eagerly. A
+        later call with another prompt length or ``max_new_tokens`` (another buffer length)
+        compiles once more, with symbolic sizes. ``static_cache=True`` uses the static cache
+        without compiling (``None``, the default: when compiling). Greedy tokens are the
+        same as without ``compile``.
         """
         where = f"{WHERE}.generate"
-        _check_generate_args(where, max_new_tokens, temperature, top_k)
+        check_generate_args(where, max_new_tokens, temperature, top_k)
+        backend, static = check_compile_args(where, compile, static_cache, use_cache)
         real = self._check(input_ids, attention_mask, None, where=where)
         n, first = self._prompt_runs(where, input_ids, real, max_new_tokens)
         B, T = input_ids.shape
@@ -207,7 +226,7 @@ class GPT(nn.Module):
         tokens[:, :T] = torch.where(steps < n[:, None], moved, 0)
         pick = partial(_pick, temperature=temperature, top_k=top_k, generator=generator)
         if use_cache:
-            self._decode_cached(tokens, n, new, pick)
+            self._decode_cached(tokens, n, new, pick, static, backend)
         else:
             self._decode_full(tokens, n, new, pick)
         return torch.cat([input_ids, new], dim=1)
@@ -263,23 +282,35 @@ class GPT(nn.Module):
         n: torch.Tensor,
         new: torch.Tensor,
         pick: Callable[[torch.Tensor], torch.Tensor],
+        static: bool = False,
+        backend: Backend | None = None,
     ) -> None:
         """Fill ``new (B, N)``: the right-padded prompts ``tokens[:, :max(n)]`` once into a
-        KV cache, then each new token alone against it."""
+        KV cache, then each new token alone against it (a compiled step with ``backend``)."""
         B, N = new.shape
         longest = int(n.max())
         ragged = bool((n != longest).any())
         rows = torch.arange(B, device=tokens.device)
         steps = torch.arange(longest, device=tokens.device)
-        cache = self.new_cache(B, max_len=longest + N - 1)
+        cache = self.new_cache(B, max_len=longest + N - 1, static=static)
         right = steps < n[:, None] if ragged else None  # (B, longest)
         prompts = tokens[:, :longest]  # (B, longest): right-padded prompts
         h = self.hidden(prompts, attention_mask=right, kv_cache=cache)  # (B, longest, E)
-        last = h[rows, n - 1]  # (B, E): each prompt's last real token
+        logits = self.lm_head(h[rows, n - 1])  # (B, V): after each prompt's last real token
+        step = self._decode_step
+        if backend is not None:
+            step = torch.compile(step, fullgraph=True, backend=backend)
         for i in range(N):
-            new[:, i] = pick(self.lm_head(last))  # (B,)
+            token = pick(logits)  # (B,)
+            new[:, i] = token
             if i < N - 1:
-                last = self.hidden(new[:, i : i + 1], kv_cache=cache)[:, -1]  # (B, E)
+                logits = step(token[:, None], cache)
+
+    def _decode_step(self, token: torch.Tensor, cache: Sequence[KVCache]) -> torch.Tensor:
+        """The logits ``(B, V)`` after ``token (B, 1)``, one new token per sequence, written
+        to ``cache`` (what :meth:`generate` compiles)."""
+        logits: torch.Tensor = self.lm_head(self.hidden(token, kv_cache=cache)[:, -1])
+        return logits
 
     def _decode_full(
         self,
@@ -345,43 +376,6 @@ class GPT(nn.Module):
                     fix="generate() accepts left padding and re-aligns it",
                 )
         return real
-
-
-def _check_generate_args(
-    where: str, max_new_tokens: int, temperature: float, top_k: int | None
-) -> None:
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, int)
-        or max_new_tokens < 0
-    ):
-        raise AttentionInputError(
-            where,
-            "max_new_tokens",
-            "`max_new_tokens` must be an int >= 0.",
-            got=f"max_new_tokens={max_new_tokens!r}",
-            expected="an int >= 0",
-        )
-    real = is_real(temperature)
-    if not real or not math.isfinite(temperature) or temperature < 0:
-        kind = "" if real else f" (a {type(temperature).__name__})"
-        raise AttentionInputError(
-            where,
-            "temperature",
-            f"`temperature` must be a finite number >= 0 (0 is greedy), got {temperature!r}{kind}.",
-            got=f"temperature={temperature!r}",
-            expected="0 (greedy) or a finite number > 0 (sampling)",
-            fix="temperature=float(t) for a tensor; a very large temperature samples "
-            "uniformly, which is rarely meant",
-        )
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise AttentionInputError(
-            where,
-            "top_k",
-            "`top_k` must be None or an int >= 1.",
-            got=f"top_k={top_k!r}",
-            expected="None (every token) or an int >= 1",
-        )
 
 
 def _pick(

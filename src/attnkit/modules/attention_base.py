@@ -223,6 +223,8 @@ class AttentionBase(nn.Module):
         causal = self.causal
         if kv_cache is None:
             return q, k, v, mask, causal
+        if kv_cache.static and mask is not None:
+            raise kv_cache.mask_error(where, mask)
         k, v = kv_cache.update(start, k, v)  # (B, Hkv, S, Dk), (B, Hkv, S, Dv)
         rule = kv_cache.rule(L, causal=causal)
         if rule is None:  # one new token sees every cached key: causal needs no mask then

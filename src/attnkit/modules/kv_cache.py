@@ -8,6 +8,21 @@ length. ``update(pos, k, v)`` writes ``T`` new keys/values at ``pos`` and return
 cached so far. Attention of the ``T`` new queries against the cache is then the end-aligned
 causal rule of :func:`attnkit.attention` (query ``i`` of ``T`` sees keys ``j <= i + S - T``),
 per sequence when the sequences have different lengths (:meth:`KVCache.rule`).
+
+**Static shapes** (``KVCache(..., static=True)``, for ``torch.compile``): ``update`` returns the
+whole buffers ``(B, Hkv, N, D)`` and :meth:`KVCache.rule` is always a mask spec built from the
+``lengths`` tensor (:func:`~attnkit.masks.sequence_causal`, or
+:func:`~attnkit.masks.padding` without ``causal``): the keys past a sequence's length are
+masked out instead of sliced off. Nothing the cache returns changes shape between decode
+steps and no Python number changes either (:meth:`KVCache.next_pos` is the ``(B,)`` lengths
+tensor), so ``torch.compile(step, fullgraph=True)`` of a decode step compiles once and runs
+every later step without recompiling. The price: each step attends over all ``N`` keys
+(a backend that plans the spec skips the masked blocks; a dense mask reads them), so build it
+with ``max_len`` no larger than the prompt plus the new tokens need. Errors from a compiled
+graph (writing past ``max_len``) are a ``RuntimeError`` with the same words; eager calls raise
+:class:`~attnkit.AttentionInputError` as the dynamic cache does. The modules refuse a user's
+``mask`` with a static cache (:meth:`KVCache.mask_error`): over the whole buffer, an end-aligned
+rule would place the new queries at the buffer's end.
 """
 
 from __future__ import annotations
@@ -17,6 +32,7 @@ from torch import nn
 
 from attnkit.errors import AttentionInputError, check_dtype_arg, check_int, shape_str
 from attnkit.masks import MaskSpec, padding, sequence_causal
+from attnkit.validate import can_read_values
 
 __all__ = ["KVCache"]
 
@@ -33,6 +49,9 @@ class KVCache(nn.Module):
         head_dim: ``Dk``.
         v_head_dim: ``Dv`` (default ``Dk``).
         dtype, device: of the buffers (and of the keys/values written to them).
+        static: ``True`` for static shapes (``torch.compile``): ``update`` returns the whole
+            buffers and :meth:`rule` masks each sequence's keys past its length (the module
+            docstring says more).
 
     Buffers (not saved in a ``state_dict``): ``k (B, Hkv, N, Dk)``, ``v (B, Hkv, N, Dv)`` and
     ``lengths (B,)``, the number of tokens each sequence holds.
@@ -55,6 +74,19 @@ class KVCache(nn.Module):
     >>> k_all, v_all = cache.update(5, torch.randn(2, 4, 1, 8), torch.randn(2, 4, 1, 8))
     >>> attnkit.attention(q, k_all, v_all, causal=True).shape   # 1 query, 6 keys
     torch.Size([2, 4, 1, 8])
+
+    With ``static=True``, ``update`` returns the buffers ``(B, Hkv, N, D)`` themselves,
+    :meth:`next_pos` is always the ``(B,)`` lengths tensor and :meth:`rule` always a spec, so
+    that a compiled decode step sees the same shapes at every step:
+
+    >>> static = KVCache(2, 4, max_len=16, head_dim=8, static=True)
+    >>> k_all, v_all = static.update(0, torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8))
+    >>> k_all.shape, static.next_pos()
+    (torch.Size([2, 4, 16, 8]), tensor([5, 5]))
+    >>> pos = static.next_pos()
+    >>> k_all, v_all = static.update(pos, torch.randn(2, 4, 1, 8), torch.randn(2, 4, 1, 8))
+    >>> attnkit.attention(q, k_all, v_all, mask=static.rule(1)).shape   # 1 query, 16 keys
+    torch.Size([2, 4, 1, 8])
     """
 
     k: torch.Tensor
@@ -71,9 +103,19 @@ class KVCache(nn.Module):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        static: bool = False,
     ) -> None:
         super().__init__()
         check_dtype_arg(WHERE, dtype)
+        if not isinstance(static, bool):
+            raise AttentionInputError(
+                WHERE,
+                "static",
+                f"`static` must be True or False, got {static!r}.",
+                got=f"static={static!r}",
+                expected="static=False (a growing view) or True (static shapes)",
+            )
+        self.static = static
         Dv = head_dim if v_head_dim is None else v_head_dim
         for name, value in (
             ("batch_size", batch_size),
@@ -94,24 +136,32 @@ class KVCache(nn.Module):
         self.register_buffer(
             "lengths", torch.zeros(B, dtype=torch.long, device=device), persistent=False
         )
-        self._uniform: int | None = 0  # the common length while every sequence has one
+        # the common length while every sequence has one; a static cache keeps no Python
+        # number that changes between steps (a compiled graph would be guarded on it)
+        self._uniform: int | None = None if static else 0
 
     def extra_repr(self) -> str:
         B, Hkv, N, Dk = self.k.shape
         return (
             f"batch={B}, kv_heads={Hkv}, max_len={N}, head_dim={Dk}, v_head_dim={self.v.shape[-1]}"
+            + (", static=True" if self.static else "")
         )
 
     def next_pos(self) -> int | torch.Tensor:
         """Where the next :meth:`update` goes: an int while every sequence has the same length,
-        else each sequence's length ``(B,)``."""
+        else each sequence's length ``(B,)`` (always, in a static cache)."""
+        if self.static:
+            return self.lengths.clone()
         return self._uniform if self._uniform is not None else self.lengths.clone()
 
     def update(
         self, pos: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``T`` new keys/values at ``pos``; return all cached ``(B, Hkv, S, D)``."""
+        """Write ``T`` new keys/values at ``pos``; return all cached ``(B, Hkv, S, D)`` (the
+        whole buffers ``(B, Hkv, N, D)`` in a static cache)."""
         self._check_kv(k, v)
+        if self.static:
+            return self._update_static(pos, k, v)
         T = k.shape[2]
         if isinstance(pos, torch.Tensor):
             pos = self._check_pos_tensor(pos)
@@ -136,17 +186,62 @@ class KVCache(nn.Module):
             S = hi + T
         return self.k[:, :, :S], self.v[:, :, :S]
 
+    def _update_static(
+        self, pos: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``update`` of a static cache: a scatter at each sequence's ``pos``, checked eagerly
+        (an :class:`AttentionInputError`) or, in a compiled graph, by an assert in the graph."""
+        B, Hkv, T, Dk = k.shape
+        lengths = self.lengths
+        if isinstance(pos, torch.Tensor):
+            pos = self._check_pos_tensor(pos)
+        else:
+            pos = torch.full((B,), pos, dtype=torch.long, device=lengths.device)
+        if can_read_values(pos):
+            self._check_range(int(pos.min()), int(pos.max()), T, pos)
+        elif torch.compiler.is_compiling():  # no sizes in the words: they may be symbolic
+            ok = (pos >= 0) & (pos + T <= self.k.shape[2]) & (pos <= lengths)
+            torch._assert_async(
+                ok.all(),
+                f"{WHERE}.update: `pos` out of range: writing T new tokens needs 0 <= pos <= "
+                "each sequence's cached length and pos + T <= max_len (build the cache with a "
+                "larger max_len: prompt + new tokens, or reset() it)",
+            )
+        idx = pos[:, None] + torch.arange(T, device=pos.device)  # (B, T)
+        self.k.scatter_(2, idx[:, None, :, None].expand(B, Hkv, T, Dk), k)
+        self.v.scatter_(2, idx[:, None, :, None].expand(B, Hkv, T, v.shape[3]), v)
+        lengths.copy_(pos + T)
+        return self.k, self.v
+
     def rule(self, new: int, *, causal: bool = True) -> MaskSpec | None:
         """The mask for the ``new`` queries just written, against the keys of :meth:`update`.
 
         ``None`` while every sequence has the same length: ``attention(q, k_all, v_all,
         causal=causal)`` is then exact (the end-aligned rule). In a ragged batch, a spec:
         the end-aligned causal rule per sequence (``causal``), or each sequence's keys only.
+        A static cache always returns the spec (its keys include the empty rest of the buffer).
         """
         if self._uniform is not None:
             return None
         lengths = self.lengths.clone()
         return sequence_causal(lengths, new) if causal else padding(lengths)
+
+    def mask_error(self, where: str, mask: object) -> AttentionInputError:
+        """The error for a module's ``mask`` given with a static cache, which refuses one: its
+        keys are the whole buffer, so a rule placed from the end of the keys (``causal``,
+        ``sliding_window``, ``alibi``: query ``i`` at key ``i + S - L``) would place the new
+        queries at the buffer's end instead of after each sequence's last token."""
+        kind = type(mask).__name__
+        return AttentionInputError(
+            where,
+            "mask",
+            "a static KV cache attends over its whole buffer, where a mask's end-aligned "
+            "positions (causal, sliding_window, alibi) would stand at the buffer's end, not "
+            "after each sequence's last token; it takes no mask.",
+            got=f"mask ({kind}) with {WHERE}(static=True, max_len={self.max_len})",
+            expected="mask=None with a static cache (its own rule is the causal one)",
+            fix="decode a masked or ALiBi model with the dynamic cache (static=False)",
+        )
 
     def truncate(self, lengths: int | torch.Tensor) -> None:
         """Shorten sequences to ``lengths`` (int or ``(B,)``, at most the current lengths).
@@ -156,7 +251,7 @@ class KVCache(nn.Module):
         """
         new = torch.as_tensor(lengths, dtype=torch.long, device=self.lengths.device)
         new = new.expand_as(self.lengths)
-        if bool((new < 0).any()) or bool((new > self.lengths).any()):
+        if can_read_values(new) and bool(((new < 0) | (new > self.lengths)).any()):
             raise AttentionInputError(
                 f"{WHERE}.truncate",
                 "lengths",
@@ -165,12 +260,14 @@ class KVCache(nn.Module):
                 expected="0 <= lengths <= the cached lengths",
             )
         self.lengths.copy_(new)
-        self._uniform = int(new[0]) if bool((new == new[0]).all()) else None
+        if not self.static:
+            self._uniform = int(new[0]) if bool((new == new[0]).all()) else None
 
     def reset(self) -> None:
         """Empty the cache (the buffers stay allocated)."""
         self.lengths.zero_()
-        self._uniform = 0
+        if not self.static:
+            self._uniform = 0
 
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         B, Hkv, _, Dk = self.k.shape
