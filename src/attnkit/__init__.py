@@ -42,3 +42,15 @@ __all__ = [
     "trace",
     "unregister_backend",
 ]
+
+#: subpackages a user reaches as ``attnkit.<name>`` after ``import attnkit`` alone (imported on
+#: first use: ``interop`` and ``models`` pull in more than the core needs)
+_SUBPACKAGES = ("bench", "distributed", "inspect", "interop", "masks", "models", "train")
+
+
+def __getattr__(name: str) -> object:
+    if name in _SUBPACKAGES:
+        import importlib
+
+        return importlib.import_module(f"attnkit.{name}")
+    raise AttributeError(f"module 'attnkit' has no attribute {name!r}")
