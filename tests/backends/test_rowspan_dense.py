@@ -74,8 +74,11 @@ def test_an_unmasked_call_runs_in_the_kernel_and_equals_the_float64_oracle(
     assert plan.spans.hi is not None
     assert torch.equal(plan.spans.lo, torch.zeros(1, L, dtype=torch.long))
     assert torch.equal(plan.spans.hi, torch.full((1, L), S - 1, dtype=torch.long))
+    said = blocked.plan_blocks(q, k, v, masks.unmasked())  # the spec that says "no mask"
+    assert said.spans.serves, said.spans.reason
+    assert torch.equal(said.spans.hi, plan.spans.hi)
     _check(shape, torch.float32, None)
-    _check(shape, torch.float32, masks.unmasked())  # the spec that says "no mask" runs the same
+    _check(shape, torch.float32, masks.unmasked())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

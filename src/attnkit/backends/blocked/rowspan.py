@@ -56,7 +56,15 @@ import torch
 
 from attnkit.backends.blocked import jit
 from attnkit.cpu import hardware_flags
-from attnkit.masks import MaskSpec, causal_window, key_holes, local_keys, row_spans, split_alibi
+from attnkit.masks import (
+    MaskSpec,
+    causal_window,
+    key_holes,
+    local_keys,
+    row_spans,
+    split_alibi,
+    unmasked,
+)
 
 __all__ = [
     "DOT",
@@ -275,6 +283,10 @@ def _runs(spec: MaskSpec | None, L: int, S: int, q_start: int, k_start: int, off
     return p
 
 
+#: the cache key of :func:`attnkit.masks.unmasked`, the spec that says "no mask": every key
+_UNMASKED = unmasked().key()
+
+
 def _make_runs(
     spec: MaskSpec | None, L: int, S: int, q_start: int, k_start: int, off: int
 ) -> SpanPlan:
@@ -285,6 +297,8 @@ def _make_runs(
         if parts is None:
             return NOT_SPANS
         slopes, rule = parts[0].to("cpu", torch.float32), parts[1]
+    if rule is not None and rule.key() == _UNMASKED:  # masks.unmasked(): no mask, said so
+        rule = None
     spans: tuple[torch.Tensor, torch.Tensor] | None
     holes = None  # a key mask with holes: the runs of its hull, the holes masked per key
     if rule is None:  # every key
