@@ -1,7 +1,9 @@
 """attnkit's row-span kernel on every mask kind, as fractions of this machine's fp32 GEMM.
 
 Each row runs attnkit's ``blocked`` backend (which hands the call to the row-span kernel; the
-script checks that it does) and, where torch has a fused kernel for the same call, its SDPA.
+script checks that it does) and, where torch has a fused kernel for the same call, its SDPA:
+``is_causal`` for causal rows, no mask for the unmasked (dense prefill) rows, whose ``auto``
+column says which backend ``attnkit.attention`` picks for that call.
 Peers and an ``n x n`` fp32 GEMM are timed interleaved (GEMM, A, B, GEMM, A, B, ...) so that the
 noise of a shared machine hits all alike; each figure is the median of ``--reps`` timed runs
 after one warm-up. ``of GEMM`` is useful FLOPs (allowed pairs only: ``4 D H`` per pair forward,
@@ -9,6 +11,7 @@ after one warm-up. ``of GEMM`` is useful FLOPs (allowed pairs only: ``4 D H`` pe
 
     python benchmarks/kernel_spans.py [--reps 5] [--rows causal,documents,...] [--threads N]
                                       [--json out.json]
+    python benchmarks/kernel_spans.py --rows unmasked   # the dense prefill sweep
 
 On a machine shared with other jobs, torch's GEMM and SDPA split their work statically over
 the threads and lose more to a busy core than the kernel, which hands out work items
@@ -30,7 +33,6 @@ import torch.nn.functional as F
 
 import attnkit
 from attnkit import files, masks
-from attnkit.backends import blocked
 
 BACKWARD_FACTOR = 3.5
 
@@ -42,10 +44,11 @@ class Case:
     H: int
     Hkv: int
     L: int
-    spec: masks.MaskSpec
+    spec: masks.MaskSpec | None  #: ``None``: no mask (SDPA without a mask is the peer)
     backward: bool = False
     sdpa_causal: bool = False  #: SDPA's is_causal computes the same call
     D: int = 64
+    dtype: torch.dtype = torch.float32
 
 
 def _documents(L: int, uneven: bool) -> masks.MaskSpec:
@@ -58,6 +61,22 @@ def _documents(L: int, uneven: bool) -> masks.MaskSpec:
     for c in cuts:
         ids[c:] += 1
     return masks.document(ids) & masks.causal()
+
+
+def unmasked_cases() -> list[Case]:
+    """The dense prefill sweep: no mask, forward and forward + backward."""
+    rows = []
+    for L in (512, 1024, 2048, 4096, 8192):
+        for H, D in ((8, 64), (16, 64), (8, 128)):
+            if L == 8192 and (H, D) != (16, 64):
+                continue
+            rows.append(Case(f"unmasked H={H} D={D} {L}", 1, H, H, L, None, D=D))
+    for L, H, D in ((1024, 8, 64), (2048, 8, 64), (4096, 16, 64), (2048, 8, 128)):
+        rows.append(Case(f"unmasked H={H} D={D} {L} fwd+bwd", 1, H, H, L, None, True, D=D))
+    for L in (1024, 4096):
+        name = f"unmasked H=16 D=64 {L} bf16"
+        rows.append(Case(name, 1, 16, 16, L, None, D=64, dtype=torch.bfloat16))
+    return rows
 
 
 def cases() -> list[Case]:
@@ -78,10 +97,13 @@ def cases() -> list[Case]:
         ),
         Case("GQA 32/8 window 256, 16k", 1, 32, 8, 16384, window),
         Case("GQA 32/8 window 256, 16k fwd+bwd", 1, 32, 8, 16384, window, True),
+        *unmasked_cases(),
     ]
 
 
-def allowed_pairs(spec: masks.MaskSpec, L: int, B: int) -> int:
+def allowed_pairs(spec: masks.MaskSpec | None, L: int, B: int) -> int:
+    if spec is None:
+        return B * L * L
     spans = masks.row_spans(spec, L, L)
     assert spans is not None
     lo, hi = spans
@@ -97,12 +119,16 @@ def _timed(fn: Callable[[], object]) -> float:
 def run_case(case: Case, reps: int, gemm_n: int) -> dict[str, object]:
     g = torch.Generator().manual_seed(0)
     grad = case.backward
-    q = torch.randn(case.B, case.H, case.L, case.D, generator=g).requires_grad_(grad)
-    k = torch.randn(case.B, case.Hkv, case.L, case.D, generator=g).requires_grad_(grad)
-    v = torch.randn(case.B, case.Hkv, case.L, case.D, generator=g).requires_grad_(grad)
-    dout = torch.randn(case.B, case.H, case.L, case.D, generator=g)
-    plan = blocked.plan_blocks(q, k, v, case.spec)
-    assert plan.spans.serves, f"{case.name}: the kernel does not serve it ({plan.spans.reason})"
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(case.dtype).requires_grad_(grad)
+
+    q = rand(case.B, case.H, case.L, case.D)
+    k, v = rand(case.B, case.Hkv, case.L, case.D), rand(case.B, case.Hkv, case.L, case.D)
+    dout = torch.randn(case.B, case.H, case.L, case.D, generator=g).to(case.dtype)
+    note = attnkit.explain(q, k, v, mask=case.spec, backend="blocked").notes["blocked"]
+    assert "row-span kernel" in note, f"{case.name}: {note}"
+    assert "(one pass each" in note, f"{case.name}: {note}"
     a, b = torch.randn(gemm_n, gemm_n, generator=g), torch.randn(gemm_n, gemm_n, generator=g)
 
     def step(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
@@ -120,6 +146,8 @@ def run_case(case: Case, reps: int, gemm_n: int) -> dict[str, object]:
     }
     if case.sdpa_causal:
         peers["sdpa"] = step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    if case.spec is None:
+        peers["sdpa"] = step(lambda: F.scaled_dot_product_attention(q, k, v))
     times: dict[str, list[float]] = {name: [] for name in [*peers, "gemm"]}
     for fn in peers.values():
         fn()  # warm-up (and the kernel's build)
@@ -141,6 +169,8 @@ def run_case(case: Case, reps: int, gemm_n: int) -> dict[str, object]:
     if "sdpa" in med:
         row["sdpa_ms"] = round(med["sdpa"] * 1e3, 1)
         row["sdpa_over_kernel"] = round(med["sdpa"] / med["kernel"], 3)
+    if case.spec is None:
+        row["auto"] = attnkit.explain(q, k, v).chosen
     return row
 
 

@@ -176,21 +176,53 @@ def _refusal(call: AttentionCall, compiling: bool) -> str | None:
     return None
 
 
-def _plain_causal(call: AttentionCall, compiling: bool) -> bool:
-    """A plain causal CPU call large enough for auto's rule to ask whether the row-span kernel
-    runs it (not while torch.compile traces, where SDPA keeps them)."""
+def _dense_size(call: AttentionCall) -> bool:
+    """An unmasked call (no mask, not causal) as large as auto's rule wants for the row-span
+    kernel: :data:`~attnkit.backends.blocked.rowspan.DENSE_MIN_ROWS` query rows and
+    :data:`~attnkit.backends.blocked.rowspan.DENSE_MIN_PAIRS` pairs, and, in training,
+    :data:`~attnkit.backends.blocked.rowspan.DENSE_TRAIN_MIN_PAIRS` (where it measured faster
+    than SDPA, forward and forward + backward)."""
+    L, S = call.dims.L, call.dims.S
+    least = rowspan.DENSE_TRAIN_MIN_PAIRS if call.needs_grad else rowspan.DENSE_MIN_PAIRS
+    return L >= rowspan.DENSE_MIN_ROWS and least <= L * S
+
+
+def _kernel_sized(call: AttentionCall, compiling: bool) -> bool:
+    """A plain causal or an unmasked CPU call large enough for auto's rule to ask whether the
+    row-span kernel runs it (not while torch.compile traces, where SDPA keeps them)."""
     if compiling or call.softcap is not None or call.sinks is not None:
         return False
+    if call.mask is None:
+        return _dense_size(call)
     return call.dims.L * call.dims.S >= rowspan.CAUSAL_MIN_PAIRS and call.causal
 
 
-def _rule(call: AttentionCall, causal_plan: BlockPlan | None) -> tuple[bool, str]:
+def _kernel_rule(call: AttentionCall, plan: BlockPlan) -> str:
+    """auto's words for a plain causal or unmasked call the row-span kernel runs."""
+    on = str(call.q.dtype)
+    if call.upcast:
+        on = f"float32 copies of {on}" if _converts(call, plan) else f"{on}, read directly"
+    if call.causal:
+        return (
+            f"causal on CPU ({on}), L x S >= 1024 x 1024: attnkit's row-span kernel, "
+            "measured 1.2-1.6x faster than SDPA's is_causal (benchmarks/kernel_spans.py)"
+        )
+    least = rowspan.DENSE_TRAIN_MIN_PAIRS if call.needs_grad else rowspan.DENSE_MIN_PAIRS
+    when = "training" if call.needs_grad else "forward"
+    return (
+        f"unmasked on CPU ({on}), {when}, L >= {rowspan.DENSE_MIN_ROWS} and L x S >= {least}: "
+        "attnkit's row-span kernel (every key of each row), measured faster than SDPA there "
+        "(benchmarks/kernel_spans.py, docs/benchmarks.md)"
+    )
+
+
+def _rule(call: AttentionCall, kernel_plan: BlockPlan | None) -> tuple[bool, str]:
     """auto takes ``blocked`` for a mask spec on a problem of at least ``min_pairs``, and for
-    plain causal calls that attnkit's row-span kernel runs (``causal_plan``: the plan of a
-    :func:`_plain_causal` call, else ``None``), from
-    :data:`~attnkit.backends.blocked.rowspan.CAUSAL_MIN_PAIRS` pairs (where it was measured
-    faster than SDPA's ``is_causal``); on CUDA, for whatever ``flex`` and ``sdpa`` (before it
-    there) could not serve."""
+    plain causal and unmasked calls that attnkit's row-span kernel runs (``kernel_plan``: the
+    plan of a :func:`_kernel_sized` call, else ``None``), from
+    :data:`~attnkit.backends.blocked.rowspan.CAUSAL_MIN_PAIRS` pairs for causal (where it was
+    measured faster than SDPA's ``is_causal``) and the sizes of :func:`_dense_size` unmasked;
+    on CUDA, for whatever ``flex`` and ``sdpa`` (before it there) could not serve."""
     if call.device_type == "cuda":
         return True, (
             "flex and torch's fused SDPA kernels cannot serve this call (see below): "
@@ -200,24 +232,21 @@ def _rule(call: AttentionCall, causal_plan: BlockPlan | None) -> tuple[bool, str
     extras = call.softcap is not None or call.sinks is not None
     L, S = call.dims.L, call.dims.S
     compiling = torch.compiler.is_compiling()
-    plan = causal_plan
+    plan = kernel_plan
     if plan is not None and plan.spans.serves:
-        on = str(call.q.dtype)
-        if call.upcast:
-            on = f"float32 copies of {on}" if _converts(call, plan) else f"{on}, read directly"
-        return True, (
-            f"causal on CPU ({on}), L x S >= 1024 x 1024: attnkit's row-span kernel, "
-            "measured 1.2-1.6x faster than SDPA's is_causal (benchmarks/kernel_spans.py)"
-        )
+        return True, _kernel_rule(call, plan)
     if not extras and (spec is None or spec.from_tensor or call.causal):
-        why = ""
+        why, kind = "", "plain causal" if call.causal else "unmasked"
         if plan is not None:  # big enough, but the kernel does not run it
-            why = f"; this {L} x {S} call is plain causal, but {plan.spans.reason}"
-        elif call.causal and not compiling and L * S < rowspan.CAUSAL_MIN_PAIRS:
-            why = f"; this causal call is {L} x {S}"
+            why = f"; this {L} x {S} call is {kind}, but {plan.spans.reason}"
+        elif (call.causal or spec is None) and not compiling:  # too small
+            train = " in training" if spec is None and call.needs_grad else ""
+            why = f"; this {kind.removeprefix('plain ')} call is {L} x {S}{train}"
         return False, (
-            "auto takes it for mask specs, soft-caps and sinks, and for plain causal "
-            "CPU calls its kernel runs from L x S = 1024 x 1024 (where it is faster)" + why
+            "auto takes it for mask specs, soft-caps and sinks, for plain causal "
+            "CPU calls its kernel runs from L x S = 1024 x 1024, and for unmasked ones from "
+            f"L >= {rowspan.DENSE_MIN_ROWS} and L x S >= {rowspan.DENSE_MIN_PAIRS} "
+            f"({rowspan.DENSE_TRAIN_MIN_PAIRS} in training), where it is faster" + why
         )
     pairs = current().min_pairs
     if pairs > L * S:
@@ -249,14 +278,15 @@ class BlockedBackend(Backend):
     def decide(self, call: AttentionCall) -> Decision:
         """Whether blocked serves the call, auto's rule (:func:`_rule`), the L x S memory of
         planning a mask tensor, and the plan (:func:`_plan`): made here where the rule needs it
-        (a large plain causal call: does the row-span kernel run it?), where the rule fires
+        (a large plain causal or unmasked call: does the row-span kernel run it?), where the
+        rule fires
         (auto will run it), and for explain's note; else when it runs, so that a decision
         auto passes over plans nothing. Inside ``torch.compile`` the custom op plans."""
         compiling = torch.compiler.is_compiling()
         reason = _refusal(call, compiling)
         if reason is not None:
             return Decision(self.name, reason)
-        plan = _plan(call) if _plain_causal(call, compiling) else None
+        plan = _plan(call) if _kernel_sized(call, compiling) else None
         rule = _rule(call, plan)
         spec = call.mask
         dense = spec is not None and spec.from_tensor  # planning reads the whole mask

@@ -6,23 +6,23 @@ S keys, Dk query/key head dim, Dv value head dim; ``lo, hi`` ``(B', L)`` the inc
 local keys row ``i`` attends (``B'`` = 1 or B), non-decreasing along the rows.
 
 :func:`attnkit.masks.row_spans` turns a spec into runs where it is one (causal, sliding windows,
-documents, prefix-LM, contiguous key padding, and their intersections, at any global offsets;
-ALiBi ``&`` any of them: :func:`attnkit.masks.split_alibi` gives its slopes, which the kernel adds
-as it computes the scores, as it applies a logit soft-cap ``c tanh(s / c)``, derivative included);
-:func:`plan` makes the one decision per call (:class:`SpanPlan`) that the forward, the backward
-and :func:`attnkit.explain` read. torch's fused CPU flash kernel would serve such masks only as
-many tiles, where its small GEMMs and per-tile softmax reach about half of the machine's GEMM
-throughput. The kernel in ``csrc/row_span.cpp`` does them in one pass: per (batch, kv head) and
-chunk of query rows it packs ``K^T`` once into 16-key panels that move forward with the spans,
-shared by the ``g`` query heads of the group (grouped-query heads are never repeated), computes
-``Q K^T`` and ``P V`` with register-blocked AVX2/FMA micro-kernels over the tiles the spans
-touch only, and an exact float32 softmax per row (``exp2`` polynomial, relative error about
-2.4e-7). The backward (``span_backward``) recomputes the scores from the saved log-sum-exp over
-the same panels, writes dQ per row and sums dK, dV over the group's heads (each work item's
-sums are added to the result one stripe of keys at a time in the order the items are handed
-out, whatever order the threads finish them in: forward and backward give the same bits on
-every run with the same number of threads, as ``torch.use_deterministic_algorithms`` asks). A
-row whose run is empty gets output 0, log-sum-exp ``-inf`` and gradient 0.
+documents, prefix-LM, contiguous key padding, and their intersections, at any global offsets; ALiBi
+``&`` any of them: :func:`attnkit.masks.split_alibi` gives its slopes, which the kernel adds as it
+computes the scores, as it applies a logit soft-cap ``c tanh(s / c)``, derivative included); a call
+with no mask is one run of every key per row. :func:`plan` makes the one decision per call
+(:class:`SpanPlan`) that the forward, the backward and :func:`attnkit.explain` read. torch's fused
+CPU flash kernel would serve such masks only as many tiles, where its small GEMMs and per-tile
+softmax reach about half of the machine's GEMM throughput. The kernel in ``csrc/row_span.cpp`` does
+them in one pass: per (batch, kv head) and chunk of query rows it packs ``K^T`` once into 16-key
+panels that move forward with the spans, shared by the ``g`` query heads of the group (grouped-query
+heads are never repeated), computes ``Q K^T`` and ``P V`` with register-blocked AVX2/FMA
+micro-kernels over the tiles the spans touch only, and an exact float32 softmax per row (``exp2``
+polynomial, relative error about 2.4e-7). The backward (``span_backward``) recomputes the scores
+from the saved log-sum-exp over the same panels, writes dQ per row and sums dK, dV over the group's
+heads (each work item's sums are added to the result one stripe of keys at a time in the order the
+items are handed out, whatever order the threads finish them in: forward and backward give the same
+bits on every run with the same number of threads, as ``torch.use_deterministic_algorithms`` asks).
+A row whose run is empty gets output 0, log-sum-exp ``-inf`` and gradient 0.
 
 It reads float32, and bfloat16 or float16 (float16 where the CPU has F16C) directly: q, k, v
 (and out, dout in the backward) are converted to float32 as the kernel packs its panels and loads
@@ -56,7 +56,15 @@ import torch
 
 from attnkit.backends.blocked import jit
 from attnkit.cpu import hardware_flags
-from attnkit.masks import MaskSpec, causal_window, key_holes, local_keys, row_spans, split_alibi
+from attnkit.masks import (
+    MaskSpec,
+    causal_window,
+    key_holes,
+    local_keys,
+    row_spans,
+    split_alibi,
+    unmasked,
+)
 
 __all__ = [
     "DOT",
@@ -78,6 +86,13 @@ ENV = "ATTNKIT_SPAN_KERNEL"
 #: forward + backward at 4k (float32, 2 AVX2 cores; ``benchmarks/kernel_spans.py``); smaller
 #: calls were not measured, so they keep to SDPA
 CAUSAL_MIN_PAIRS = 1024 * 1024
+#: ``auto`` takes the kernel for unmasked calls (no mask, not causal) from this many query rows
+#: and ``L x S`` pairs in a forward (no gradient) and from ``DENSE_TRAIN_MIN_PAIRS`` pairs in
+#: training: where it measured faster than SDPA (docs/benchmarks.md, "Dense prefill"); smaller
+#: calls keep to SDPA
+DENSE_MIN_ROWS = 1024
+DENSE_MIN_PAIRS = 1024 * 1024
+DENSE_TRAIN_MIN_PAIRS = 1024 * 1024
 #: bumped with every change to the C++ source's interface
 NAME = "attnkit_row_span_v4"
 
@@ -231,8 +246,10 @@ class SpanPlan:
 NOT_SPANS = SpanPlan(None, None, "", "not one run of keys per query row")
 
 
-def describe(spec: MaskSpec) -> str:
+def describe(spec: MaskSpec | None) -> str:
     """The mask in explain's words."""
+    if spec is None:
+        return "no mask (every key of every row)"
     w = causal_window(spec)
     return f"causal sliding window {w}" if w is not None else f"row spans of {spec!r}"
 
@@ -240,7 +257,7 @@ def describe(spec: MaskSpec) -> str:
 #: the runs of recent (spec, sizes, positions), keyed by the spec's cache key (each entry holds
 #: its spec, so that the tensors its key names stay alive): computing them took ~0.3 ms at
 #: L = 4096, a few percent of a window call in the kernel
-_RUNS: OrderedDict[Hashable, tuple[MaskSpec, SpanPlan]] = OrderedDict()
+_RUNS: OrderedDict[Hashable, tuple[MaskSpec | None, SpanPlan]] = OrderedDict()
 RUNS_CACHE = 64
 
 
@@ -249,10 +266,11 @@ def clear_runs() -> None:
     _RUNS.clear()
 
 
-def _runs(spec: MaskSpec, L: int, S: int, q_start: int, k_start: int, off: int) -> SpanPlan:
+def _runs(spec: MaskSpec | None, L: int, S: int, q_start: int, k_start: int, off: int) -> SpanPlan:
     """The part of :func:`plan` that reads the mask only (runs, ALiBi's slopes, the holes), the
-    same for any q, k, v of these sizes: cached where the spec has a key."""
-    skey = spec.key()
+    same for any q, k, v of these sizes: cached where the spec has a key (``None``, no mask:
+    every key of every row, one run ``0 ..= S - 1``)."""
+    skey = ("no mask",) if spec is None else spec.key()
     key: Hashable = (skey, L, S, q_start, k_start, off)
     if skey is not None and key in _RUNS:
         _RUNS.move_to_end(key)
@@ -265,14 +283,22 @@ def _runs(spec: MaskSpec, L: int, S: int, q_start: int, k_start: int, off: int) 
     return p
 
 
-def _make_runs(spec: MaskSpec, L: int, S: int, q_start: int, k_start: int, off: int) -> SpanPlan:
+#: the cache key of :func:`attnkit.masks.unmasked`, the spec that says "no mask": every key
+_UNMASKED = unmasked().key()
+
+
+def _make_runs(
+    spec: MaskSpec | None, L: int, S: int, q_start: int, k_start: int, off: int
+) -> SpanPlan:
     rule: MaskSpec | None = spec
     slopes = NO_SLOPES
-    if spec.has_bias:  # ALiBi: its slopes, and the runs of the rule it is joined to
+    if spec is not None and spec.has_bias:  # ALiBi: its slopes, and the runs of its rule
         parts = split_alibi(spec)
         if parts is None:
             return NOT_SPANS
         slopes, rule = parts[0].to("cpu", torch.float32), parts[1]
+    if rule is not None and rule.key() == _UNMASKED:  # masks.unmasked(): no mask, said so
+        rule = None
     spans: tuple[torch.Tensor, torch.Tensor] | None
     holes = None  # a key mask with holes: the runs of its hull, the holes masked per key
     if rule is None:  # every key
@@ -307,7 +333,8 @@ def plan(
     dot: bool = False,
 ) -> SpanPlan:
     """The kernel decision for the block of ``q`` against ``k``/``v`` (global positions and
-    offset as in :func:`attnkit.masks.row_spans`).
+    offset as in :func:`attnkit.masks.row_spans`); ``spec=None`` (no mask) is one run of every
+    key per row, at any offsets.
 
     The dtype rule: float32 always; bfloat16 and float16 (float16 only where the kernel was
     built with F16C) with ``in_dtype=True``, for a caller that takes out, dq, dk, dv in that
@@ -318,7 +345,7 @@ def plan(
     (:func:`build_dot`): it multiplies in bfloat16, forward and backward (P and dS too, rounded
     to nearest even, as GPU flash kernels do) and sums in float32; elsewhere torch's kernels
     take the tensors as they are."""
-    if spec is None or spec.from_tensor:
+    if spec is not None and spec.from_tensor:
         return NOT_SPANS
     L, S = q.shape[2], k.shape[2]
     off = S - L if off is None else off
