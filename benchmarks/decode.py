@@ -48,8 +48,7 @@ from typing import Any
 
 import torch
 
-from attnkit import bench, files
-from attnkit.bench.machine import describe_features
+from attnkit import bench, cpu, files
 from attnkit.bench.plan import DECODE_ROWS
 from attnkit.bench.workloads import get_workload
 
@@ -86,15 +85,22 @@ def kernel_rows(reps: int) -> dict[str, Any]:
             entries.append(got)
         rows.append({"row": row.label, "description": wl.description, "kv_bytes": nbytes,
                      "entries": entries})  # fmt: skip
-    return {"read_gbps": read, "gemm_gflops": gemm, "machine": result.machine, "rows": rows}
+    return {
+        "read_gbps": read,
+        "gemm_gflops": gemm,
+        "cpu": str(cpu.features()),  # what attnkit's kernels dispatch on
+        "machine": result.machine,
+        "rows": rows,
+    }
 
 
 def print_kernel_rows(res: dict[str, Any]) -> None:
     m = res["machine"]
     print(
-        f"{m['cpu']}; {describe_features(m['cpu_features'])}; torch {m['torch']}, "
+        f"{m['cpu']}; {res['cpu']}; torch {m['torch']}, "
         f"{m['threads']} threads; fp32 GEMM {res['gemm_gflops']:.0f} GFLOP/s; memory read "
-        f"{res['read_gbps']:.1f} GB/s (torch.sum over 512 MiB, {m['threads']} threads)"
+        f"{res['read_gbps']:.1f} GB/s (torch.sum over 512 MiB, {m['threads']} threads); "
+        f"load {m.get('load_at_start')} -> {m.get('load_at_end')}"
     )
     for row in res["rows"]:
         print(f"\n{row['row']}: {row['description']} (K/V {row['kv_bytes'] / 2**20:.1f} MiB)")
@@ -137,6 +143,7 @@ def load() -> tuple[Any, Any]:
     """SmolLM2-135M-Instruct and its tokenizer from the GGUF, offline, no code from the
     directory (``trust_remote_code=False``)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TQDM_DISABLE"] = "1"  # transformers' GGUF conversion draws a bar of its own
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
