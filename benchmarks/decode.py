@@ -16,7 +16,10 @@ the workloads of :mod:`attnkit.bench.workloads`: one home for both), run by
 * windowed decode: ``causal() & sliding_window(4096)`` over a 16384 cache: attnkit with the
   spec, SDPA with the dense mask, and SDPA on the window's keys sliced by hand (``sdpa-sliced``);
 * dense prefill: 16 heads of 64, L=4096, no mask;
-* call overhead: the decode step at 64 cached keys (attnkit's time minus SDPA's, in us).
+* call overhead: the decode step at 64 cached keys (attnkit's time minus SDPA's, in us); and
+  the same call through transformers' attention interface (``"attnkit"`` against ``"sdpa"``,
+  a ``LlamaAttention`` layer as the module) and ``attnkit.attention`` against
+  ``F.scaled_dot_product_attention``, in this process (:func:`call_overhead`).
 
 Each row shows the time, the rate K/V is read at (the bytes of the keys some query may see,
 once per key/value head, over the time) next to **the machine's memory read bandwidth**,
@@ -115,6 +118,58 @@ def print_kernel_rows(res: dict[str, Any]) -> None:
                 f"  {e['peer']:16} {e['ms']:9.3f} {e['kv_gbps']:9.1f} {e['of_read']:8.2f} "
                 f"{ratio}{extra}"
             )
+
+
+def call_overhead(reps: int, S: int = 64) -> dict[str, float]:
+    """One decode call (1 query, GQA 32/8 heads of 128, ``S`` cached keys, no mask) through
+    transformers' attention interface, as a layer makes it: ``"sdpa"`` against ``"attnkit"``
+    (:func:`attnkit.interop.register_hf`), with a ``LlamaAttention`` layer as the module, and
+    ``attnkit.attention`` against ``F.scaled_dot_product_attention``; interleaved, each figure
+    the median over ``reps`` rounds of the mean of 200 calls, in us."""
+    import torch.nn.functional as F
+    from transformers import LlamaConfig
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    import attnkit
+    from attnkit.interop import register_hf
+
+    register_hf()
+    config = LlamaConfig(
+        hidden_size=256, num_attention_heads=32, num_key_value_heads=8, head_dim=128
+    )
+    layer = LlamaAttention(config, 0).eval()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 32, 1, 128, generator=g)
+    k, v = (torch.randn(1, 8, S, 128, generator=g) for _ in range(2))
+    scaling = 128**-0.5
+    calls = {
+        "hf sdpa": lambda: ALL_ATTENTION_FUNCTIONS["sdpa"](layer, q, k, v, None, scaling=scaling),
+        "hf attnkit": lambda: ALL_ATTENTION_FUNCTIONS["attnkit"](
+            layer, q, k, v, None, scaling=scaling
+        ),
+        "F.sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        "attnkit.attention": lambda: attnkit.attention(q, k, v),
+    }
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    with torch.no_grad():
+        for r in range(reps + 1):
+            for name, fn in calls.items():
+                t0 = time.perf_counter()
+                for _ in range(200):
+                    fn()
+                if r:  # round 0 warms up
+                    times[name].append((time.perf_counter() - t0) / 200 * 1e6)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def print_call_overhead(res: dict[str, float]) -> None:
+    print("\ndecode call at 64 cached keys (1 query, GQA 32/8 heads of 128), us per call:")
+    for ours, theirs in (("hf attnkit", "hf sdpa"), ("attnkit.attention", "F.sdpa")):
+        print(
+            f"  {ours:18} {res[ours]:7.1f}   {theirs:8} {res[theirs]:7.1f}   "
+            f"difference {res[ours] - res[theirs]:+6.1f}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,6 +272,11 @@ def main(argv: list[str] | None = None) -> None:
     if not args.model_only:
         out["kernels"] = kernel_rows(args.reps)
         print_kernel_rows(out["kernels"])
+        if importlib.util.find_spec("transformers") is None:
+            print("\ndecode call through transformers: skipped: transformers not installed")
+        else:
+            out["call_us"] = call_overhead(args.reps)
+            print_call_overhead(out["call_us"])
     if not args.no_model:
         why = model_missing()
         if why is not None:

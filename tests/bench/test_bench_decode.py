@@ -146,6 +146,7 @@ def test_decode_benchmark_runs_and_writes_json(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert "memory read" in done.stdout
     assert "GB/s" in done.stdout
+    assert "decode call at 64 cached keys" in done.stdout
     res = json.loads(out.read_text())["kernels"]
     assert res["read_gbps"] > 0
     labels = [r["row"] for r in res["rows"]]
