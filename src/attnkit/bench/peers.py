@@ -9,6 +9,10 @@ Peers (what people write without attnkit):
   ``softmax``, ``@ v`` (K/V repeated for grouped-query heads);
 * ``sdpa``: ``F.scaled_dot_product_attention`` with the dense bool mask, or ``is_causal=True``
   where the mask is exactly causal;
+* ``sdpa-sliced`` (the windowed decode row): SDPA on the window's keys alone, sliced by hand
+  (a view), no mask;
+* ``ort-gqa`` (decode rows, optional): onnxruntime's ``GroupQueryAttention`` over the cache
+  (:mod:`attnkit.bench.ort`; skipped, with the reason, where onnxruntime is not installed);
 * ``flex``: ``flex_attention`` under ``torch.compile`` with ``create_block_mask`` from the same
   predicate; its compile is timed apart (the first call) and left out of the per-call time;
 * ``torch-mha``: ``nn.MultiheadAttention`` (module rows).
@@ -30,34 +34,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from attnkit.bench.ort import OrtGqa
+from attnkit.bench.peers_base import Case, Fn, Peer
 from attnkit.bench.workloads import Inputs, Workload
 
 __all__ = ["OUTSIDE", "PEERS", "Peer", "peer_names", "step"]
 
 GiB = 1 << 30
-
-Fn = Callable[[], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Case:
-    """One case a peer may skip: a workload at length ``L`` in ``dtype``, forward or forward +
-    backward, under a memory cap of ``cap`` bytes for the dense tensors a peer would make."""
-
-    wl: Workload
-    L: int
-    dtype: torch.dtype
-    backward: bool
-    cap: float
-
-    @property
-    def sizes(self) -> tuple[int, int]:
-        """``(Lq, S)`` of the workload at ``L``."""
-        return self.wl.sizes(self.L)
 
 
 def _dense(inputs: Inputs, L: int, S: int) -> torch.Tensor | None:
@@ -79,32 +65,6 @@ def step(fn: Fn, inputs: Inputs, backward: bool, params: list[torch.Tensor]) -> 
         t.grad = None
     out = fn()
     out.backward(torch.ones_like(out))  # type: ignore[no-untyped-call]
-
-
-class Peer:
-    """A way to compute a workload: ``skip`` says why not, ``setup`` returns the call.
-
-    A peer runs either the attention rows (``q, k, v``) or, with ``module = True``, the module
-    rows (``x``); ``skip_case`` adds its own reasons (memory, dtype, backward) for its rows."""
-
-    module = False
-
-    def __init__(self, name: str, description: str) -> None:
-        self.name = name
-        self.description = description
-
-    def skip(
-        self, wl: Workload, L: int, dtype: torch.dtype, backward: bool, cap: float
-    ) -> str | None:
-        if wl.module != self.module:
-            return "module rows compare modules" if wl.module else "module rows only"
-        return self.skip_case(Case(wl, L, dtype, backward, cap))
-
-    def skip_case(self, case: Case) -> str | None:
-        return None
-
-    def setup(self, wl: Workload, inputs: Inputs) -> Fn:
-        raise NotImplementedError
 
 
 class _Naive(Peer):
@@ -162,6 +122,30 @@ class _Sdpa(Peer):
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa
             )
+
+        return run
+
+
+class _SdpaSliced(Peer):
+    """SDPA on the keys of the window alone, sliced by hand (``k[:, :, S - w:]``, a view), no
+    mask: what a decode loop over a sliding-window cache writes without attnkit."""
+
+    def skip_case(self, case: Case) -> str | None:
+        Lq, _ = case.sizes
+        if case.wl.name not in ("decode-window",) or Lq != 1:
+            return "a decode row with a causal window only (one query: the window is a slice)"
+        return None
+
+    def setup(self, wl: Workload, inputs: Inputs) -> Fn:
+        import torch.nn.functional as F
+
+        q = inputs.q
+        w = min(wl.window, inputs.k.shape[2])
+        k, v = inputs.k[:, :, -w:], inputs.v[:, :, -w:]
+        gqa = q.shape[1] != k.shape[1]
+
+        def run() -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
 
         return run
 
@@ -321,7 +305,9 @@ def _peers() -> dict[str, Peer]:
     found: list[Peer] = [
         _Naive("naive", "seed-style matmul, masked_fill with a dense mask, softmax, matmul"),
         _Sdpa("sdpa", "F.scaled_dot_product_attention, dense bool mask or is_causal"),
+        _SdpaSliced("sdpa-sliced", "F.scaled_dot_product_attention on the window's keys, sliced"),
         _Flex("flex", "flex_attention compiled, create_block_mask (compile timed apart)"),
+        OrtGqa("ort-gqa", "onnxruntime's GroupQueryAttention (com.microsoft), optional"),
         _TorchMha("torch-mha", "nn.MultiheadAttention (module rows)"),
         _Attnkit("attnkit", "attnkit.attention, backend='auto'", "auto"),
     ]
@@ -339,7 +325,7 @@ def _peers() -> dict[str, Peer]:
 PEERS: dict[str, Peer] = _peers()
 
 #: the peers that are not attnkit: "ratio to the best peer" compares against these
-OUTSIDE = ("naive", "sdpa", "flex", "torch-mha")
+OUTSIDE = ("naive", "sdpa", "sdpa-sliced", "flex", "torch-mha", "ort-gqa")
 
 
 def peer_names() -> list[str]:

@@ -2,8 +2,9 @@
 CPU and on the GPU (``--device cuda``).
 
 A row is ``(workload, L, dtype, mode)``. Named sets of rows (:data:`GROUPS`, ``-g/--group``):
-``acceptance`` (the suite's own acceptance rows and a few more) and ``masks`` (every mask kind
-through one kernel, and bfloat16 against float32); a run with no selection runs both, each row
+``acceptance`` (the suite's own acceptance rows and a few more), ``masks`` (every mask kind
+through one kernel, and bfloat16 against float32) and ``decode`` (decoding against a KV cache,
+and a dense prefill; :data:`DECODE_ROWS`); a run with no selection runs the first two, each row
 once (:data:`DEFAULT_ROWS`). Each row has its own default peers (:func:`row_peers`).
 
 The GPU bench takes the same rows: :func:`plan_cuda_rows` picks them (default
@@ -28,6 +29,7 @@ __all__ = [
     "CUDA_ROWS",
     "CUDA_WHERE",
     "CUDA_WORKLOADS",
+    "DECODE_ROWS",
     "DEFAULT_PEERS",
     "DEFAULT_ROWS",
     "DTYPES",
@@ -80,12 +82,26 @@ MASKS_ROWS: list[tuple[str, int, str, str]] = [
     ("window", 4096, "bfloat16", "fwd+bwd"),
     ("causal", 4096, "bfloat16", "fwd"),
 ]
-#: the rows of a run with no selection: both groups, each row once
+#: the ``decode`` group (``-g decode``, not in the default run): a decode step (1 query, GQA
+#: 32/8 heads of 128, 4096 cached keys; float32 and bfloat16), 8 sequences with ragged cache
+#: lengths up to 2048, a 4096 window over a 16384 cache, a dense prefill (16 heads of 64, 4096),
+#: and the decode step at 64 cached keys (where the per-call overhead shows); the workloads
+#: carry their peers (SDPA, attnkit, onnxruntime's GroupQueryAttention where installed)
+DECODE_ROWS: list[tuple[str, int, str, str]] = [
+    ("decode-gqa", 4096, "float32", "fwd"),
+    ("decode-gqa", 4096, "bfloat16", "fwd"),
+    ("decode-ragged", 2048, "float32", "fwd"),
+    ("decode-window", 16384, "float32", "fwd"),
+    ("prefill-dense", 4096, "float32", "fwd"),
+    ("decode-gqa", 64, "float32", "fwd"),
+]
+#: the rows of a run with no selection: the acceptance and masks groups, each row once
 DEFAULT_ROWS: list[tuple[str, int, str, str]] = list(dict.fromkeys(ACCEPTANCE_ROWS + MASKS_ROWS))
 #: named sets of rows (``-g/--group``)
 GROUPS: dict[str, list[tuple[str, int, str, str]]] = {
     "acceptance": ACCEPTANCE_ROWS,
     "masks": MASKS_ROWS,
+    "decode": DECODE_ROWS,
 }
 DEFAULT_PEERS = ["naive", "sdpa", "flex", "attnkit", "attnkit-blocked"]
 #: the seed-style code builds the whole (B, H, L, S) scores: with the default peers it runs

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from attnkit.bench.machine import machine
+from attnkit.bench.machine import machine, measure_read_bandwidth
 from attnkit.bench.peers import OUTSIDE, PEERS
 from attnkit.bench.plan import (
     ACCEPTANCE_ROWS,
@@ -141,11 +141,14 @@ def run(
 
     tick("fp32 GEMM throughput")
     gemm_gflops = gemm if gemm is not None else measure_gemm()
+    if any(get_workload(r.workload).queries for r, _ in plans):  # decode rows: GB/s notes
+        info["read_gbps"] = round(measure_read_bandwidth(), 2)
     for row, todo in plans:
         _measure_row(
             row, todo, tick, reps=reps, memory=memory, timeout=timeout,
             gemm_n=gemm_n, min_call_ms=min_call_ms, gemm_gflops=gemm_gflops,
         )  # fmt: skip
+        _kv_rates(row, info.get("read_gbps"))
     if progress:
         progress("done", total, total)
     info["load_at_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
@@ -198,6 +201,21 @@ def _against_best_peer(row: Row) -> None:
         for e in row.entries:
             if e.ms is not None:
                 e.x_best_peer = e.ms / min(outside)
+
+
+def _kv_rates(row: Row, read_gbps: float | None) -> None:
+    """On a decode row, each entry's note says the rate it read K/V at (the bytes of the keys
+    its queries may see, :meth:`~attnkit.bench.workloads.Workload.kv_bytes`, over its time)
+    and that over the machine's read bandwidth, measured at the start of the run."""
+    wl = get_workload(row.workload)
+    if not wl.queries:
+        return
+    nbytes = wl.kv_bytes(row.L, getattr(torch, row.dtype))
+    for e in row.entries:
+        if e.ms is not None:
+            gbps = nbytes / (e.ms / 1e3) / 1e9
+            of = f" = {gbps / read_gbps:.2f} of read {read_gbps:.1f}" if read_gbps else ""
+            e.note = f"K/V {gbps:.1f} GB/s{of}"
 
 
 def _measure_row(

@@ -8,7 +8,8 @@ a run sees the same tensors) and says which pairs are allowed: as a mask spec fo
 flex, as the causal flag where torch has one, and as a dense mask for the peers that need one.
 FLOPs count allowed pairs only (``4 * D`` per pair and head forward: ``q.k`` and ``p.v``; the
 backward is ``2.5x`` the forward: five matmuls to two), counted exactly from the block map, so a
-skipped block is never credited as work.
+skipped block is never credited as work. Decode rows (``queries`` set) also count the K/V
+bytes a call must read (:meth:`Workload.kv_bytes`): a decode step is memory-bound.
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ import torch
 from attnkit import masks
 from attnkit.masks import EMPTY, FULL, MaskSpec
 
-__all__ = ["WORKLOADS", "Inputs", "Workload", "allowed_pairs", "get_workload", "gpu_workload"]
+__all__ = [
+    "WORKLOADS",
+    "Inputs",
+    "Workload",
+    "allowed_pairs",
+    "get_workload",
+    "gpu_workload",
+    "ragged_lengths",
+]
 
 #: forward + backward FLOPs over forward FLOPs (flash attention: 2 matmuls, then 5)
 BACKWARD_FACTOR = 3.5
@@ -55,10 +64,12 @@ class Workload:
     #: peers); set where a default peer would be far too slow (a dense mask at 32 heads)
     peers: tuple[str, ...] | None = None
     window: int = 256  #: the width of the sliding window (``window``, ``gqa-window``)
+    #: the query length of a decode row (its ``L`` is then the cache's length ``S``); 0: ``L``
+    queries: int = 0
 
     def sizes(self, L: int) -> tuple[int, int]:
         """``(L, S)``: query and key lengths for the length ``L`` of the run."""
-        return (1, L) if self.name == "decode" else (L, L)
+        return (self.queries, L) if self.queries else (L, L)
 
     def spec(
         self, L: int, S: int, device: torch.device | str = "cpu"
@@ -66,11 +77,11 @@ class Workload:
         """The mask as a spec (its tensors on ``device``), and whether it is exactly the
         (end-aligned) causal rule."""
         g = torch.Generator().manual_seed(L)
-        if self.name in ("dense", "decode"):
+        if self.name in ("dense", "decode", "decode-gqa", "prefill-dense"):
             return None, False
         if self.name in ("causal", "gqa", "module"):
             return masks.causal(), True
-        if self.name in ("window", "gqa-window"):
+        if self.name in ("window", "gqa-window", "decode-window"):
             return masks.causal() & masks.sliding_window(self.window), False
         if self.name == "padding":  # the second sequence is half padding: 25% of all keys
             return masks.padding(torch.tensor([S, S // 2], device=device)), False
@@ -85,6 +96,8 @@ class Workload:
             return masks.document(ids) & masks.causal(), False
         if self.name == "prefix":
             return masks.prefix_lm(S // 4), False
+        if self.name == "decode-ragged":  # right-padded cache, as attnkit's KVCache keeps it
+            return masks.sequence_causal(ragged_lengths(self.B, S).to(device), L), False
         raise ValueError(f"unknown workload {self.name!r}")
 
     def inputs(
@@ -117,6 +130,35 @@ class Workload:
             E = self.H * self.D
             fwd += 4 * 2.0 * self.B * Lq * E * E  # q, k, v and output projections
         return fwd * (BACKWARD_FACTOR if backward else 1.0)
+
+    def kv_bytes(self, L: int, dtype: torch.dtype) -> int:
+        """The bytes of K and V a call must read at least: every key some query of its
+        sequence may see, once per key/value head (a decode row's memory traffic).
+
+        >>> get_workload("decode-gqa").kv_bytes(4096, torch.float32) / 2**20
+        32.0
+        """
+        Lq, S = self.sizes(L)
+        spec, _ = self.spec(Lq, S)
+        if spec is None or Lq * S > 1 << 26:  # every key (a dense form that large: assume so)
+            keys = self.B * S
+        else:
+            seen = spec.to_dense(Lq, S).any(dim=2)  # (B', 1, S): a key some query sees
+            keys = int(seen.expand(self.B, 1, S).sum())
+        return keys * self.Hkv * self.D * 2 * torch.empty((), dtype=dtype).element_size()
+
+
+def ragged_lengths(B: int, S: int) -> torch.Tensor:
+    """The cache lengths of a ragged batch: ``B`` sequences, seeded, from ``S / 8`` up to
+    ``S`` (the first holds ``S``, the longest).
+
+    >>> ragged_lengths(4, 2048).tolist()
+    [2048, ...]
+    """
+    g = torch.Generator().manual_seed(S)
+    lengths = torch.randint(max(1, S // 8), S + 1, (B,), generator=g)
+    lengths[0] = S
+    return lengths
 
 
 def allowed_pairs(spec: MaskSpec | None, L: int, S: int, B: int) -> int:
@@ -165,7 +207,46 @@ WORKLOADS: dict[str, Workload] = {
             Hkv=8,
             peers=("flex", "attnkit"),
         ),
-        Workload("decode", "decode: 1 query against a cache of L keys"),
+        Workload("decode", "decode: 1 query against a cache of L keys", queries=1),
+        # the decode group's (GQA 32/8 heads, D=128, as in 7B-class models)
+        Workload(
+            "decode-gqa",
+            "decode: 1 query, grouped-query 32/8 heads of 128, against a cache of L keys",
+            H=32,
+            Hkv=8,
+            D=128,
+            queries=1,
+            peers=("sdpa", "attnkit", "attnkit-blocked", "ort-gqa"),
+        ),
+        Workload(
+            "decode-ragged",
+            "decode: 8 sequences, 1 query each, grouped-query 32/8 heads of 128, cache lengths "
+            "ragged up to L (right-padded, sequence_causal)",
+            B=8,
+            H=32,
+            Hkv=8,
+            D=128,
+            queries=1,
+            peers=("sdpa", "attnkit", "attnkit-blocked", "ort-gqa"),
+        ),
+        Workload(
+            "decode-window",
+            "decode: 1 query, grouped-query 32/8 heads of 128, causal window of 4096 over a "
+            "cache of L keys",
+            H=32,
+            Hkv=8,
+            D=128,
+            queries=1,
+            window=4096,
+            peers=("sdpa", "sdpa-sliced", "attnkit", "attnkit-blocked", "ort-gqa"),
+        ),
+        Workload(
+            "prefill-dense",
+            "no mask, 16 heads of 64",
+            H=16,
+            Hkv=16,
+            peers=("sdpa", "attnkit", "attnkit-blocked"),
+        ),
         Workload("module", "module row: causal self-attention, E=512, 8 heads", module=True),
     )
 }

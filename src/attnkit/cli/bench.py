@@ -102,7 +102,8 @@ GroupOption = Annotated[
         "-g",
         metavar="<group>",
         help="only the rows of a group: acceptance (the suite's own), masks (every mask kind "
-        "through one kernel, and bfloat16 against float32) (repeat; "
+        "through one kernel, and bfloat16 against float32), decode (decode steps, ragged "
+        "batch, windowed decode, dense prefill; K/V GB/s) (repeat; "
         "not with -w, -L, --full or --quick)",
     ),
 ]
@@ -164,11 +165,12 @@ def bench(
 ) -> None:
     """Time attnkit against SDPA, flex_attention, the seed code and nn.MultiheadAttention.
 
-    With no options: the rows of both groups (acceptance: dense/causal 4k, sliding window 16k
-    forward and backward, 8 documents 16k, key padding 8k, and a few more; masks: equal
+    With no options: the rows of the acceptance and masks groups (acceptance: dense/causal 4k,
+    sliding window 16k forward and backward, 8 documents 16k, key padding 8k, and a few more;
+    masks: equal
     documents 16k, grouped-query 32/8 window 16k forward and backward, bfloat16 against
     attnkit's float32 and SDPA), about 13 to 21 minutes on a quiet 2-core machine
-    (docs/benchmarks.md).
+    (docs/benchmarks.md). ``-g decode`` runs the decode group (not in the default run).
     """
     from attnkit import bench as api
     from attnkit.bench.plan import CUDA_WHERE
