@@ -468,7 +468,7 @@ BAD_OPTIONS: list[tuple[list[str], list[str]]] = [
     (["-w", "nonsense"], ["-w/--workload 'nonsense' is not one of dense, causal, padding"]),
     (["-L", "0"], ["-L/--length 0 is not a length", "it takes 1 to 262144", "(fix: pass lengths"]),
     (["-L", "10000000"], ["-L/--length 10000000 is not a length", "1 to 262144"]),
-    (["-p", "nope"], ["-p/--peer 'nope' is not one of naive, sdpa, flex"]),
+    (["-p", "nope"], ["-p/--peer 'nope' is not one of naive, sdpa, sdpa-sliced, flex, ort-gqa"]),
     (["--dtype", "float16"], ["--dtype 'float16' is not one of float32, bfloat16"]),
     (["--mode", "bwd"], ["--mode 'bwd' is not one of fwd, fwd+bwd"]),
     (["--reps", "3"], ["--reps must be at least 5", "got 3"]),
