@@ -105,20 +105,24 @@ class AttentionCall:
         above the memory limit (:func:`~attnkit.masks.as_spec`), a bad ``ATTNKIT_CPU_PATH``
         (:func:`attnkit.cpu.path_for`).
         """
-        return cls(
-            q,
-            k,
-            v,
-            as_spec(mask, causal, L=dims.L, S=dims.S, where=where),
-            float(scale) if scale is not None else 1.0 / math.sqrt(dims.Dk),
-            float(dropout_p),
-            return_weights,
-            dims,
-            float(softcap) if softcap is not None else None,
-            sinks,
-            explaining,
-            path_for(q, where),
+        call = object.__new__(cls)  # the fields set at once: a frozen dataclass's __init__
+        call.__dict__.update(  # sets them one by one, a third of a decode call's build
+            q=q,
+            k=k,
+            v=v,
+            mask=as_spec(mask, causal, L=dims.L, S=dims.S, where=where),
+            scale=float(scale) if scale is not None else 1.0 / math.sqrt(dims.Dk),
+            dropout_p=float(dropout_p),
+            return_weights=return_weights,
+            dims=dims,
+            softcap=float(softcap) if softcap is not None else None,
+            sinks=sinks,
+            explaining=explaining,
+            cpu_path=path_for(q, where),
+            _dense={},
+            _decisions={},
         )
+        return call
 
     @property
     def causal(self) -> bool:

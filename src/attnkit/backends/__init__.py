@@ -93,7 +93,7 @@ from typing import NamedTuple
 
 import torch
 
-from attnkit.backends import nonfinite, second_order
+from attnkit.backends import memo, nonfinite, second_order
 from attnkit.backends.base import Backend, Decision
 from attnkit.backends.registry import (
     AUTO_ORDER,
@@ -205,11 +205,19 @@ def choose(
     those the choice needs."""
     decisions: dict[str, Decision] = {}
     limits: dict[str, int | None] = {}
+    key = None if every else memo.call_key(call, backend)
+    if key is not None:  # the decision of an earlier call just like this one (memo)
+        kept: Decision | None = memo.find(key)
+        if kept is not None and (kept.memory is None or _within(call, kept, limits)):
+            decisions[kept.backend] = kept
+            return Choice(call, get_backend(kept.backend), kept, backend, where, decisions, limits)
     fallback = False
     if backend == "auto":
         chosen, fallback = _auto(call, where, decisions, limits)
     else:
         chosen = _named(call, backend, where, decisions, limits)
+    if key is not None and not fallback and all(v is None for v in limits.values()):
+        memo.keep(key, chosen, call.mask)  # no backend was passed over for its memory
     if every:
         for name in available_backends():
             d = decisions.get(name) or _ask(call, name, decisions)
