@@ -180,8 +180,9 @@ class AttentionCall:
         or float (added to the scores), built once per call; ``None`` for no mask.
 
         A user's tensor comes back unchanged; a spec is materialised with ``to_dense`` (a bias
-        in :attr:`compute_dtype`), which refuses (:class:`~attnkit.AttentionMemoryError`)
-        above attnkit's memory limit.
+        in :attr:`compute_dtype`; once for every layer of a forward where attnkit built the
+        spec, :func:`attnkit.backends.owned.dense`), which refuses
+        (:class:`~attnkit.AttentionMemoryError`) above attnkit's memory limit.
         """
         spec = self.mask
         if spec is None:
@@ -195,7 +196,9 @@ class AttentionCall:
             one = torch.zeros((), dtype=dtype, device=self.q.device)
             return one.expand(spec.batch or 1, heads, d.L, d.S)
         if "dense" not in self._dense:
-            self._dense["dense"] = spec.to_dense(
-                self.dims.L, self.dims.S, device=self.q.device, dtype=self.compute_dtype
+            from attnkit.backends import owned  # (at call time: the package imports this one)
+
+            self._dense["dense"] = owned.dense(
+                spec, self.dims.L, self.dims.S, self.q.device, self.compute_dtype
             )
         return self._dense["dense"]

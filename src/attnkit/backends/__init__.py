@@ -28,7 +28,10 @@ This is the one description of the path of a call; the other modules point here.
    fires are all above the memory limit, ``auto`` takes the first in its order that serves the
    call within it, its rule fired or not (every backend in the order has been asked by then);
    if none does, :class:`~attnkit.AttentionMemoryError` says how much and the way out.
-   ``explain`` asks every registered backend, and prints the same decisions.
+   ``explain`` asks every registered backend, and prints the same decisions. A call like an
+   earlier one (sizes, strides, dtype, device, flags, the mask spec's key) takes the decision
+   that call took, kept in a bounded cache (:mod:`attnkit.backends.memo`): a decode step asks
+   no backend again, at any layer; its checks (step 1) and the memory limit still run.
 3. :meth:`Choice.run` runs the decision under the contract every backend runs under:
    ``backend.run(call, decision.plan)``, where
 

@@ -15,9 +15,10 @@ under a key made of everything a decision reads:
 - ``dropout_p``, ``return_weights``, ``softcap`` and the sinks' dtype and whether they need a
   gradient;
 - the mask spec's cache key (:meth:`~attnkit.masks.MaskSpec.key`: its rule and the values of
-  its tensors). A spec that attnkit built itself for one forward (:func:`own`: the one
-  :func:`attnkit.interop.hf_mask` hands every layer) is keyed by its identity and its tensors'
-  versions instead, so that the layers after the first read no tensor to find it.
+  its tensors). A spec that attnkit built itself for one forward (the one
+  :func:`attnkit.interop.hf_mask` hands every layer, :mod:`attnkit.backends.owned`) is keyed
+  by its identity and its tensors' versions instead, so that the layers after the first read
+  no tensor to find it; a dense backend's materialised form of such a spec is made once too.
 
 What is never cached: a call of :func:`attnkit.explain`, a call while ``torch.compile`` traces,
 a mask tensor (its decision reads its values), a spec without a key. A decision taken because a
@@ -33,7 +34,6 @@ the same question again.
 
 from __future__ import annotations
 
-import weakref
 from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
@@ -41,18 +41,17 @@ from typing import Any
 import torch
 
 from attnkit.backends.blocked import config as blocked_config
+from attnkit.backends.owned import owned
 from attnkit.call import AttentionCall
 from attnkit.masks import MaskSpec
 
-__all__ = ["SIZE", "call_key", "clear", "find", "keep", "own"]
+__all__ = ["SIZE", "call_key", "clear", "find", "keep"]
 
 #: decisions kept at most (each holds its spec and plan: a few small tensors)
 SIZE = 256
 
 #: key -> (the decision, the spec it was made for, kept alive so that ids in the key stay unique)
 _CACHE: OrderedDict[Hashable, tuple[Any, MaskSpec | None]] = OrderedDict()
-#: the specs attnkit built and handed out itself (:func:`own`)
-_OWNED: weakref.WeakSet[MaskSpec] = weakref.WeakSet()
 #: the ``blocked`` settings the cached decisions were made under
 _CONFIG: list[object] = [blocked_config.CONFIG]
 
@@ -62,15 +61,8 @@ def clear() -> None:
     _CACHE.clear()
 
 
-def own(spec: MaskSpec) -> MaskSpec:
-    """Mark ``spec`` as built by attnkit from tensors no one else holds (a copy made for it),
-    so that its decisions are found by its identity and its tensors' versions; returns it."""
-    _OWNED.add(spec)
-    return spec
-
-
 def _spec_key(spec: MaskSpec) -> Hashable | None:
-    if spec in _OWNED:
+    if owned(spec):
         return ("owned", id(spec), *(t._version for t in spec.tensors()))
     return spec.key()
 

@@ -25,9 +25,9 @@ call, and a new backend follows the rule with no code of its own
 
 Cost: the common all-finite call pays one sum of each of q, k and v, read as Python floats;
 only a call that holds a non-finite number pays the per-row work (which key positions are bad,
-and which query rows the mask lets see them, evaluated on those columns only). Eager calls on the CPU only: elsewhere the sum would
-wait for the device (or, inside ``torch.compile``, branch on data), and the call runs as the
-backend computes it.
+and which query rows the mask lets see them, evaluated on those columns only). Eager calls on
+the CPU only: elsewhere the sum would wait for the device (or, inside ``torch.compile``,
+branch on data), and the call runs as the backend computes it.
 
 A row set to NaN passes NaN back to the backend's backward wherever its gradient is not 0: a
 loss that reads it is NaN and so are the gradients (as in torch's eager math, so that a
