@@ -105,20 +105,24 @@ class AttentionCall:
         above the memory limit (:func:`~attnkit.masks.as_spec`), a bad ``ATTNKIT_CPU_PATH``
         (:func:`attnkit.cpu.path_for`).
         """
-        return cls(
-            q,
-            k,
-            v,
-            as_spec(mask, causal, L=dims.L, S=dims.S, where=where),
-            float(scale) if scale is not None else 1.0 / math.sqrt(dims.Dk),
-            float(dropout_p),
-            return_weights,
-            dims,
-            float(softcap) if softcap is not None else None,
-            sinks,
-            explaining,
-            path_for(q, where),
+        call = object.__new__(cls)  # the fields set at once: a frozen dataclass's __init__
+        call.__dict__.update(  # sets them one by one, a third of a decode call's build
+            q=q,
+            k=k,
+            v=v,
+            mask=as_spec(mask, causal, L=dims.L, S=dims.S, where=where),
+            scale=float(scale) if scale is not None else 1.0 / math.sqrt(dims.Dk),
+            dropout_p=float(dropout_p),
+            return_weights=return_weights,
+            dims=dims,
+            softcap=float(softcap) if softcap is not None else None,
+            sinks=sinks,
+            explaining=explaining,
+            cpu_path=path_for(q, where),
+            _dense={},
+            _decisions={},
         )
+        return call
 
     @property
     def causal(self) -> bool:
@@ -176,8 +180,9 @@ class AttentionCall:
         or float (added to the scores), built once per call; ``None`` for no mask.
 
         A user's tensor comes back unchanged; a spec is materialised with ``to_dense`` (a bias
-        in :attr:`compute_dtype`), which refuses (:class:`~attnkit.AttentionMemoryError`)
-        above attnkit's memory limit.
+        in :attr:`compute_dtype`; once for every layer of a forward where attnkit built the
+        spec, :func:`attnkit.backends.owned.dense`), which refuses
+        (:class:`~attnkit.AttentionMemoryError`) above attnkit's memory limit.
         """
         spec = self.mask
         if spec is None:
@@ -191,7 +196,9 @@ class AttentionCall:
             one = torch.zeros((), dtype=dtype, device=self.q.device)
             return one.expand(spec.batch or 1, heads, d.L, d.S)
         if "dense" not in self._dense:
-            self._dense["dense"] = spec.to_dense(
-                self.dims.L, self.dims.S, device=self.q.device, dtype=self.compute_dtype
+            from attnkit.backends import owned  # (at call time: the package imports this one)
+
+            self._dense["dense"] = owned.dense(
+                spec, self.dims.L, self.dims.S, self.q.device, self.compute_dtype
             )
         return self._dense["dense"]

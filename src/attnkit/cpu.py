@@ -194,7 +194,7 @@ _resolve_cached = functools.cache(_resolve)
 def path_for(q: torch.Tensor, where: str) -> str | None:
     """The path of a call on ``q``: ``None`` unless q is bfloat16/float16 on the CPU. Raises
     :class:`~attnkit.AttentionInputError` for a bad ``ATTNKIT_CPU_PATH``."""
-    if q.device.type != "cpu" or q.dtype not in LOW:
+    if q.dtype not in LOW or not q.is_cpu:
         return None
     value = os.environ.get(ENV, "")
     path, why = resolve(value, q.dtype, features())

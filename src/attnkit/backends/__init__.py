@@ -28,7 +28,10 @@ This is the one description of the path of a call; the other modules point here.
    fires are all above the memory limit, ``auto`` takes the first in its order that serves the
    call within it, its rule fired or not (every backend in the order has been asked by then);
    if none does, :class:`~attnkit.AttentionMemoryError` says how much and the way out.
-   ``explain`` asks every registered backend, and prints the same decisions.
+   ``explain`` asks every registered backend, and prints the same decisions. A call like an
+   earlier one (sizes, strides, dtype, device, flags, the mask spec's key) takes the decision
+   that call took, kept in a bounded cache (:mod:`attnkit.backends.memo`): a decode step asks
+   no backend again, at any layer; its checks (step 1) and the memory limit still run.
 3. :meth:`Choice.run` runs the decision under the contract every backend runs under:
    ``backend.run(call, decision.plan)``, where
 
@@ -93,7 +96,7 @@ from typing import NamedTuple
 
 import torch
 
-from attnkit.backends import nonfinite, second_order
+from attnkit.backends import memo, nonfinite, second_order
 from attnkit.backends.base import Backend, Decision
 from attnkit.backends.registry import (
     AUTO_ORDER,
@@ -205,11 +208,19 @@ def choose(
     those the choice needs."""
     decisions: dict[str, Decision] = {}
     limits: dict[str, int | None] = {}
+    key = None if every else memo.call_key(call, backend)
+    if key is not None:  # the decision of an earlier call just like this one (memo)
+        kept: Decision | None = memo.find(key)
+        if kept is not None and (kept.memory is None or _within(call, kept, limits)):
+            decisions[kept.backend] = kept
+            return Choice(call, get_backend(kept.backend), kept, backend, where, decisions, limits)
     fallback = False
     if backend == "auto":
         chosen, fallback = _auto(call, where, decisions, limits)
     else:
         chosen = _named(call, backend, where, decisions, limits)
+    if key is not None and not fallback and all(v is None for v in limits.values()):
+        memo.keep(key, chosen, call.mask)  # no backend was passed over for its memory
     if every:
         for name in available_backends():
             d = decisions.get(name) or _ask(call, name, decisions)

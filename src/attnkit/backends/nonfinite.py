@@ -23,11 +23,11 @@ through :func:`serve`, so a backend's ``run`` never sees a non-finite input on a
 call, and a new backend follows the rule with no code of its own
 (``tests/test_nonfinite_inputs.py`` holds every registered backend to it).
 
-Cost: the common all-finite call pays one float32 sum of each of q, k and v and one read of
-the total; only a call that holds a non-finite number pays the per-row work (which key
-positions are bad, and which query rows the mask lets see them, evaluated on those columns
-only). Eager calls on the CPU only: elsewhere the sum would wait for the device (or, inside
-``torch.compile``, branch on data), and the call runs as the backend computes it.
+Cost: the common all-finite call pays one sum of each of q, k and v, read as Python floats;
+only a call that holds a non-finite number pays the per-row work (which key positions are bad,
+and which query rows the mask lets see them, evaluated on those columns only). Eager calls on
+the CPU only: elsewhere the sum would wait for the device (or, inside ``torch.compile``,
+branch on data), and the call runs as the backend computes it.
 
 A row set to NaN passes NaN back to the backend's backward wherever its gradient is not 0: a
 loss that reads it is NaN and so are the gradients (as in torch's eager math, so that a
@@ -137,12 +137,26 @@ def _checked(call: AttentionCall) -> bool:
 
 
 def _all_finite(call: AttentionCall) -> bool:
-    """One float32 sum of each of q, k, v, read once: finite means every entry is (a sum of
-    finite numbers that overflows sends the call down the exact path, which finds nothing)."""
-    total = call.q.detach().sum(dtype=torch.float32) + call.k.detach().sum(dtype=torch.float32)
+    """One sum of each of q, k, v (float32 and float64 in their dtype, bfloat16/float16 in
+    float32), each read as a Python float: finite means every entry is (a sum of finite
+    numbers that overflows sends the call down the exact path, which finds nothing). The three
+    numbers are added in Python (float64: no overflow), not as tensors: on a decode step's
+    small tensors each tensor operation costs more than the sum itself."""
+    total = _sum(call.q) + _sum(call.k)
     if call.v is not call.k:
-        total = total + call.v.detach().sum(dtype=torch.float32)
-    return math.isfinite(float(total))
+        total += _sum(call.v)
+    return math.isfinite(total)
+
+
+def _sum(t: torch.Tensor) -> float:
+    if t.requires_grad:  # (detach only where needed: it is one more operation)
+        t = t.detach()
+    if t.dtype in _WIDEN:
+        return t.sum(dtype=torch.float32).item()
+    return t.sum().item()
+
+
+_WIDEN = (torch.bfloat16, torch.float16)
 
 
 def _zeroed(x: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:

@@ -53,8 +53,11 @@ def ordered(device_type: str) -> tuple[Backend, ...]:
 
 
 def _reorder() -> None:
+    from attnkit.backends import memo  # the decisions kept were made by the old registry
+
     _ORDERS.clear()
     AUTO_ORDER[:] = auto_order("cpu")
+    memo.clear()
 
 
 def register_backend(backend: Backend) -> Backend:

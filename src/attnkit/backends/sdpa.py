@@ -154,12 +154,13 @@ class SdpaBackend(Backend):
         plan = _plan(call) if plan is None else plan
         mask = plan.mask(call)
         q, k, v = call.q, call.k, call.v
-        if call.upcast and not call.needs_grad:  # fp32-upcast: float32 copies in (in the
-            q, k, v = to_float32(q, k, v)  # reused buffer: torch is done with them on return)
-        elif call.upcast:  # autograd keeps the copies, so they are its own
-            q, k, v = q.float(), k.float(), v.float()
-        if call.upcast and mask is not None and mask.is_floating_point():
-            mask = mask.float()  # torch wants a float mask in q's dtype
+        if call.upcast:
+            if not call.needs_grad:  # fp32-upcast: float32 copies in (in the reused
+                q, k, v = to_float32(q, k, v)  # buffer: torch is done with them on return)
+            else:  # autograd keeps the copies, so they are its own
+                q, k, v = q.float(), k.float(), v.float()
+            if mask is not None and mask.is_floating_point():
+                mask = mask.float()  # torch wants a float mask in q's dtype
         out = F.scaled_dot_product_attention(
             q,
             k,
@@ -170,7 +171,8 @@ class SdpaBackend(Backend):
             scale=call.scale,
             enable_gqa=call.grouped,
         )
-        return out.to(call.q.dtype), None
+        dtype = call.q.dtype
+        return (out if out.dtype == dtype else out.to(dtype)), None
 
 
 def cuda_fused_kernel(

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnkit.backends import owned
 from attnkit.errors import AttentionInputError
 from attnkit.masks import MaskSpec, causal, key_mask, sliding_window, unmasked
 
@@ -190,14 +191,18 @@ def _spec(
     parts = [causal()] if rule.causal else []
     parts += [sliding_window(w) for w in rule.after]  # with causal(): itself and w - 1 before
     parts += [sliding_window(w + 1) for w in rule.near]  # |i + S - L - j| < w + 1
-    if keep is not None and not bool(keep.all()):
-        parts.append(key_mask(keep))
+    held = False
+    if keep is not None and not bool(keep.all()):  # a copy of its own: no one else writes it
+        parts.append(key_mask(keep.clone()))
+        held = True
     if not parts:
         return UNMASKED
     spec = parts[0]
     for part in parts[1:]:
         spec = spec & part
-    return spec
+    # every layer of this forward gets this one spec: the dispatcher finds its decision by its
+    # identity from the second layer on, without reading the padding again (backends.owned)
+    return owned.own(spec) if held else spec
 
 
 def _building_masks_for_generate() -> bool:

@@ -42,9 +42,13 @@ _PLANS: OrderedDict[Hashable, Plan] = OrderedDict()
 
 
 def clear_plans() -> None:
-    """Forget every cached tile plan (and the row-span kernel's cached runs)."""
+    """Forget every cached tile plan (and the row-span kernel's cached runs, and the decisions
+    the dispatcher kept, which hold plans: :mod:`attnkit.backends.memo`)."""
+    from attnkit.backends import memo
+
     _PLANS.clear()
     rowspan.clear_runs()
+    memo.clear()
 
 
 @dataclass(frozen=True)
