@@ -226,8 +226,8 @@ def _rule(call: AttentionCall, causal_plan: BlockPlan | None) -> tuple[bool, str
         if plan.decode.serves:
             return True, (
                 f"a decode-shaped CPU call (L = {L} <= {decode.MAX_L} queries, S = {S} >= "
-                f"{decode.MIN_S} keys): attnkit's decode kernel reads each key/value head once "
-                "for its query heads and only the keys each row may see (no dense mask), "
+                f"{decode.min_keys(L)} keys): attnkit's decode kernel reads each key/value head "
+                "once for its query heads and only the keys each row may see (no dense mask), "
                 "measured faster than SDPA (benchmarks/decode_kernel.py)"
             )
         if spec is not None and not spec.from_tensor and not call.causal and plan.spans.serves:

@@ -4,7 +4,7 @@ key/value cache, at the speed of reading the cache once.
 Dimension legend: B batch, H query heads, Hkv key/value heads, g = H // Hkv query heads per
 key/value head, L query length, S key length, Dk query/key head dim, Dv value head dim.
 
-A decode step (L <= :data:`MAX_L` queries against S >= :data:`MIN_S` cached keys) is bound by
+A decode step (L <= :data:`MAX_L` queries against S >= :func:`min_keys` cached keys) is bound by
 memory: every key and value it may see has to be read, and little else has to be done. The
 kernel reads each key/value head's K and V once for its ``g`` query heads and all L rows (no
 repeat, no copy; K and V may be strided views of a cache buffer, ``(B, Hkv, N, D)[:, :, :S]``,
@@ -48,6 +48,8 @@ __all__ = [
     "available",
     "build",
     "kernel",
+    "main",
+    "min_keys",
     "plan",
     "run",
     "shaped",
@@ -58,8 +60,9 @@ __all__ = [
 NAME = "attnkit_decode_v1"
 #: the most query rows per call the kernel serves (a decode step, or a few speculative tokens)
 MAX_L = 16
-#: the fewest keys: below this many cached keys SDPA's single call costs less than the kernel's
-#: planning and thread start (measured: benchmarks/decode_kernel.py)
+#: the fewest keys for up to 7 queries (:func:`min_keys`): below this many cached keys SDPA's
+#: single call costs less than the kernel's planning and thread start (measured:
+#: benchmarks/decode_kernel.py, ``min_s`` rows)
 MIN_S = 128
 
 _lock = threading.Lock()
@@ -146,11 +149,18 @@ class DecodePlan:
         return self.serves
 
 
+def min_keys(L: int) -> int:
+    """The fewest keys for which ``L`` queries are decode-shaped: :data:`MIN_S`, times
+    ``L // 4`` from 8 queries on (the kernel's work grows with L x S while SDPA's GEMMs get
+    more efficient: at L = 16 it was measured faster from about 512 keys)."""
+    return MIN_S * max(1, L // 4)
+
+
 def shaped(call: AttentionCall) -> bool:
-    """A decode-shaped eager CPU call: ``L <= MAX_L`` queries, ``S >= MIN_S`` keys (not while
-    torch.compile traces: the blocked backend runs as one custom op there)."""
+    """A decode-shaped eager CPU call: ``1 <= L <= MAX_L`` queries, ``S >= min_keys(L)`` keys
+    (not while torch.compile traces: the blocked backend runs as one custom op there)."""
     d = call.dims
-    if call.device_type != "cpu" or d.L > MAX_L or d.S < MIN_S or d.L < 1:
+    if call.device_type != "cpu" or not 1 <= d.L <= MAX_L or min_keys(d.L) > d.S:
         return False
     return not torch.compiler.is_compiling()
 
@@ -246,3 +256,9 @@ def run(call: AttentionCall, p: DecodePlan) -> tuple[torch.Tensor, torch.Tensor,
     assert p.hi is not None
     out, lse, finite = kernel().decode_forward(call.q, call.k, call.v, p.lo, p.hi, call.scale)
     return out, lse, bool(finite)
+
+
+def main() -> None:
+    """Build ahead and say so (``make setup`` runs this)."""
+    t0 = time.perf_counter()
+    print(f"attnkit decode kernel: {status()} ({time.perf_counter() - t0:.1f} s)")

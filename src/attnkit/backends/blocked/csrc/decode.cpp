@@ -149,6 +149,9 @@ static inline void qk_tile(const float* q, int64_t Dk, const elem_t<E>* const* k
   }
 }
 
+// how many keys ahead the score loop prefetches K rows (two blocks of 32)
+constexpr int64_t kAhead = 64;
+
 // four scores from four accumulators: [sum a0, sum a1, sum a2, sum a3]
 static inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -213,7 +216,7 @@ static inline void qk_rows(const float* q, int64_t Dk, const elem_t<E>* k0, int6
                            int64_t n, float* s, int64_t ss, int64_t ahead) {
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
-    const elem_t<E>* pf = j + 4 <= ahead ? k0 + (j + 32) * sk : nullptr;
+    const elem_t<E>* pf = j + 4 <= ahead ? k0 + (j + kAhead) * sk : nullptr;
     qk_4keys<E, RB>(q, Dk, k0 + j * sk, sk, s + j, ss, pf);
   }
   for (; j < n; ++j) {
@@ -229,7 +232,7 @@ static void qk_all(const float* q, int64_t R, int64_t Dk, const elem_t<E>* k0, i
   // key blocks of 32 outermost: their K rows stay in L1 while every row pair reads them
   for (int64_t j0 = 0; j0 < n; j0 += 32) {
     const int64_t nb = std::min<int64_t>(32, n - j0);
-    int64_t ahead = std::max<int64_t>(0, n - j0 - 32);  // keys of the next block
+    int64_t ahead = std::max<int64_t>(0, n - j0 - kAhead);  // keys kAhead on
     int64_t r = 0;
     for (; r + 2 <= R; r += 2) {  // the first row pair prefetches the next block's K rows
       qk_rows<E, 2>(q + r * Dk, Dk, k0 + j0 * sk, sk, nb, s + r * ss + j0, ss, ahead);
@@ -324,8 +327,8 @@ static void pv_all(const float* s, int64_t ss, int64_t R, const int64_t* ra, con
     for (int64_t j = 0; j < nb; ++j) {
       const elem_t<E>* src = v0 + (j0 + j) * sv;
       float* dst = vbuf + j * Dv;
-      if (j0 + KB + j < n) {  // the same row of the next block
-        const char* nx = reinterpret_cast<const char*>(src + KB * sv);
+      if (j0 + 2 * KB + j < n) {  // the same row of the next block
+        const char* nx = reinterpret_cast<const char*>(src + 2 * KB * sv);
         for (int64_t b = 0; b < Dv * static_cast<int64_t>(sizeof(elem_t<E>)); b += 64)
           _mm_prefetch(nx + b, _MM_HINT_T0);
       }
