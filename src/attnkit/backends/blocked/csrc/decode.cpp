@@ -14,7 +14,8 @@
 //     sequence of a ragged batch reads its own keys).
 //   * Split-K: the keys of each (b, kv head) are cut into chunks of C keys; threads pull
 //     (b, kv head, chunk) items from a shared counter; each item leaves a partial (max, sum,
-//     acc) per row, merged per row by the log-sum-exp rule at the end.
+//     acc) per row; the thread that finishes the last item of a (b, kv head) merges its rows by
+//     the log-sum-exp rule (no second parallel pass).
 //   * In an item: scores S = q K^T (q pre-scaled by scale * log2(e), so the softmax uses exp2)
 //     for every row over the chunk's keys (4 rows x 2 keys per micro-kernel, K row loaded once
 //     per row block from L1), the softmax over each row's own keys (vectorised degree-5 exp2
@@ -435,6 +436,56 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
   std::vector<float> pm(static_cast<size_t>(nitems * R)), pl(static_cast<size_t>(nitems * R));
   std::vector<float> pacc(static_cast<size_t>(nitems * R * Dv));
 
+  // merge group i's partials by the log-sum-exp rule (out in q's dtype, lse natural log); run
+  // by the thread that finishes the group's last item, or here for a group with no keys
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  float* lp = lse.data_ptr<float>();
+  auto merge = [&](int64_t i, std::vector<float>& o, bool& mybad) {
+    const int64_t b = i / Hkv, hk = i % Hkv;
+    const int64_t f0 = first[i], f1 = first[i + 1];
+    for (int64_t r = 0; r < R; ++r) {
+      float M = -std::numeric_limits<float>::infinity();
+      for (int64_t t = f0; t < f1; ++t)
+        if (pl[t * R + r] > 0.0f) M = std::max(M, pm[t * R + r]);
+      const int64_t row = (b * H + hk * g) * L + r;  // (b, h, l) row: gi-major like r
+      T* dst = op + row * Dv;
+      if (!(M > -std::numeric_limits<float>::infinity())) {  // no key (or NaN max)
+        const bool nan = std::isnan(M);
+        mybad |= nan;
+        for (int64_t d = 0; d < Dv; ++d) store1<E>(dst + d, 0.0f);
+        lp[row] = nan ? M : -std::numeric_limits<float>::infinity();
+        continue;
+      }
+      std::fill(o.begin(), o.end(), 0.0f);
+      float lsum = 0.0f;
+      for (int64_t t = f0; t < f1; ++t) {
+        if (!(pl[t * R + r] > 0.0f)) continue;
+        const float w = std::exp2(pm[t * R + r] - M);
+        lsum += w * pl[t * R + r];
+        const float* a = pacc.data() + (t * R + r) * Dv;
+        for (int64_t d = 0; d < Dv; ++d) o[d] += w * a[d];
+      }
+      const float inv = 1.0f / lsum;
+      float chk = 0.0f;
+      for (int64_t d = 0; d < Dv; ++d) {
+        const float x = o[d] * inv;
+        chk += x - x;
+        store1<E>(dst + d, x);
+      }
+      mybad |= !std::isfinite(chk) || !std::isfinite(lsum);
+      lp[row] = static_cast<float>((M + std::log2(lsum)) * 0.6931471805599453);
+    }
+  };
+  std::vector<std::atomic<int64_t>> left(static_cast<size_t>(B * Hkv));
+  {
+    std::vector<float> o(static_cast<size_t>(Dv));
+    bool mybad = false;
+    for (int64_t i = 0; i < B * Hkv; ++i) {
+      left[i].store(first[i + 1] - first[i]);
+      if (first[i + 1] == first[i]) merge(i, o, mybad);
+    }
+    if (mybad) bad = true;
+  }
   std::atomic<int64_t> next{0};
   const int64_t ss = C + 8;
   at::parallel_for(0, nth, 1, [&](int64_t, int64_t) {
@@ -443,7 +494,8 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
     std::vector<float> vbuf(static_cast<size_t>(KB * Dv + 8));
     std::vector<int64_t> ra(R), re(R);
     std::vector<const float*> pp(R);
-    std::vector<float*> op(R);
+    std::vector<float*> ob(R);
+    std::vector<float> o(static_cast<size_t>(Dv));
     bool mybad = false;
     for (;;) {
       const int64_t t = next.fetch_add(1);
@@ -468,52 +520,9 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
         pl[t * R + r] = s;
       }
       pv_all<E>(sb.data(), ss, R, ra.data(), re.data(), v0, vs, n, Dv, acc, vbuf.data(), KB,
-                pp.data(), op.data());
-    }
-    if (mybad) bad = true;
-  });
-
-  // merge each row's partials by the log-sum-exp rule; out in q's dtype, lse natural log
-  T* op = reinterpret_cast<T*>(out.data_ptr());
-  float* lp = lse.data_ptr<float>();
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> o(static_cast<size_t>(Dv));
-    bool mybad = false;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / Hkv, hk = i % Hkv;
-      const int64_t f0 = first[i], f1 = first[i + 1];
-      for (int64_t r = 0; r < R; ++r) {
-        float M = -std::numeric_limits<float>::infinity();
-        for (int64_t t = f0; t < f1; ++t)
-          if (pl[t * R + r] > 0.0f) M = std::max(M, pm[t * R + r]);
-        const int64_t row = (b * H + hk * g) * L + r;  // (b, h, l) row: gi-major like r
-        T* dst = op + row * Dv;
-        if (!(M > -std::numeric_limits<float>::infinity())) {  // no key (or NaN max)
-          const bool nan = std::isnan(M);
-          mybad |= nan;
-          for (int64_t d = 0; d < Dv; ++d) store1<E>(dst + d, 0.0f);
-          lp[row] = nan ? M : -std::numeric_limits<float>::infinity();
-          continue;
-        }
-        std::fill(o.begin(), o.end(), 0.0f);
-        float lsum = 0.0f;
-        for (int64_t t = f0; t < f1; ++t) {
-          if (!(pl[t * R + r] > 0.0f)) continue;
-          const float w = std::exp2(pm[t * R + r] - M);
-          lsum += w * pl[t * R + r];
-          const float* a = pacc.data() + (t * R + r) * Dv;
-          for (int64_t d = 0; d < Dv; ++d) o[d] += w * a[d];
-        }
-        const float inv = 1.0f / lsum;
-        float chk = 0.0f;
-        for (int64_t d = 0; d < Dv; ++d) {
-          const float x = o[d] * inv;
-          chk += x - x;
-          store1<E>(dst + d, x);
-        }
-        mybad |= !std::isfinite(chk) || !std::isfinite(lsum);
-        lp[row] = static_cast<float>((M + std::log2(lsum)) * 0.6931471805599453);
-      }
+                pp.data(), ob.data());
+      const int64_t gi = it.b * Hkv + it.hk;  // the group's last item merges it
+      if (left[gi].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(gi, o, mybad);
     }
     if (mybad) bad = true;
   });
