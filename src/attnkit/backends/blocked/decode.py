@@ -60,10 +60,10 @@ __all__ = [
 NAME = "attnkit_decode_v1"
 #: the most query rows per call the kernel serves (a decode step, or a few speculative tokens)
 MAX_L = 16
-#: the fewest keys for up to 7 queries (:func:`min_keys`): below this many cached keys SDPA's
+#: the fewest keys for up to 3 queries (:func:`min_keys`): below this many cached keys SDPA's
 #: single call costs less than the kernel's planning and thread start (measured:
 #: benchmarks/decode_kernel.py, ``min_s`` rows)
-MIN_S = 128
+MIN_S = 256
 
 _lock = threading.Lock()
 _module: Any = None
@@ -150,10 +150,11 @@ class DecodePlan:
 
 
 def min_keys(L: int) -> int:
-    """The fewest keys for which ``L`` queries are decode-shaped: :data:`MIN_S`, times
-    ``L // 4`` from 8 queries on (the kernel's work grows with L x S while SDPA's GEMMs get
-    more efficient: at L = 16 it was measured faster from about 512 keys)."""
-    return MIN_S * max(1, L // 4)
+    """The fewest keys for which ``L`` queries are decode-shaped: :data:`MIN_S` up to 3
+    queries, doubled at 4, 8 and 16 (the kernel's work grows with L x S while SDPA's GEMMs
+    get more efficient: measured against SDPA with the end-aligned causal mask, the kernel
+    was faster from about 256 keys at L = 1-2, 1024 at L = 4-8, and even at 1024 at L = 16)."""
+    return MIN_S << max(0, L.bit_length() - 2)
 
 
 def shaped(call: AttentionCall) -> bool:
