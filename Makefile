@@ -24,6 +24,7 @@ $(STAMP): pyproject.toml
 	# attnkit's row-span kernel (C++: AVX2, and AVX512-BF16 where the CPU has it): compiled once
 	# here (~25 s a build) instead of on first use
 	$(PY) -c 'from attnkit.backends.blocked.rowspan import main; main()'
+	$(PY) -c 'from attnkit.backends.blocked.decode import main; main()'
 	touch $(STAMP)
 
 # The browser test drives Debian's Chromium (headless); install it when missing.

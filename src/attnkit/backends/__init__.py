@@ -37,7 +37,8 @@ This is the one description of the path of a call; the other modules point here.
 
    * NaN or inf in q, k or v (:mod:`attnkit.backends.nonfinite`, eager calls on the CPU): the
      backend runs on copies with them zeroed, and the rows that could see them are set to NaN;
-     a finite call pays one sum per tensor;
+     a finite call pays one sum per tensor, except where the plan checks what it reads itself
+     (``plan.checks_finite``: the blocked backend's decode kernel);
    * second derivatives: the output of a backend whose graph does not differentiate twice
      (``twice_differentiable``: all but ``math``) goes through
      :mod:`attnkit.backends.second_order`, so that a second derivative (``create_graph=True``)
@@ -190,7 +191,10 @@ class Choice(NamedTuple):
         def run(c: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
             return backend.run(c, plan)
 
-        out, weights = nonfinite.serve(run, call)  # NaN or inf in q, k, v: NaN where it reaches
+        checks = bool(getattr(plan, "checks_finite", False))  # the plan checks itself
+        out, weights = nonfinite.serve(
+            run, call, checks
+        )  # NaN/inf in q, k, v: NaN where it reaches
         if weights is None and not backend.twice_differentiable:  # second derivatives: the
             out = second_order.wrap(call, backend.name, out, self.where)  # math backend's
         return out, weights

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import replace
 from typing import Any
 
@@ -46,7 +47,7 @@ import torch
 
 from attnkit.call import AttentionCall
 
-__all__ = ["sees_keys", "serve"]
+__all__ = ["NonFinite", "reporting", "sees_keys", "serve"]
 
 #: (query row, bad key) pairs evaluated at once when finding the rows that see a bad key
 _CHUNK_PAIRS = 1 << 20
@@ -54,12 +55,41 @@ _CHUNK_PAIRS = 1 << 20
 
 Run = Callable[[AttentionCall], tuple[torch.Tensor, torch.Tensor | None]]
 
+#: set while :func:`serve` runs a backend that checks its own inputs (``checks=True``)
+_REPORTING: ContextVar[bool] = ContextVar("attnkit_nonfinite_reporting", default=False)
 
-def serve(run: Run, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+
+class NonFinite(Exception):  # noqa: N818 (a signal, not an error: serve catches it)
+    """Raised by a backend that checks its own inputs (the decode kernel) when something it
+    read was not finite, while :func:`reporting`: :func:`serve` then applies the rule."""
+
+
+def reporting() -> bool:
+    """Whether a backend that saw NaN or inf should raise :class:`NonFinite` (it runs under
+    :func:`serve` with ``checks=True``), rather than return what it computed."""
+    return _REPORTING.get()
+
+
+def serve(
+    run: Run, call: AttentionCall, checks: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``run(call)`` (a backend's run on its decision's plan) under the rule above:
     ``(out, weights or None)``. The dispatcher runs every backend through it
-    (:meth:`attnkit.backends.Choice.run`)."""
-    if not _checked(call) or _all_finite(call):
+    (:meth:`attnkit.backends.Choice.run`). ``checks``: the plan reports non-finite inputs
+    itself (the decode kernel reads every q, k, v it uses once and says whether one was not
+    finite, raising :class:`NonFinite` while :func:`reporting`), so a finite call pays no sum
+    over q, k, v; otherwise one float32 sum per tensor decides."""
+    if not _checked(call):
+        return run(call)
+    if checks:
+        token = _REPORTING.set(True)
+        try:
+            return run(call)
+        except NonFinite:
+            pass
+        finally:
+            _REPORTING.reset(token)
+    elif _all_finite(call):
         return run(call)
     q, k, v = call.q, call.k, call.v
     fq, fk = torch.isfinite(q.detach()), torch.isfinite(k.detach())

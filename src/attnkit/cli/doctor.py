@@ -101,7 +101,16 @@ def _span_kernel() -> list[tuple[str, str]]:
     dot = rowspan.dot_status()
     if rowspan.dot_build_seconds is not None:
         dot += f" (loaded in {rowspan.dot_build_seconds:.1f} s)"
-    return [("span kernel", line), ("bf16 kernel", f"{dot}; for bfloat16 on the native path")]
+    from attnkit.backends.blocked import decode
+
+    dec = decode.status()
+    if decode.build_seconds is not None:
+        dec += f" (loaded in {decode.build_seconds:.1f} s)"
+    return [
+        ("span kernel", line),
+        ("bf16 kernel", f"{dot}; for bfloat16 on the native path"),
+        ("decode kernel", f"{dec}; for decode steps (L <= {decode.MAX_L}, no autograd)"),
+    ]
 
 
 @command()

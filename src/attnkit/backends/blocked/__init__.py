@@ -22,6 +22,10 @@ The package, in the order a call goes through it:
   run of keys per query row (causal, windows, documents, prefix-LM, contiguous padding; runs
   from :func:`attnkit.masks.row_spans`), grouped-query heads sharing packed K panels, forward
   and backward in one pass each.
+* ``decode`` and ``csrc/decode.cpp``: the forward of decode-shaped calls (a few queries
+  against a long key/value cache, no autograd): each key/value head read once for its query
+  heads, split-K across threads, only the keys of each row's run (the same runs), at the
+  speed of memory; it reports NaN/inf itself, so the non-finite rule costs no extra pass.
 
 bfloat16/float16 on the CPU follow the path of :mod:`attnkit.cpu`: on ``fp32-upcast`` (AVX2 or
 AVX-512 without bf16/fp16 instructions) a call the row-span kernel serves hands it the
@@ -39,13 +43,15 @@ with nothing to attend to gets output 0, log-sum-exp ``-inf`` and gradient 0.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch.autograd.function import once_differentiable
 
+from attnkit.backends import nonfinite
 from attnkit.backends.base import Backend, Decision, mask_planning
-from attnkit.backends.blocked import compiled, rowspan
+from attnkit.backends.blocked import compiled, decode, rowspan
 from attnkit.backends.blocked.blocks import (
     WHOLE,
     BlockAt,
@@ -95,11 +101,24 @@ def _stand_in(t: torch.Tensor) -> torch.Tensor:
 
 
 def _plan(call: AttentionCall) -> BlockPlan:
-    """The call's plan. On ``fp32-upcast``: the row-span kernel on the input-dtype tensors where
-    it serves them, else the plan for the float32 copies that the call then converts to (the
-    same plan where the mask has no runs of keys: tiles are planned from shapes only). On
-    ``native``: the kernel's AVX512-BF16 build on bfloat16 where it serves, else torch's
-    kernels on the tensors as they are (the plan says why not)."""
+    """The call's plan. A decode-shaped call (:func:`attnkit.backends.blocked.decode.shaped`)
+    asks the decode kernel first: where it serves, it runs the call (on q, k, v as they are),
+    else its reason stays in the plan for explain. On ``fp32-upcast``: the row-span kernel on
+    the input-dtype tensors where it serves them, else the plan for the float32 copies that
+    the call then converts to (the same plan where the mask has no runs of keys: tiles are
+    planned from shapes only). On ``native``: the kernel's AVX512-BF16 build on bfloat16 where
+    it serves, else torch's kernels on the tensors as they are (the plan says why not)."""
+    d = decode.plan(call)
+    if d is not None and d.serves:
+        L, S = call.dims.L, call.dims.S
+        spans = rowspan.NOT_SPANS.refuse("the decode kernel runs the call")
+        return BlockPlan(call.mask, 0, 0, S - L, spans, call.softcap, d)
+    p = _block_plan(call)
+    return p if d is None else dataclasses.replace(p, decode=d)
+
+
+def _block_plan(call: AttentionCall) -> BlockPlan:
+    """The row-span kernel's or the tiles' plan (see :func:`_plan`)."""
     q, k, v = call.q, call.k, call.v
     if call.upcast or call.cpu_path == "native":
         native = not call.upcast
@@ -112,7 +131,9 @@ def _plan(call: AttentionCall) -> BlockPlan:
 
 def _converts(call: AttentionCall, plan: BlockPlan) -> bool:
     """Whether the call runs on float32 copies: on ``fp32-upcast``, unless the row-span kernel
-    reads the input dtype directly."""
+    reads the input dtype directly (and never where the decode kernel runs the call)."""
+    if plan.checks_finite:
+        return False
     return call.upcast and not (plan.spans.serves and plan.spans.dtype == call.q.dtype)
 
 
@@ -233,6 +254,20 @@ def _rule(call: AttentionCall, kernel_plan: BlockPlan | None) -> tuple[bool, str
     L, S = call.dims.L, call.dims.S
     compiling = torch.compiler.is_compiling()
     plan = kernel_plan
+    if plan is not None and plan.decode is not None:
+        if plan.decode.serves:
+            return True, (
+                f"a decode-shaped CPU call (L = {L} <= {decode.MAX_L} queries, S = {S} >= "
+                f"{decode.min_keys(L)} keys): attnkit's decode kernel reads each key/value head "
+                "once for its query heads and only the keys each row may see (no dense mask), "
+                "measured faster than SDPA (benchmarks/decode_kernel.py)"
+            )
+        if spec is not None and not spec.from_tensor and not call.causal and plan.spans.serves:
+            return True, (
+                f"a mask spec on a decode-shaped CPU call (L = {L}, S = {S}; the decode kernel "
+                f"does not run it: {plan.decode.reason}): the row-span kernel reads only each "
+                "row's own keys, where SDPA would need a dense L x S mask"
+            )
     if plan is not None and plan.spans.serves:
         return True, _kernel_rule(call, plan)
     if not extras and (spec is None or spec.from_tensor or call.causal):
@@ -286,7 +321,8 @@ class BlockedBackend(Backend):
         reason = _refusal(call, compiling)
         if reason is not None:
             return Decision(self.name, reason)
-        plan = _plan(call) if _kernel_sized(call, compiling) else None
+        early = _kernel_sized(call, compiling) or decode.shaped(call)  # the rule reads its plan
+        plan = _plan(call) if early else None
         rule = _rule(call, plan)
         spec = call.mask
         dense = spec is not None and spec.from_tensor  # planning reads the whole mask
@@ -310,6 +346,11 @@ class BlockedBackend(Backend):
             return compiled.run(call), None
         q, k, v, sinks = call.q, call.k, call.v, call.sinks
         plan = _plan(call) if plan is None else plan  # a decision that needed no plan
+        if plan.decode is not None and plan.decode.serves:  # forward only (no autograd here)
+            dec, dec_lse, finite = decode.run(call, plan.decode)
+            if not finite and nonfinite.reporting():  # NaN/inf read: the rule's exact path
+                raise nonfinite.NonFinite
+            return with_sinks(dec, dec_lse, sinks)[0].to(q.dtype), None
         upcast = _converts(call, plan)
         grads = call.needs_grad or (sinks is not None and sinks.requires_grad)
         if grads and torch.is_grad_enabled():
@@ -323,6 +364,13 @@ class BlockedBackend(Backend):
         """The plan in one line, and what changes under ``torch.compile``, for
         :func:`attnkit.explain`."""
         reason = compiled.unsupported(call)
+        if plan is not None and plan.checks_finite:
+            return self._plan_note(call, plan) + (
+                "; under torch.compile it runs as one custom op "
+                f"({compiled.OP}) on the row-span kernel or tiles, not the decode kernel"
+                if reason is None
+                else f"; {reason}, so it cannot serve a compiled call"
+            )
         under_compile = (
             f"; under torch.compile the same, as one custom op ({compiled.OP})"
             if reason is None
@@ -335,12 +383,16 @@ class BlockedBackend(Backend):
         if call.cpu_path is not None:
             how = "float32 copies of q, k, v" if call.upcast else f"q, k, v in {call.q.dtype}"
             prefix = f"{call.cpu_path} path: the kernels run on {how}; "
-            if plan is not None and call.upcast and not _converts(call, plan):
+            if plan is not None and plan.checks_finite:
+                prefix = f"{call.cpu_path} path: "
+            elif plan is not None and call.upcast and not _converts(call, plan):
                 name = str(call.q.dtype).removeprefix("torch.")
                 prefix = (
                     f"{call.cpu_path} path: attnkit's row-span kernel reads {name} q, k, v "
                     "directly (float32 inside, no float32 copies); "
                 )
+        if plan is not None and plan.decode is not None and not plan.decode.serves:
+            prefix += f"the decode kernel does not run it ({plan.decode.reason}); "
         if plan is None or (call.mask is not None and call.mask.from_tensor):
             return prefix + (
                 "a dense mask: its empty blocks are found when it runs (one pass over the mask)"
@@ -352,6 +404,8 @@ class BlockedBackend(Backend):
         if _converts(call, plan):
             q, k, v = _stand_in(q), _stand_in(k), _stand_in(v)
         sp = plan.spans
+        if plan.decode is not None and plan.decode.serves:
+            return decode.describe(call, plan.decode)
         if sp.serves:
             cap = "" if call.softcap is None else f", soft-capped at {call.softcap:g}"
             which = rowspan.dot_status() if sp.isa == rowspan.DOT else rowspan.status()

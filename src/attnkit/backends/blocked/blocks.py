@@ -24,6 +24,7 @@ import torch
 import attnkit.backends.blocked.rowspan as rowspan
 import attnkit.backends.blocked.tiles as tiles
 from attnkit.backends.blocked.config import current
+from attnkit.backends.blocked.decode import DecodePlan
 from attnkit.backends.blocked.plan import Plan, make_plan
 from attnkit.backends.blocked.rowspan import SpanPlan
 from attnkit.masks import MaskSpec
@@ -53,7 +54,10 @@ def clear_plans() -> None:
 
 @dataclass(frozen=True)
 class BlockPlan:
-    """How one block runs: the row-span kernel (``spans.serves``) or tiles (:meth:`tiles`)."""
+    """How one block runs: the row-span kernel (``spans.serves``) or tiles (:meth:`tiles`);
+    for a decode-shaped call of the blocked backend, ``decode`` holds the decode kernel's
+    decision (:mod:`~attnkit.backends.blocked.decode`), which runs the forward where it
+    serves."""
 
     mask: MaskSpec | None
     q_start: int
@@ -61,6 +65,13 @@ class BlockPlan:
     off: int  #: ``S_total - L_total``: the end-aligned offset of the whole sequence
     spans: SpanPlan
     softcap: float | None = None  #: logit soft-cap ``c``: scores become ``c tanh(s / c)``
+    decode: DecodePlan | None = None  #: the decode kernel's plan (decode-shaped calls only)
+
+    @property
+    def checks_finite(self) -> bool:
+        """The decode kernel runs the call and reports NaN/inf itself
+        (:func:`attnkit.backends.nonfinite.serve` reads it)."""
+        return self.decode is not None and self.decode.serves
 
     def tiles(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backward: bool = False

@@ -1,0 +1,265 @@
+"""attnkit's grouped-query decode kernel (``csrc/decode.cpp``): a few queries against a long
+key/value cache, at the speed of reading the cache once.
+
+Dimension legend: B batch, H query heads, Hkv key/value heads, g = H // Hkv query heads per
+key/value head, L query length, S key length, Dk query/key head dim, Dv value head dim.
+
+A decode step (L <= :data:`MAX_L` queries against S >= :func:`min_keys` cached keys) is bound by
+memory: every key and value it may see has to be read, and little else has to be done. The
+kernel reads each key/value head's K and V once for its ``g`` query heads and all L rows (no
+repeat, no copy; K and V may be strided views of a cache buffer, ``(B, Hkv, N, D)[:, :, :S]``,
+with a contiguous last dimension), splits the keys into chunks across
+``torch.get_num_threads()`` threads (partial max, sum and output per chunk, merged by the
+log-sum-exp rule), and reads only the keys a row may see: the runs of keys of
+:func:`attnkit.masks.row_spans` (no mask, end-aligned causal, sliding windows, per-sequence
+cache lengths of a ragged batch, contiguous left/right key padding), the same runs the
+row-span kernel reads (:mod:`~attnkit.backends.blocked.rowspan`, whose run cache this shares).
+float32, and bfloat16/float16 read directly (converted as they are loaded, float32 inside, the
+output in the input dtype). Forward only: a call that autograd will differentiate goes to the
+row-span kernel or the tiles, which have a backward.
+
+NaN and inf: the kernel reports whether a query, a score of a key some row may see, or an
+output was not finite; only then does the dispatcher run its exact non-finite rule
+(:mod:`attnkit.backends.nonfinite`), so a finite decode call reads q, k and v once, not twice.
+
+The blocked backend's ``decide`` makes the :class:`DecodePlan` (:func:`plan`) and its rule
+takes the kernel wherever the plan serves; :func:`attnkit.explain` says when it runs and why
+not. The same switch as the row-span kernel (``ATTNKIT_SPAN_KERNEL=0``) turns it off, and a
+machine without AVX2 or a compiler runs without it (:func:`status` says why).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import torch
+
+from attnkit.backends.blocked import jit, rowspan
+from attnkit.call import AttentionCall
+
+__all__ = [
+    "MAX_L",
+    "MIN_S",
+    "DecodePlan",
+    "available",
+    "build",
+    "kernel",
+    "main",
+    "min_keys",
+    "plan",
+    "run",
+    "shaped",
+    "status",
+]
+
+#: bumped with every change to the C++ source's interface
+NAME = "attnkit_decode_v1"
+#: the most query rows per call the kernel serves (a decode step, or a few speculative tokens)
+MAX_L = 16
+#: the fewest keys for up to 3 queries (:func:`min_keys`): below this many cached keys SDPA's
+#: single call costs less than the kernel's planning and thread start (measured:
+#: benchmarks/decode_kernel.py, ``min_s`` rows)
+MIN_S = 256
+
+_lock = threading.Lock()
+_module: Any = None
+_reason: str | None = None
+_tried = False
+build_seconds: float | None = None
+
+
+def build() -> Any:
+    """Compile (or load the cached build of) the kernel; returns the module or ``None`` (the
+    row-span kernel's switches and requirements: ``ATTNKIT_SPAN_KERNEL=0``, AVX2)."""
+    global _module, _reason, _tried, build_seconds
+    with _lock:
+        if _tried:
+            return _module
+        _tried = True
+        _reason = rowspan._cpu_reason()
+        if _reason is not None:
+            return None
+        flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+        if rowspan._has_f16c():
+            flags.insert(3, "-mf16c")
+        try:
+            source = resources.files("attnkit.backends.blocked").joinpath("csrc/decode.cpp")
+            t0 = time.perf_counter()
+            _module = jit.load(
+                NAME,
+                source.read_text(),
+                ["decode_forward", "decode_low_dtypes"],
+                flags,
+                ["-fopenmp"],
+            )
+            build_seconds = time.perf_counter() - t0
+        except Exception as e:  # no compiler, a failed build: say so, run without
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            _reason = f"it could not be built ({type(e).__name__}: {first[:200]})"
+        return _module
+
+
+def available() -> bool:
+    """Whether the kernel runs here (builds it on the first call)."""
+    return build() is not None
+
+
+def status() -> str:
+    """One line: the kernel is in use, or why not."""
+    if build() is not None:
+        return "attnkit's AVX2 decode kernel"
+    return f"attnkit's decode kernel is off: {_reason}"
+
+
+def kernel() -> Any:
+    """The loaded C++ module: ``decode_forward(q, k, v, lo, hi, scale) -> (out, lse, finite)``
+    (q ``(B, H, L, Dk)``, k ``(B, Hkv, S, Dk)``, v ``(B, Hkv, S, Dv)`` with a contiguous last
+    dimension, all float32 or all one of ``decode_low_dtypes()``; ``lo``/``hi`` int64
+    ``(1 or B, L)`` local inclusive runs; out in q's dtype, ``lse (B, H, L)`` float32 natural
+    log, ``finite`` False where a query, a score of a key a row may see, or an output was not
+    finite). Call it only where :func:`plan` serves."""
+    module = build()
+    if module is None:
+        raise RuntimeError(f"the decode kernel is not loaded: {status()}")
+    return module
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Whether the decode kernel runs one call: ``lo``, ``hi`` the runs of keys (int64
+    ``(B', L)``, local, inclusive) when the mask has them, ``what`` the mask in explain's words,
+    ``reason`` ``None`` when the kernel runs the call, else why not."""
+
+    lo: torch.Tensor | None
+    hi: torch.Tensor | None
+    what: str
+    reason: str | None
+
+    @property
+    def serves(self) -> bool:
+        return self.reason is None and self.lo is not None
+
+    #: the kernel reports NaN/inf itself (read by :func:`attnkit.backends.nonfinite.serve`)
+    @property
+    def checks_finite(self) -> bool:
+        return self.serves
+
+
+def min_keys(L: int) -> int:
+    """The fewest keys for which ``L`` queries are decode-shaped: :data:`MIN_S` up to 3
+    queries, doubled at 4, 8 and 16 (the kernel's work grows with L x S while SDPA's GEMMs
+    get more efficient: measured against SDPA with the end-aligned causal mask, the kernel
+    was faster from about 256 keys at L = 1-2, 1024 at L = 4-8, and even at 1024 at L = 16)."""
+    return MIN_S << max(0, L.bit_length() - 2)
+
+
+def shaped(call: AttentionCall) -> bool:
+    """A decode-shaped eager CPU call: ``1 <= L <= MAX_L`` queries, ``S >= min_keys(L)`` keys
+    (not while torch.compile traces: the blocked backend runs as one custom op there)."""
+    d = call.dims
+    if call.device_type != "cpu" or not 1 <= d.L <= MAX_L or min_keys(d.L) > d.S:
+        return False
+    return not torch.compiler.is_compiling()
+
+
+_EVERY: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _every_key(L: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The runs of a call without a mask: every key for every row (kept per sizes)."""
+    found = _EVERY.get((L, S))
+    if found is None:
+        if len(_EVERY) > 256:
+            _EVERY.clear()
+        found = _EVERY[L, S] = (
+            torch.zeros(1, L, dtype=torch.long),
+            torch.full((1, L), S - 1, dtype=torch.long),
+        )
+    return found
+
+
+def _refusal(call: AttentionCall) -> str | None:
+    """Why the kernel cannot run a decode-shaped call, whatever its mask, or ``None``."""
+    q, k, v = call.q, call.k, call.v
+    if call.needs_grad or (
+        call.sinks is not None and call.sinks.requires_grad and torch.is_grad_enabled()
+    ):
+        return "it is forward-only, and autograd will differentiate this call"
+    if call.softcap is not None:
+        return "it has no soft-cap"
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"it reads q, k, v of one dtype (got {q.dtype}, {k.dtype}, {v.dtype})"
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"it reads float32, bfloat16 and float16 (q is {q.dtype})"
+    if q.dtype != torch.float32 and call.cpu_path == "torch":
+        return f"the CPU path for {q.dtype} is 'torch' (no AVX2 kernels)"
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        return "it reads k and v rows with a contiguous last dimension (stride 1)"
+    if q.numel() == 0 or v.shape[-1] == 0:
+        return "an empty dimension: nothing for the kernel to do"
+    if build() is None:
+        return status()
+    if q.dtype == torch.float16 and "float16" not in _module.decode_low_dtypes():
+        return "it was built without F16C (this CPU has none), so it does not read float16"
+    return None
+
+
+def plan(call: AttentionCall) -> DecodePlan | None:
+    """The decode kernel's decision for ``call``: ``None`` where the call is not decode-shaped
+    (:func:`shaped`), else a plan that serves it or says why not."""
+    if not shaped(call):
+        return None
+    L, S = call.dims.L, call.dims.S
+    spec = call.mask
+    if spec is None:
+        lo, hi = _every_key(L, S)
+        what = "no mask"
+    elif spec.from_tensor:
+        return DecodePlan(None, None, "a mask tensor", "it reads runs of keys from a mask spec")
+    else:
+        runs = rowspan._runs(spec, L, S, 0, 0, S - L)  # the row-span kernel's (cached) runs
+        if runs.lo is None or runs.hi is None:
+            return DecodePlan(None, None, repr(spec), "the mask is not one run of keys per row")
+        if runs.slopes.numel() or runs.keys.numel():
+            why = "ALiBi's bias" if runs.slopes.numel() else "holes in the key mask"
+            return DecodePlan(runs.lo, runs.hi, runs.what, f"it has no {why}")
+        lo, hi, what = runs.lo, runs.hi, runs.what
+        if runs.reason is not None:
+            return DecodePlan(lo, hi, what, runs.reason)
+        if lo.shape[0] not in (1, call.dims.B):
+            return DecodePlan(lo, hi, what, f"its runs are for {lo.shape[0]} sequences")
+    return DecodePlan(lo, hi, what, _refusal(call))
+
+
+def describe(call: AttentionCall, p: DecodePlan) -> str:
+    """What the kernel does for ``call``, in explain's words."""
+    d = call.dims
+    g = d.H // d.Hkv
+    name = str(call.q.dtype).removeprefix("torch.")
+    read = "" if call.q.dtype == torch.float32 else f", {name} read directly (float32 inside)"
+    return (
+        f"{p.what}, L = {d.L} queries against S = {d.S} keys: {status()}, forward only: each "
+        f"of the {d.Hkv} key/value heads read once for its {g} query heads, only the keys a "
+        f"row may see, split across {torch.get_num_threads()} threads (split-K, log-sum-exp "
+        f"merge){read}"
+    )
+
+
+def run(call: AttentionCall, p: DecodePlan) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(out (B, H, L, Dv) in q's dtype, lse (B, H, L) float32, finite)`` of ``call`` by the
+    kernel (``p`` must serve it); ``finite`` is False where something it read or wrote was
+    not finite (see the module docstring)."""
+    assert p.lo is not None
+    assert p.hi is not None
+    out, lse, finite = kernel().decode_forward(call.q, call.k, call.v, p.lo, p.hi, call.scale)
+    return out, lse, bool(finite)
+
+
+def main() -> None:
+    """Build ahead and say so (``make setup`` runs this)."""
+    t0 = time.perf_counter()
+    print(f"attnkit decode kernel: {status()} ({time.perf_counter() - t0:.1f} s)")
