@@ -283,3 +283,19 @@ def test_generate_compile_arguments_are_checked() -> None:
         model.generate(ids, 2, static_cache="static")  # type: ignore[arg-type]
     with pytest.raises(AttentionInputError, match="use_cache=False uses none"):
         model.generate(ids, 2, static_cache=True, use_cache=False)
+
+
+def test_owned_specs_coming_and_going_do_not_recompile_a_decode_step() -> None:
+    """Each forward of a transformers model on attnkit owns a spec of its own
+    (:mod:`attnkit.backends.owned`) that is freed after it: a compiled step elsewhere in the
+    process must not guard on how many there are (it did, and recompiled as they were freed)."""
+    from attnkit.backends import owned
+    from attnkit.masks import key_mask
+
+    step, _ = _decoder(static=True, dtype=torch.bfloat16)
+    compiled = torch.compile(step, fullgraph=True, backend=CompileCounterWithBackend("eager"))
+    held = [owned.own(causal() & key_mask(torch.ones(1, 4, dtype=torch.bool))) for _ in range(3)]
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(4):
+            compiled(torch.randn(2, 1, 32, dtype=torch.bfloat16))
+            held.pop() if i % 2 else held.append(owned.own(causal() & causal()))

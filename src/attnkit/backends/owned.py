@@ -49,7 +49,8 @@ def dense(spec: MaskSpec, L: int, S: int, device: torch.device, dtype: torch.dty
     """``spec.to_dense(L, S, device=device, dtype=dtype)``, made once for every layer of a
     forward where ``spec`` is owned (:func:`own`) and the mask is at most :data:`DENSE_BYTES`;
     else made anew. The tensor is shared: callers only read it."""
-    if not owned(spec):
+    if torch.compiler.is_compiling() or not owned(spec):  # (a traced read of the registry
+        # would guard the graph on its size, and every spec freed would recompile it)
         return spec.to_dense(L, S, device=device, dtype=dtype)
     forms = _DENSE.setdefault(spec, {})
     key = (*(t._version for t in spec.tensors()), L, S, device, dtype)
