@@ -21,6 +21,7 @@ __all__ = [
     "DTYPES",
     "AttentionInputError",
     "AttentionMaskWarning",
+    "check_bool",
     "check_dtype_arg",
     "check_int",
     "dtype_error",
@@ -202,6 +203,23 @@ def check_int(where: str, name: str, value: object, *, minimum: int = 1) -> int:
             f"`{name}` must be {what}, got {value!r}.",
             got=f"{name}={value!r}",
             expected=f"an int >= {minimum}",
+        )
+    return value
+
+
+def check_bool(where: str, name: str, value: object, expected: str) -> bool:
+    """``value`` if it is a bool, else an error naming ``name``.
+
+    >>> check_bool("attnkit.KVCache", "static", True, "True or False")
+    True
+    """
+    if not isinstance(value, bool):
+        raise AttentionInputError(
+            where,
+            name,
+            f"`{name}` must be True or False, got {value!r}.",
+            got=f"{name}={value!r}",
+            expected=expected,
         )
     return value
 

@@ -15,6 +15,7 @@ bytes a call must read (:meth:`Workload.kv_bytes`): a decode step is memory-boun
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -183,6 +184,12 @@ def allowed_pairs(spec: MaskSpec | None, L: int, S: int, B: int) -> int:
     return total if Bm > 1 else total * B
 
 
+def _decode_gqa(name: str, what: str, **kw: Any) -> Workload:
+    """A decode-group workload: one query against a cache, grouped-query 32/8 heads of 128."""
+    kw.setdefault("peers", ("sdpa", "attnkit", "attnkit-blocked", "ort-gqa"))
+    return Workload(name, f"decode: {what}", H=32, Hkv=8, D=128, queries=1, **kw)
+
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
@@ -209,34 +216,19 @@ WORKLOADS: dict[str, Workload] = {
         ),
         Workload("decode", "decode: 1 query against a cache of L keys", queries=1),
         # the decode group's (GQA 32/8 heads, D=128, as in 7B-class models)
-        Workload(
-            "decode-gqa",
-            "decode: 1 query, grouped-query 32/8 heads of 128, against a cache of L keys",
-            H=32,
-            Hkv=8,
-            D=128,
-            queries=1,
-            peers=("sdpa", "attnkit", "attnkit-blocked", "ort-gqa"),
+        _decode_gqa(
+            "decode-gqa", "1 query, grouped-query 32/8 heads of 128, against a cache of L keys"
         ),
-        Workload(
+        _decode_gqa(
             "decode-ragged",
-            "decode: 8 sequences, 1 query each, grouped-query 32/8 heads of 128, cache lengths "
+            "8 sequences, 1 query each, grouped-query 32/8 heads of 128, cache lengths "
             "ragged up to L (right-padded, sequence_causal)",
             B=8,
-            H=32,
-            Hkv=8,
-            D=128,
-            queries=1,
-            peers=("sdpa", "attnkit", "attnkit-blocked", "ort-gqa"),
         ),
-        Workload(
+        _decode_gqa(
             "decode-window",
-            "decode: 1 query, grouped-query 32/8 heads of 128, causal window of 4096 over a "
+            "1 query, grouped-query 32/8 heads of 128, causal window of 4096 over a "
             "cache of L keys",
-            H=32,
-            Hkv=8,
-            D=128,
-            queries=1,
             window=4096,
             peers=("sdpa", "sdpa-sliced", "attnkit", "attnkit-blocked", "ort-gqa"),
         ),

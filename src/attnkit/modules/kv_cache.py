@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnkit.errors import AttentionInputError, check_dtype_arg, check_int, shape_str
+from attnkit.errors import AttentionInputError, check_bool, check_dtype_arg, check_int, shape_str
 from attnkit.masks import MaskSpec, padding, sequence_causal
 from attnkit.validate import can_read_values
 
@@ -107,14 +107,7 @@ class KVCache(nn.Module):
     ) -> None:
         super().__init__()
         check_dtype_arg(WHERE, dtype)
-        if not isinstance(static, bool):
-            raise AttentionInputError(
-                WHERE,
-                "static",
-                f"`static` must be True or False, got {static!r}.",
-                got=f"static={static!r}",
-                expected="static=False (a growing view) or True (static shapes)",
-            )
+        check_bool(WHERE, "static", static, "False (a growing view) or True (static shapes)")
         self.static = static
         Dv = head_dim if v_head_dim is None else v_head_dim
         for name, value in (

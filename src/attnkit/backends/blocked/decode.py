@@ -33,7 +33,6 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
 import torch
@@ -86,20 +85,9 @@ def build() -> Any:
         flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
         if rowspan._has_f16c():
             flags.insert(3, "-mf16c")
-        try:
-            source = resources.files("attnkit.backends.blocked").joinpath("csrc/decode.cpp")
-            t0 = time.perf_counter()
-            _module = jit.load(
-                NAME,
-                source.read_text(),
-                ["decode_forward", "decode_low_dtypes"],
-                flags,
-                ["-fopenmp"],
-            )
-            build_seconds = time.perf_counter() - t0
-        except Exception as e:  # no compiler, a failed build: say so, run without
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            _reason = f"it could not be built ({type(e).__name__}: {first[:200]})"
+        _module, _reason, build_seconds = jit.load_or_why(
+            NAME, "decode.cpp", ["decode_forward", "decode_low_dtypes"], flags, ["-fopenmp"]
+        )
         return _module
 
 
@@ -109,10 +97,10 @@ def available() -> bool:
 
 
 def status() -> str:
-    """One line: the kernel is in use, or why not."""
-    if build() is not None:
-        return "attnkit's AVX2 decode kernel"
-    return f"attnkit's decode kernel is off: {_reason}"
+    """One line: the kernel is in use, or why not (the row-span kernel's switch and
+    requirements, :func:`attnkit.backends.blocked.rowspan.status`, are this kernel's too)."""
+    on = build() is not None
+    return "attnkit's AVX2 decode kernel" if on else f"attnkit's decode kernel is off: {_reason}"
 
 
 def kernel() -> Any:

@@ -26,17 +26,20 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["CACHE_ENV", "WAIT_ENV", "build_dir", "exclusive", "load"]
+__all__ = ["CACHE_ENV", "WAIT_ENV", "build_dir", "exclusive", "load", "load_or_why"]
 
 #: where the builds go (default ``~/.cache/attnkit/kernels``)
 CACHE_ENV = "ATTNKIT_KERNEL_CACHE"
 #: how many seconds to wait for another live process's build of the same kernel (default 900)
 WAIT_ENV = "ATTNKIT_KERNEL_BUILD_WAIT"
+#: the header of element types and loads every kernel source starts with (``csrc/``)
+ELEMENTS = "elements.h"
 #: torch's own lock file inside a build directory (``torch.utils.file_baton.FileBaton``)
 TORCH_LOCK = "lock"
 
@@ -122,3 +125,21 @@ def load(
             with_pytorch_error_handling=False,
             verbose=False,
         )
+
+
+def load_or_why(
+    name: str, csrc: str, functions: list[str], cflags: list[str], ldflags: list[str]
+) -> tuple[Any, str | None, float | None]:
+    """:func:`load` of ``csrc/<csrc>`` (beside this module) after :data:`ELEMENTS`' text:
+    ``(module, None, seconds)``, or
+    ``(None, why, None)`` where it cannot be built (no compiler, no ninja, a failed build, a
+    build lock held too long), in the words ``status()`` lines print."""
+    try:
+        here = resources.files("attnkit.backends.blocked").joinpath("csrc")
+        source = "\n".join(here.joinpath(f).read_text() for f in (ELEMENTS, csrc))
+        t0 = time.perf_counter()
+        module = load(name, source, functions, cflags, ldflags)
+        return module, None, time.perf_counter() - t0
+    except Exception as e:  # say so, run without
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return None, f"it could not be built ({type(e).__name__}: {first[:200]})", None

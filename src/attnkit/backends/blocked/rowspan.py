@@ -49,7 +49,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from importlib import resources
 from typing import Any
 
 import torch
@@ -133,20 +132,13 @@ def _has_f16c() -> bool:
 
 def _compile(name: str, flags: list[str]) -> tuple[Any, str | None, float | None]:
     """``(module, None, seconds)``, or ``(None, why, None)`` where it cannot be built."""
-    try:
-        source = resources.files("attnkit.backends.blocked").joinpath("csrc/row_span.cpp")
-        t0 = time.perf_counter()
-        module = jit.load(
-            name,
-            source.read_text(),
-            ["span_forward", "span_backward", "span_low_dtypes"],
-            ["-O3", "-mavx2", "-mfma", *flags, "-fopenmp"],
-            ["-fopenmp"],
-        )
-        return module, None, time.perf_counter() - t0
-    except Exception as e:  # no compiler, no ninja, a failed build: say so, run without
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        return None, f"it could not be built ({type(e).__name__}: {first[:200]})", None
+    return jit.load_or_why(
+        name,
+        "row_span.cpp",
+        ["span_forward", "span_backward", "span_low_dtypes"],
+        ["-O3", "-mavx2", "-mfma", *flags, "-fopenmp"],
+        ["-fopenmp"],
+    )
 
 
 def build() -> Any:
