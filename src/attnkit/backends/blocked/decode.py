@@ -25,7 +25,8 @@ output was not finite; only then does the dispatcher run its exact non-finite ru
 The blocked backend's ``decide`` makes the :class:`DecodePlan` (:func:`plan`) and its rule
 takes the kernel wherever the plan serves; :func:`attnkit.explain` says when it runs and why
 not. The same switch as the row-span kernel (``ATTNKIT_SPAN_KERNEL=0``) turns it off, and a
-machine without AVX2 or a compiler runs without it (:func:`status` says why).
+machine without AVX2, or without the prebuilt build and a compiler, runs without it
+(:func:`status` says why; :mod:`attnkit.backends.blocked.native` loads it).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 
 import torch
 
-from attnkit.backends.blocked import jit, rowspan
+from attnkit.backends.blocked import builds, native, rowspan
 from attnkit.call import AttentionCall
 
 __all__ = [
@@ -55,8 +56,8 @@ __all__ = [
     "status",
 ]
 
-#: bumped with every change to the C++ source's interface
-NAME = "attnkit_decode_v1"
+#: the kernel's file (:mod:`~attnkit.backends.blocked.builds`)
+NAME = builds.DECODE.name
 #: the most query rows per call the kernel serves (a decode step, or a few speculative tokens)
 MAX_L = 16
 #: the fewest keys for up to 3 queries (:func:`min_keys`): below this many cached keys SDPA's
@@ -72,8 +73,9 @@ build_seconds: float | None = None
 
 
 def build() -> Any:
-    """Compile (or load the cached build of) the kernel; returns the module or ``None`` (the
-    row-span kernel's switches and requirements: ``ATTNKIT_SPAN_KERNEL=0``, AVX2)."""
+    """Load the kernel (the package's prebuilt build, else one compiled here:
+    :func:`attnkit.backends.blocked.native.load`); returns it or ``None`` (the row-span
+    kernel's switches and requirements: ``ATTNKIT_SPAN_KERNEL=0``, AVX2)."""
     global _module, _reason, _tried, build_seconds
     with _lock:
         if _tried:
@@ -82,12 +84,8 @@ def build() -> Any:
         _reason = rowspan._cpu_reason()
         if _reason is not None:
             return None
-        flags = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
-        if rowspan._has_f16c():
-            flags.insert(3, "-mf16c")
-        _module, _reason, build_seconds = jit.load_or_why(
-            NAME, "decode.cpp", ["decode_forward", "decode_low_dtypes"], flags, ["-fopenmp"]
-        )
+        _module, _reason = native.load(builds.DECODE, native.DecodeKernel)
+        build_seconds = None if _module is None else _module.seconds
         return _module
 
 

@@ -1,21 +1,16 @@
-"""Building attnkit's C++ kernels on first use: one build directory per (source, flags, torch,
-Python environment), guarded by a lock that cannot outlive its holder.
+"""Compiling attnkit's C++ kernels here, the fallback where the wheel's prebuilt build does not
+serve (an sdist or editable install, an edited source, a CPU without F16C): one build directory
+per (source, flags, Python environment), guarded by a lock that cannot outlive its holder.
 
-:func:`torch.utils.cpp_extension.load_inline` on its own builds into one directory per module
-name under ``~/.cache/torch_extensions``, shared by every checkout and virtualenv on the
-machine, and guards it with a ``lock`` *file* that a builder deletes when it is done. Two
-failures follow from that, both seen here: another environment's build (other include paths)
-forces a rebuild that bumps the module's version and evicts the first; and a builder that is
-killed mid-build (a session's end, Ctrl-C, an out-of-memory kill) leaves the file behind, so
-that every later load waits for it forever, a CI run included.
-
-Here each build gets its own directory, named by a hash of everything the build reads
-(:func:`build_dir`), so that environments never share one; and :func:`exclusive` takes an
-``fcntl.flock`` on a file beside it before torch looks at it. The kernel releases a flock when
-its holder dies, however it dies, so a waiter waits only for a builder that is alive, and at
-most ``ATTNKIT_KERNEL_BUILD_WAIT`` seconds (the kernel then runs without its build, saying
-why). Every builder of the directory holds the flock, so a torch ``lock`` file found while
-holding it was left by a builder that died: it is removed.
+The kernels are plain C ABI libraries (:mod:`~attnkit.backends.blocked.builds`: no torch header,
+no libtorch symbol), compiled with the system's C++ compiler (``CXX``, else ``c++``/``g++``/
+``clang++`` on ``PATH``) into ``<cache>/<name>-<hash>/<name>.so``, the hash over everything the
+build reads (:func:`build_dir`), so that environments never share one; :func:`exclusive` takes an
+``fcntl.flock`` on a file beside it while the build runs. The kernel releases a flock when its
+holder dies, however it dies, so a waiter waits only for a builder that is alive, and at most
+``ATTNKIT_KERNEL_BUILD_WAIT`` seconds (the kernel then runs without its build, saying why). A
+torch ``lock`` file found there (left by a ``load_inline`` builder of an older attnkit that died)
+is removed.
 """
 
 from __future__ import annotations
@@ -26,11 +21,9 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from importlib import resources
 from pathlib import Path
-from typing import Any
 
-import torch
+from attnkit.backends.blocked import builds
 
 __all__ = ["CACHE_ENV", "WAIT_ENV", "build_dir", "exclusive", "load", "load_or_why"]
 
@@ -38,8 +31,6 @@ __all__ = ["CACHE_ENV", "WAIT_ENV", "build_dir", "exclusive", "load", "load_or_w
 CACHE_ENV = "ATTNKIT_KERNEL_CACHE"
 #: how many seconds to wait for another live process's build of the same kernel (default 900)
 WAIT_ENV = "ATTNKIT_KERNEL_BUILD_WAIT"
-#: the header of element types and loads every kernel source starts with (``csrc/``)
-ELEMENTS = "elements.h"
 #: torch's own lock file inside a build directory (``torch.utils.file_baton.FileBaton``)
 TORCH_LOCK = "lock"
 
@@ -54,10 +45,10 @@ def _root() -> Path:
 
 def build_dir(name: str, source: str, cflags: list[str], ldflags: list[str]) -> Path:
     """The directory of one build: ``<cache>/<name>-<hash>``, the hash over the source, the
-    flags, torch's version and the Python environment (its prefix and version), all a build
-    depends on."""
+    flags and the Python environment (its prefix and version), all a build depends on (not
+    torch's version: the kernels use no part of torch's)."""
     h = hashlib.sha256()
-    for part in (source, *cflags, "|", *ldflags, torch.__version__, sys.prefix, sys.version):
+    for part in (source, *cflags, "|", *ldflags, sys.prefix, sys.version):
         h.update(part.encode())
         h.update(b"\0")
     return _root() / f"{name}-{h.hexdigest()[:16]}"
@@ -104,42 +95,26 @@ def exclusive(directory: Path, wait: float | None = None) -> Iterator[None]:
         os.close(fd)  # closing the descriptor releases the flock
 
 
-def load(
-    name: str, source: str, functions: list[str], cflags: list[str], ldflags: list[str]
-) -> Any:
-    """Build (or load the cached build of) a C++ source with ``load_inline`` into its own
-    :func:`build_dir`, under :func:`exclusive`."""
-    from torch.utils.cpp_extension import load_inline
-
-    directory = build_dir(name, source, cflags, ldflags)
+def load(build: builds.Build) -> Path:
+    """Compile ``build`` (or find its earlier compile) in its own :func:`build_dir`, under
+    :func:`exclusive`; returns the library's path."""
+    source = builds.source_text(build.csrc)
+    directory = build_dir(build.name, source, [*builds.COMMON, *build.flags], list(builds.LINK))
     with exclusive(directory):
-        directory.mkdir(parents=True, exist_ok=True)
-        return load_inline(  # type: ignore[no-untyped-call]
-            name=name,
-            cpp_sources=[source],
-            functions=functions,
-            extra_cflags=cflags,
-            extra_ldflags=ldflags,
-            build_directory=str(directory),
-            no_implicit_headers=True,
-            with_pytorch_error_handling=False,
-            verbose=False,
-        )
+        out = directory / f"{build.name}.so"
+        if not out.exists():
+            builds.compile_to(build, directory)
+        return out
 
 
-def load_or_why(
-    name: str, csrc: str, functions: list[str], cflags: list[str], ldflags: list[str]
-) -> tuple[Any, str | None, float | None]:
-    """:func:`load` of ``csrc/<csrc>`` (beside this module) after :data:`ELEMENTS`' text:
-    ``(module, None, seconds)``, or
-    ``(None, why, None)`` where it cannot be built (no compiler, no ninja, a failed build, a
-    build lock held too long), in the words ``status()`` lines print."""
+def load_or_why(build: builds.Build) -> tuple[Path | None, str | None, float | None]:
+    """:func:`load`: ``(path, None, seconds)``, or ``(None, why, None)`` where it cannot be
+    built (no compiler, a failed build, a build lock held too long), in the words ``status()``
+    lines print."""
     try:
-        here = resources.files("attnkit.backends.blocked").joinpath("csrc")
-        source = "\n".join(here.joinpath(f).read_text() for f in (ELEMENTS, csrc))
         t0 = time.perf_counter()
-        module = load(name, source, functions, cflags, ldflags)
-        return module, None, time.perf_counter() - t0
+        path = load(build)
+        return path, None, time.perf_counter() - t0
     except Exception as e:  # say so, run without
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         return None, f"it could not be built ({type(e).__name__}: {first[:200]})", None

@@ -33,11 +33,14 @@ bfloat16/float16 only for a caller that wants results in that dtype (``in_dtype=
 blocked backend on the ``fp32-upcast`` CPU path, :mod:`attnkit.cpu`), since
 :func:`~attnkit.backends.blocked.forward_with_lse` otherwise returns float32.
 
-It is compiled on first use (gcc, about 30 s; :mod:`attnkit.backends.blocked.jit`: one cached
-build per source, flags and Python environment under ``~/.cache/attnkit/kernels``, behind a
-lock that dies with its holder; ``make setup`` builds it ahead). Where it
-cannot be built or run (no AVX2, no compiler, ``ATTNKIT_SPAN_KERNEL=0``), :func:`status` says
-why and the blocked backend keeps to torch's kernel: ``attnkit.explain`` shows which one runs.
+The wheel carries it prebuilt (both builds, behind a plain C ABI that serves every torch version:
+:mod:`attnkit.backends.blocked.native`); an install from source compiles it once (``pip install``
+/ ``make setup``), and where no prebuilt build serves it is compiled on first use (a C++
+compiler, about 15 s; :mod:`attnkit.backends.blocked.jit`: one cached build per source, flags
+and Python environment under ``~/.cache/attnkit/kernels``, behind a lock that dies with its
+holder). Where it cannot be loaded, built or run (no AVX2, no prebuilt build and no compiler,
+``ATTNKIT_SPAN_KERNEL=0``), :func:`status` says why and the blocked backend keeps to torch's
+kernel: ``attnkit.explain`` shows which one runs.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from typing import Any
 
 import torch
 
-from attnkit.backends.blocked import jit
+from attnkit.backends.blocked import builds, native
 from attnkit.cpu import hardware_flags
 from attnkit.masks import (
     MaskSpec,
@@ -92,8 +95,8 @@ CAUSAL_MIN_PAIRS = 1024 * 1024
 DENSE_MIN_ROWS = 1024
 DENSE_MIN_PAIRS = 1024 * 1024
 DENSE_TRAIN_MIN_PAIRS = 1024 * 1024
-#: bumped with every change to the C++ source's interface
-NAME = "attnkit_row_span_v4"
+#: the kernel's files (:mod:`~attnkit.backends.blocked.builds`: its AVX2 build)
+NAME = builds.ROW_SPAN.name
 
 #: a plan's ``slopes`` where the spec has no ALiBi (and its ``keys`` where they have no holes)
 NO_SLOPES = torch.empty(0)
@@ -130,19 +133,9 @@ def _has_f16c() -> bool:
     return "f16c" in hardware_flags()
 
 
-def _compile(name: str, flags: list[str]) -> tuple[Any, str | None, float | None]:
-    """``(module, None, seconds)``, or ``(None, why, None)`` where it cannot be built."""
-    return jit.load_or_why(
-        name,
-        "row_span.cpp",
-        ["span_forward", "span_backward", "span_low_dtypes"],
-        ["-O3", "-mavx2", "-mfma", *flags, "-fopenmp"],
-        ["-fopenmp"],
-    )
-
-
 def build() -> Any:
-    """Compile (or load the cached build of) the kernel; returns the module or ``None``."""
+    """Load the kernel (the package's prebuilt build, else one compiled here:
+    :func:`attnkit.backends.blocked.native.load`); returns it or ``None``."""
     global _module, _reason, _tried, build_seconds
     with _lock:
         if _tried:
@@ -150,16 +143,16 @@ def build() -> Any:
         _tried = True
         _reason = _cpu_reason()
         if _reason is None:
-            f16c = ["-mf16c"] if _has_f16c() else []
-            _module, _reason, build_seconds = _compile(NAME, f16c)
+            _module, _reason = native.load(builds.ROW_SPAN, native.SpanKernel)
+            build_seconds = None if _module is None else _module.seconds
         return _module
 
 
 def build_dot() -> Any:
-    """Compile (or load) the kernel's AVX512-BF16 build, which multiplies bfloat16 q, k, v,
-    dout (and P, dS) with the CPU's bf16 dot products (``vdpbf16ps``), forward and backward;
-    ``None`` where the CPU lacks :data:`DOT_FLAGS` or the build fails (:func:`dot_status` says
-    why). Its float32 and float16 code is the AVX2 kernel's."""
+    """Load the kernel's AVX512-BF16 build, which multiplies bfloat16 q, k, v, dout (and P,
+    dS) with the CPU's bf16 dot products (``vdpbf16ps``), forward and backward; ``None`` where
+    the CPU lacks :data:`DOT_FLAGS` or no build serves (:func:`dot_status` says why). Its
+    float32 and float16 code is the AVX2 kernel's."""
     global _dot_module, _dot_reason, _dot_tried, dot_build_seconds
     if build() is None:  # the same switches and requirements as the AVX2 build first
         return None
@@ -171,10 +164,8 @@ def build_dot() -> Any:
         if missing:
             _dot_reason = f"this CPU has no {', '.join(missing)}"
             return None
-        flags = ["-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
-        _dot_module, _dot_reason, dot_build_seconds = _compile(
-            NAME + "_bf16dot", [*flags, "-DRS_BF16DOT"]
-        )
+        _dot_module, _dot_reason = native.load(builds.ROW_SPAN_DOT, native.SpanKernel)
+        dot_build_seconds = None if _dot_module is None else _dot_module.seconds
         return _dot_module
 
 

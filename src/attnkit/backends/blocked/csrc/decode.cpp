@@ -26,9 +26,7 @@
 //   * NaN/inf: the kernel reports whether any q it read, any score of a key a row may see, or
 //     any output is not finite (the caller then runs attnkit's exact non-finite rule); a
 //     finite call pays no separate pass over q, k, v.
-#include <ATen/ATen.h>
-#include <torch/csrc/utils/pybind.h>
-#include <ATen/Parallel.h>
+// at::Tensor, at::parallel_for, at::get_num_threads: abi.h (the C ABI's views, no libtorch)
 #include <immintrin.h>
 #include <algorithm>
 #include <atomic>
@@ -455,46 +453,73 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
 
 }  // namespace decode
 
-std::vector<std::string> decode_low_dtypes() { return attnkit_elements::low_dtypes(); }
+// The C ABI (attnkit.backends.blocked.native calls it through ctypes; abi.h): out
+// (B, H, L, Dv) in q's dtype and lse (B, H, L) float32 of query rows attending keys
+// lo[b, i]..hi[b, i] (int64 (lo_rows = 1 or B, L), local, inclusive); q (B, H, L, Dk)
+// contiguous, k (B, Hkv, S, Dk) and v (B, Hkv, S, Dv) strided with a contiguous last
+// dimension. One int64 array a holds every argument but the scale (one ctypes argument
+// costs about as much as a short array, and a decode step is short):
+//   a[0..7)   pointers: q, k, v, lo, hi, out, lse
+//   a[7]      dtype (attnkit_abi::Code of q, k, v), a[8] threads (torch.get_num_threads())
+//   a[9]      lo_rows, a[10] lo_cols
+//   a[11..15) q's sizes; a[15..19) k's sizes, a[19..23) its strides; v's: a[23..27), a[27..31)
+// Returns 0 where everything it read and wrote was finite, 2 where a q, a score of a key a row
+// may see, or an output was not, and 1 with attnkit_last_error() saying why it could not run.
+extern "C" {
 
-// (out (B, H, L, Dv) in q's dtype, lse (B, H, L) float32, finite) of query rows attending keys
-// lo[b, i]..hi[b, i] (int64 (1 or B, L), local, inclusive); q (B, H, L, Dk) (any strides),
-// k (B, Hkv, S, Dk), v (B, Hkv, S, Dv) with a contiguous last dimension; finite is false where
-// a q, a score of a key a row may see, or an output is not finite.
-std::tuple<at::Tensor, at::Tensor, bool> decode_forward(at::Tensor q, at::Tensor k, at::Tensor v,
-                                                        at::Tensor lo, at::Tensor hi,
-                                                        double scale) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode: q, k, v must be 4-d");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-              "decode: q, k, v must share a dtype");
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
-              "decode: CPU tensors only");
-  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dk = q.size(3);
-  const int64_t Hkv = k.size(1), S = k.size(2), Dv = v.size(3);
-  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == S &&
-                  k.size(3) == Dk && Hkv > 0 && H % Hkv == 0,
-              "decode: shapes of q, k, v do not match");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode: k and v need a contiguous last dim");
-  TORCH_CHECK(lo.scalar_type() == at::kLong && hi.scalar_type() == at::kLong && lo.dim() == 2 &&
-                  hi.sizes() == lo.sizes() && lo.size(1) == L &&
-                  (lo.size(0) == 1 || lo.size(0) == B),
-              "decode: lo/hi must be int64 (1 or B, L)");
-  q = q.contiguous();
-  lo = lo.contiguous();
-  hi = hi.contiguous();
-  auto out = at::empty({B, H, L, Dv}, q.options());
-  auto lse = at::empty({B, H, L}, q.options().dtype(at::kFloat));
+int32_t attnkit_abi_version() { return 1; }
+
+const char* attnkit_last_error() { return attnkit_abi::last_error().c_str(); }
+
+// bit 0: reads bfloat16; bit 1: reads float16 (built with F16C)
+int32_t attnkit_low_dtypes() { return attnkit_abi::low_dtype_bits(); }
+
+int32_t attnkit_decode_forward(const int64_t* a, double scale) {
   bool finite = true;
-  if (B * H * L > 0 && Dv > 0) {
-    using decode::Dt;
-    switch (q.scalar_type()) {
-      case at::kFloat: decode::forward_impl<Dt::F32>(q, k, v, lo, hi, scale, out, lse, finite); break;
-      case at::kBFloat16: decode::forward_impl<Dt::BF16>(q, k, v, lo, hi, scale, out, lse, finite); break;
-#ifdef __F16C__
-      case at::kHalf: decode::forward_impl<Dt::F16>(q, k, v, lo, hi, scale, out, lse, finite); break;
-#endif
-      default: TORCH_CHECK(false, "decode: dtype not supported");
+  const int32_t rc = attnkit_abi::guarded([&] {
+    auto ptr = [&](int i) { return reinterpret_cast<void*>(static_cast<intptr_t>(a[i])); };
+    const int64_t dtype = a[7], nthreads = a[8], lo_rows = a[9], lo_cols = a[10];
+    const int64_t *qs = a + 11, *ks = a + 15, *kst = a + 19, *vs = a + 23, *vst = a + 27;
+    const int64_t B = qs[0], H = qs[1], L = qs[2], Dk = qs[3];
+    const int64_t Hkv = ks[1], S = ks[2], Dv = vs[3];
+    ABI_CHECK(dtype == attnkit_abi::F32 || dtype == attnkit_abi::BF16 ||
+                  (dtype == attnkit_abi::F16 && (attnkit_abi::low_dtype_bits() & 2)),
+              "decode: dtype not supported");
+    ABI_CHECK(ks[0] == B && vs[0] == B && vs[1] == Hkv && vs[2] == S && ks[3] == Dk &&
+                  Hkv > 0 && H % Hkv == 0,
+              "decode: shapes of q, k, v do not match");
+    ABI_CHECK(kst[3] == 1 && vst[3] == 1, "decode: k and v need a contiguous last dim");
+    ABI_CHECK(lo_cols == L && (lo_rows == 1 || lo_rows == B),
+              "decode: lo/hi must be int64 (1 or B, L)");
+    if (!(B * H * L > 0 && Dv > 0)) return;
+    at::set_call_threads(nthreads);
+    const at::Tensor tq = at::view(ptr(0), {B, H, L, Dk});
+    at::Tensor tk = at::view(ptr(1), {B, Hkv, S, Dk});
+    at::Tensor tv = at::view(ptr(2), {B, Hkv, S, Dv});
+    for (int d = 0; d < 4; ++d) {
+      tk.st[d] = kst[d];
+      tv.st[d] = vst[d];
     }
-  }
-  return {out, lse, finite};
+    const at::Tensor tlo = at::view(ptr(3), {lo_rows, lo_cols});
+    const at::Tensor thi = at::view(ptr(4), {lo_rows, lo_cols});
+    at::Tensor to = at::view(ptr(5), {B, H, L, Dv});
+    at::Tensor tl = at::view(ptr(6), {B, H, L});
+    using decode::Dt;
+    switch (dtype) {
+      case attnkit_abi::BF16:
+        decode::forward_impl<Dt::BF16>(tq, tk, tv, tlo, thi, scale, to, tl, finite);
+        break;
+#ifdef __F16C__
+      case attnkit_abi::F16:
+        decode::forward_impl<Dt::F16>(tq, tk, tv, tlo, thi, scale, to, tl, finite);
+        break;
+#endif
+      default:
+        decode::forward_impl<Dt::F32>(tq, tk, tv, tlo, thi, scale, to, tl, finite);
+        break;
+    }
+  });
+  return rc != 0 ? rc : (finite ? 0 : 2);
 }
+
+}  // extern "C"

@@ -34,9 +34,7 @@
 //   * Backward from the saved lse over the same panels (K^T and V^T): dQ per row; dK, dV
 //     summed per item over the group's heads, then added per key stripe in the items' order
 //     (bitwise the same on every run with the same number of threads).
-#include <ATen/ATen.h>
-#include <torch/csrc/utils/pybind.h>
-#include <ATen/Parallel.h>
+// at::Tensor, at::parallel_for, at::get_num_threads: abi.h (the C ABI's views, no libtorch)
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
@@ -1568,146 +1566,172 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
 }
 
 // Checks what the kernel's memory safety depends on; returns the spans (contiguous int64).
-static Spans check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          const at::Tensor& lo, const at::Tensor& hi) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
-              "row-span kernel: q, k, v must be 4-D (B, H, L, D)");
-  const auto dt = q.scalar_type();
-  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf) &&
-                  k.scalar_type() == dt && v.scalar_type() == dt,
-              "row-span kernel: q, k, v must be float32, bfloat16 or float16, all one dtype");
-#ifndef __F16C__
-  TORCH_CHECK(dt != at::kHalf, "row-span kernel: built without F16C, it does not read float16");
-#endif
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
-              "row-span kernel: q, k, v must be contiguous");
-  const int64_t B = q.size(0), H = q.size(1), L = q.size(2);
-  TORCH_CHECK(k.size(0) == B && v.size(0) == B && k.size(1) == v.size(1) &&
-                  k.size(2) == v.size(2) && k.size(3) == q.size(3),
-              "row-span kernel: k (B, Hkv, S, Dk) and v (B, Hkv, S, Dv) do not fit q");
-  TORCH_CHECK(k.size(1) >= 1 && H % k.size(1) == 0, "row-span kernel: H % Hkv != 0");
-  TORCH_CHECK(q.size(3) >= 1 && v.size(3) >= 1, "row-span kernel: empty head dim");
-  TORCH_CHECK(lo.scalar_type() == at::kLong && hi.scalar_type() == at::kLong &&
-                  lo.is_contiguous() && hi.is_contiguous() && lo.dim() == 2 &&
-                  lo.sizes() == hi.sizes() && (lo.size(0) == 1 || lo.size(0) == B) &&
-                  lo.size(1) == L,
-              "row-span kernel: lo, hi must be contiguous int64 (1 or B, L)");
-  const int64_t* lp = lo.data_ptr<int64_t>();
-  const int64_t* hp = hi.data_ptr<int64_t>();
-  for (int64_t b = 0; b < lo.size(0); ++b)
+// sizes: q (B, H, L, Dk), k (B, Hkv, S, Dk), v (B, Hkv, S, Dv); the caller (native.py) has
+// checked the dims, dtypes and contiguity of every tensor it passes.
+static Spans check_inputs(const int64_t* sizes, int32_t dtype, const int64_t* lp,
+                          const int64_t* hp, int64_t lo_rows, int64_t lo_cols) {
+  const int64_t* qs = sizes;
+  const int64_t* ks = sizes + 4;
+  const int64_t* vs = sizes + 8;
+  ABI_CHECK(dtype == attnkit_abi::F32 || dtype == attnkit_abi::BF16 || dtype == attnkit_abi::F16,
+            "row-span kernel: q, k, v must be float32, bfloat16 or float16, all one dtype");
+  ABI_CHECK(dtype != attnkit_abi::F16 || (attnkit_abi::low_dtype_bits() & 2),
+            "row-span kernel: built without F16C, it does not read float16");
+  const int64_t B = qs[0], H = qs[1], L = qs[2];
+  ABI_CHECK(ks[0] == B && vs[0] == B && ks[1] == vs[1] && ks[2] == vs[2] && ks[3] == qs[3],
+            "row-span kernel: k (B, Hkv, S, Dk) and v (B, Hkv, S, Dv) do not fit q");
+  ABI_CHECK(ks[1] >= 1 && H % ks[1] == 0, "row-span kernel: H % Hkv != 0");
+  ABI_CHECK(qs[3] >= 1 && vs[3] >= 1, "row-span kernel: empty head dim");
+  ABI_CHECK((lo_rows == 1 || lo_rows == B) && lo_cols == L,
+            "row-span kernel: lo, hi must be contiguous int64 (1 or B, L)");
+  for (int64_t b = 0; b < lo_rows; ++b)
     for (int64_t i = 1; i < L; ++i)
-      TORCH_CHECK(lp[b * L + i] >= lp[b * L + i - 1] && hp[b * L + i] >= hp[b * L + i - 1],
-                  "row-span kernel: lo and hi must be non-decreasing along the rows");
-  return Spans{lp, hp, lo.size(0) == 1 ? 0 : L, k.size(2)};
+      ABI_CHECK(lp[b * L + i] >= lp[b * L + i - 1] && hp[b * L + i] >= hp[b * L + i - 1],
+                "row-span kernel: lo and hi must be non-decreasing along the rows");
+  return Spans{lp, hp, lo_rows == 1 ? 0 : L, ks[2]};
 }
 
 // The score modifiers of a call (see Mods); slopes_log2 keeps the scaled slopes alive.
-static Mods check_mods(const at::Tensor& q, const at::Tensor& k, double softcap,
-                       const at::Tensor& slopes, int64_t d0, const at::Tensor& keys,
-                       at::Tensor& slopes_log2) {
+// slopes: n_slopes float64 (0: none); keys: keys_rows x keys_cols float32 (0 rows: none).
+static Mods check_mods(const int64_t* sizes, double softcap, const double* slopes,
+                       int64_t n_slopes, int64_t d0, const float* keys, int64_t keys_rows,
+                       int64_t keys_cols, std::vector<float>& slopes_log2) {
   constexpr double LOG2E = 1.4426950408889634;
-  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap),
-              "row-span kernel: softcap must be finite and >= 0 (0: none)");
+  ABI_CHECK(softcap >= 0.0 && std::isfinite(softcap),
+            "row-span kernel: softcap must be finite and >= 0 (0: none)");
   Mods md;
   md.cap = static_cast<float>(softcap * LOG2E);
   md.d0 = d0;
-  if (slopes.numel() > 0) {
-    TORCH_CHECK(slopes.dim() == 1 && slopes.size(0) == q.size(1) && slopes.device().is_cpu(),
-                "row-span kernel: ALiBi slopes must be a CPU tensor (H,), one per query head");
-    slopes_log2 = (slopes.to(at::kDouble) * LOG2E).to(at::kFloat).contiguous();
-    md.slopes = slopes_log2.data_ptr<float>();
+  if (n_slopes > 0) {
+    ABI_CHECK(n_slopes == sizes[1],
+              "row-span kernel: ALiBi slopes must be a CPU tensor (H,), one per query head");
+    slopes_log2.resize(static_cast<size_t>(n_slopes));
+    for (int64_t h = 0; h < n_slopes; ++h) slopes_log2[h] = static_cast<float>(slopes[h] * LOG2E);
+    md.slopes = slopes_log2.data();
   }
-  if (keys.numel() > 0) {
-    TORCH_CHECK(keys.scalar_type() == at::kFloat && keys.is_contiguous() && keys.dim() == 2 &&
-                    (keys.size(0) == 1 || keys.size(0) == q.size(0)) &&
-                    keys.size(1) >= k.size(2) + 8 && keys.device().is_cpu(),
-                "row-span kernel: keys must be contiguous float32 (1 or B, >= S + 8), 0 or -inf");
-    md.keys = keys.data_ptr<float>();
-    md.keys_bstride = keys.size(0) == 1 ? 0 : keys.size(1);
+  if (keys_rows > 0) {
+    ABI_CHECK((keys_rows == 1 || keys_rows == sizes[0]) && keys_cols >= sizes[6] + 8,
+              "row-span kernel: keys must be contiguous float32 (1 or B, >= S + 8), 0 or -inf");
+    md.keys = keys;
+    md.keys_bstride = keys_rows == 1 ? 0 : keys_cols;
   }
   return md;
 }
 
 }  // namespace rowspan
 
-std::vector<std::string> span_low_dtypes() { return attnkit_elements::low_dtypes(); }
+// The C ABI (attnkit.backends.blocked.native calls it through ctypes): every tensor is a
+// pointer to contiguous memory that the caller allocated (outputs included), its sizes in
+// `sizes` (q, k, v: 12 int64); dtype: attnkit_abi::Code of q, k, v (and out, dout, dq);
+// nthreads: torch.get_num_threads(). Each returns 0, or 1 with attnkit_last_error() saying why.
+extern "C" {
 
-// (out (B, H, L, Dv) in q's dtype, lse (B, H, L) float32) of rows attending keys lo[i]..hi[i].
-// Scores are modified before the softmax: softcap > 0 caps them (c tanh(s / c)), a non-empty
-// slopes (H,) adds ALiBi's -slope_h |i + d0 - j| (query row i, local key j), and a non-empty
-// keys (1 or B, >= S + 8) adds each key's 0 or -inf (holes in the runs; see Mods).
-std::tuple<at::Tensor, at::Tensor> span_forward(at::Tensor q, at::Tensor k, at::Tensor v,
-                                                at::Tensor lo, at::Tensor hi, double scale,
-                                                double softcap, at::Tensor slopes, int64_t d0,
-                                                at::Tensor keys) {
-  q = q.contiguous(); k = k.contiguous(); v = v.contiguous();
-  lo = lo.contiguous(); hi = hi.contiguous();
-  const rowspan::Spans sp = rowspan::check_inputs(q, k, v, lo, hi);
-  at::Tensor keep;
-  const rowspan::Mods md = rowspan::check_mods(q, k, softcap, slopes, d0, keys, keep);
-  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dv = v.size(3);
-  auto out = at::empty({B, H, L, Dv}, q.options());
-  auto lse = at::empty({B, H, L}, q.options().dtype(at::kFloat));
-  if (B * H * L > 0) {
+// the version of this interface: native.py refuses a build whose version it does not know
+int32_t attnkit_abi_version() { return 1; }
+
+const char* attnkit_last_error() { return attnkit_abi::last_error().c_str(); }
+
+// bit 0: reads bfloat16; bit 1: reads float16 (built with F16C)
+int32_t attnkit_low_dtypes() { return attnkit_abi::low_dtype_bits(); }
+
+// 1 for the AVX512-BF16 build (-DRS_BF16DOT), 0 for the AVX2 one
+int32_t attnkit_span_dot() { return rowspan::kDot ? 1 : 0; }
+
+// out (B, H, L, Dv) in q's dtype, lse (B, H, L) float32 of rows attending keys lo[i]..hi[i]
+// (lo, hi: int64 (lo_rows = 1 or B, lo_cols = L)). Scores are modified before the softmax:
+// softcap > 0 caps them (c tanh(s / c)), n_slopes = H slopes add ALiBi's -slope_h |i + d0 - j|
+// (query row i, local key j), and keys_rows = 1 or B rows of keys_cols >= S + 8 floats add
+// each key's 0 or -inf (holes in the runs; see Mods).
+int32_t attnkit_span_forward(const void* q, const void* k, const void* v, int32_t dtype,
+                             const int64_t* sizes, const int64_t* lo, const int64_t* hi,
+                             int64_t lo_rows, int64_t lo_cols, double scale, double softcap,
+                             const double* slopes, int64_t n_slopes, int64_t d0,
+                             const float* keys, int64_t keys_rows, int64_t keys_cols, void* out,
+                             float* lse, int64_t nthreads) {
+  return attnkit_abi::guarded([&] {
+    const rowspan::Spans sp = rowspan::check_inputs(sizes, dtype, lo, hi, lo_rows, lo_cols);
+    std::vector<float> keep;
+    const rowspan::Mods md = rowspan::check_mods(sizes, softcap, slopes, n_slopes, d0, keys,
+                                                 keys_rows, keys_cols, keep);
+    const int64_t B = sizes[0], H = sizes[1], L = sizes[2], Dk = sizes[3];
+    const int64_t Hkv = sizes[5], S = sizes[6], Dv = sizes[11];
+    if (B * H * L <= 0) return;
+    at::set_call_threads(nthreads);
+    const at::Tensor tq = at::view(const_cast<void*>(q), {B, H, L, Dk});
+    const at::Tensor tk = at::view(const_cast<void*>(k), {B, Hkv, S, Dk});
+    const at::Tensor tv = at::view(const_cast<void*>(v), {B, Hkv, S, Dv});
+    at::Tensor to = at::view(out, {B, H, L, Dv});
+    at::Tensor tl = at::view(lse, {B, H, L});
     using rowspan::Dt;
-    switch (q.scalar_type()) {
-      case at::kBFloat16: rowspan::forward_impl<Dt::BF16>(q, k, v, sp, scale, md, out, lse); break;
+    switch (dtype) {
+      case attnkit_abi::BF16:
+        rowspan::forward_impl<Dt::BF16>(tq, tk, tv, sp, scale, md, to, tl);
+        break;
 #ifdef __F16C__
-      case at::kHalf: rowspan::forward_impl<Dt::F16>(q, k, v, sp, scale, md, out, lse); break;
+      case attnkit_abi::F16:
+        rowspan::forward_impl<Dt::F16>(tq, tk, tv, sp, scale, md, to, tl);
+        break;
 #endif
-      default: rowspan::forward_impl<Dt::F32>(q, k, v, sp, scale, md, out, lse); break;
+      default:
+        rowspan::forward_impl<Dt::F32>(tq, tk, tv, sp, scale, md, to, tl);
+        break;
     }
-  }
-  return {out, lse};
+  });
 }
 
-// (dq, dk, dv) in q's dtype given the final out and lse; dk, dv summed over each kv head's
-// query heads (in float32, converted once at the end for a low-precision dtype).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> span_backward(
-    at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out, at::Tensor dout, at::Tensor lse,
-    at::Tensor lo, at::Tensor hi, double scale, double softcap, at::Tensor slopes, int64_t d0,
-    at::Tensor keys) {
-  q = q.contiguous(); k = k.contiguous(); v = v.contiguous();
-  out = out.contiguous(); dout = dout.contiguous(); lse = lse.contiguous();
-  lo = lo.contiguous(); hi = hi.contiguous();
-  const rowspan::Spans sp = rowspan::check_inputs(q, k, v, lo, hi);
-  at::Tensor keep;
-  const rowspan::Mods md = rowspan::check_mods(q, k, softcap, slopes, d0, keys, keep);
-  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dv = v.size(3);
-  const auto dt = q.scalar_type();
-  TORCH_CHECK(out.scalar_type() == dt && dout.scalar_type() == dt &&
-                  lse.scalar_type() == at::kFloat && out.is_contiguous() &&
-                  dout.is_contiguous() && lse.is_contiguous(),
-              "row-span kernel: out, dout must be contiguous in q's dtype, lse float32");
-  TORCH_CHECK(out.dim() == 4 && out.size(0) == B && out.size(1) == H && out.size(2) == L &&
-                  out.size(3) == Dv && dout.sizes() == out.sizes(),
-              "row-span kernel: out and dout must be (B, H, L, Dv)");
-  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == B && lse.size(1) == H && lse.size(2) == L,
-              "row-span kernel: lse must be (B, H, L)");
-  auto dq = at::empty(q.sizes(), q.options());
-  auto f32 = k.options().dtype(at::kFloat);
-  auto dk = at::zeros(k.sizes(), f32);  // the float32 sums
-  auto dv = at::zeros(v.sizes(), f32);
-  if (!(B * H * L > 0 && k.size(2) > 0)) {
-    dq.zero_();
-    return {dq, dk.to(dt), dv.to(dt)};
-  }
-  using rowspan::Dt;
-  at::Tensor none;
-  if (dt == at::kFloat) {
-    rowspan::backward_impl<Dt::F32>(q, k, v, out, dout, lse, sp, scale, md, dq, dk, dv, none,
-                                    none);
-    return {dq, dk, dv};
-  }
-  auto dk_low = at::empty(k.sizes(), k.options());
-  auto dv_low = at::empty(v.sizes(), v.options());
-  if (dt == at::kBFloat16)
-    rowspan::backward_impl<Dt::BF16>(q, k, v, out, dout, lse, sp, scale, md, dq, dk, dv,
-                                     dk_low, dv_low);
+// dq in q's dtype, and dk, dv (B, Hkv, S, Dk / Dv) summed over each kv head's query heads in
+// float32 (zeroed by the caller), given the final out and lse (out, dout (B, H, L, Dv) in q's
+// dtype, lse (B, H, L) float32); for bfloat16/float16 also converted once into dk_low, dv_low
+// (null for float32). Arguments otherwise as attnkit_span_forward's.
+int32_t attnkit_span_backward(const void* q, const void* k, const void* v, const void* out,
+                              const void* dout, const float* lse, int32_t dtype,
+                              const int64_t* sizes, const int64_t* lo, const int64_t* hi,
+                              int64_t lo_rows, int64_t lo_cols, double scale, double softcap,
+                              const double* slopes, int64_t n_slopes, int64_t d0,
+                              const float* keys, int64_t keys_rows, int64_t keys_cols, void* dq,
+                              float* dk, float* dv, void* dk_low, void* dv_low,
+                              int64_t nthreads) {
+  return attnkit_abi::guarded([&] {
+    const rowspan::Spans sp = rowspan::check_inputs(sizes, dtype, lo, hi, lo_rows, lo_cols);
+    std::vector<float> keep;
+    const rowspan::Mods md = rowspan::check_mods(sizes, softcap, slopes, n_slopes, d0, keys,
+                                                 keys_rows, keys_cols, keep);
+    const int64_t B = sizes[0], H = sizes[1], L = sizes[2], Dk = sizes[3];
+    const int64_t Hkv = sizes[5], S = sizes[6], Dv = sizes[11];
+    const size_t esize = dtype == attnkit_abi::F32 ? 4 : 2;
+    if (!(B * H * L > 0 && S > 0)) {  // nothing to sum: dq 0, dk and dv stay 0
+      if (B * H * L > 0) std::memset(dq, 0, static_cast<size_t>(B * H * L * Dk) * esize);
+      if (dtype != attnkit_abi::F32) {
+        std::memset(dk_low, 0, static_cast<size_t>(B * Hkv * S * Dk) * esize);
+        std::memset(dv_low, 0, static_cast<size_t>(B * Hkv * S * Dv) * esize);
+      }
+      return;
+    }
+    at::set_call_threads(nthreads);
+    const at::Tensor tq = at::view(const_cast<void*>(q), {B, H, L, Dk});
+    const at::Tensor tk = at::view(const_cast<void*>(k), {B, Hkv, S, Dk});
+    const at::Tensor tv = at::view(const_cast<void*>(v), {B, Hkv, S, Dv});
+    const at::Tensor to = at::view(const_cast<void*>(out), {B, H, L, Dv});
+    const at::Tensor tg = at::view(const_cast<void*>(dout), {B, H, L, Dv});
+    const at::Tensor tl = at::view(const_cast<float*>(lse), {B, H, L});
+    at::Tensor tdq = at::view(dq, {B, H, L, Dk});
+    at::Tensor tdk = at::view(dk, {B, Hkv, S, Dk});
+    at::Tensor tdv = at::view(dv, {B, Hkv, S, Dv});
+    at::Tensor tkl = at::view(dk_low, {B, Hkv, S, Dk});
+    at::Tensor tvl = at::view(dv_low, {B, Hkv, S, Dv});
+    using rowspan::Dt;
+    if (dtype == attnkit_abi::BF16)
+      rowspan::backward_impl<Dt::BF16>(tq, tk, tv, to, tg, tl, sp, scale, md, tdq, tdk, tdv, tkl,
+                                       tvl);
 #ifdef __F16C__
-  else
-    rowspan::backward_impl<Dt::F16>(q, k, v, out, dout, lse, sp, scale, md, dq, dk, dv,
-                                    dk_low, dv_low);
+    else if (dtype == attnkit_abi::F16)
+      rowspan::backward_impl<Dt::F16>(tq, tk, tv, to, tg, tl, sp, scale, md, tdq, tdk, tdv, tkl,
+                                      tvl);
 #endif
-  return {dq, dk_low, dv_low};
+    else
+      rowspan::backward_impl<Dt::F32>(tq, tk, tv, to, tg, tl, sp, scale, md, tdq, tdk, tdv, tkl,
+                                      tvl);
+  });
 }
+
+}  // extern "C"
