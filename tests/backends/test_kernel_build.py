@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from attnkit.backends.blocked import jit, rowspan
+from attnkit.backends.blocked import builds, jit, native, rowspan
 
 
 def test_a_lock_file_left_by_a_killed_builder_is_removed(tmp_path: Path) -> None:
@@ -84,16 +84,24 @@ def test_each_source_flag_and_environment_gets_its_own_build(
     assert jit.build_dir("k", "int f();", ["-O3"], []) != one
 
 
-def test_the_row_span_kernel_loads_past_a_stale_lock_in_its_build_directory() -> None:
+def test_the_row_span_kernel_loads_past_a_stale_lock_in_its_build_directory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     if not rowspan.available():
         pytest.skip(rowspan.status())
-    directory = Path(rowspan.build().__file__).parent  # the build this environment loads
+    monkeypatch.setenv(native.ENV, "compile")  # the build compiled here, not the package's
+    kernel, why = native.load(builds.ROW_SPAN, native.SpanKernel)
+    assert kernel is not None, why
+    directory = Path(kernel.__file__).parent  # the build this environment compiles
     assert directory.parent == jit._root()
     with jit.exclusive(directory, wait=600):
         (directory / jit.TORCH_LOCK).touch()  # left there as a killed builder leaves it
-    code = "from attnkit.backends.blocked import rowspan; print(rowspan.status())"
+    code = (
+        "from attnkit.backends.blocked import rowspan; print(rowspan.status()); "
+        "print(rowspan.build().__file__)"
+    )
     run = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True
     )
-    assert run.stdout.strip() == "attnkit's AVX2 row-span kernel"
+    assert run.stdout.split("\n")[:2] == ["attnkit's AVX2 row-span kernel", kernel.__file__]
     assert not (directory / jit.TORCH_LOCK).exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import typer
@@ -92,20 +93,16 @@ def _cpu_rows() -> list[tuple[str, str]]:
 
 def _span_kernel() -> list[tuple[str, str]]:
     """The blocked backend's row-span kernel (one run of keys per query row), and its build for
-    bfloat16 on the native path: built, or why not."""
-    from attnkit.backends.blocked import rowspan
+    bfloat16 on the native path: loaded (which build, from the package or compiled here, and
+    from where), or why not."""
+    from attnkit.backends.blocked import decode, rowspan
 
-    line = rowspan.status()
-    if rowspan.build_seconds is not None:
-        line += f" (loaded in {rowspan.build_seconds:.1f} s; compiled once, then cached)"
-    dot = rowspan.dot_status()
-    if rowspan.dot_build_seconds is not None:
-        dot += f" (loaded in {rowspan.dot_build_seconds:.1f} s)"
-    from attnkit.backends.blocked import decode
+    def where(module: Any) -> str:  # loaded: how long it took, which build, from where
+        return "" if module is None else f" (loaded in {module.seconds:.1f} s; {module.describe()})"
 
-    dec = decode.status()
-    if decode.build_seconds is not None:
-        dec += f" (loaded in {decode.build_seconds:.1f} s)"
+    line = rowspan.status() + where(rowspan.build())
+    dot = rowspan.dot_status() + where(rowspan.build_dot())
+    dec = decode.status() + where(decode.build())
     return [
         ("span kernel", line),
         ("bf16 kernel", f"{dot}; for bfloat16 on the native path"),

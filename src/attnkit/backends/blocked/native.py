@@ -94,7 +94,10 @@ def prebuilt(build: builds.Build) -> tuple[Path | None, str]:
         return None, f"{ENV}=compile"
     entry = _manifest(prebuilt_dir()).get(build.name)
     if entry is None:
-        return None, "this install has no prebuilt kernel (built from source without them)"
+        return (
+            None,
+            f"no prebuilt kernels in this install ({prebuilt_dir()} has no {builds.MANIFEST})",
+        )
     path = prebuilt_dir() / entry["file"]
     if not path.exists():
         return None, f"the prebuilt kernel {path} is missing"
@@ -126,6 +129,8 @@ class Library:
         self._lib = lib
         self.__file__ = str(path)
         self.build, self.origin, self.seconds = build, origin, seconds
+        #: why the prebuilt file was not taken ("" where it was)
+        self.skipped = ""
 
     def low_dtypes(self) -> list[str]:
         """The dtypes it reads besides float32 (float16 only where built with F16C)."""
@@ -137,11 +142,10 @@ class Library:
         return RuntimeError(self._lib.attnkit_last_error().decode())
 
     def describe(self) -> str:
-        """Where it came from, in doctor's words."""
-        how = "loaded" if self.origin == PREBUILT else "compiled here (then cached) and loaded"
-        return (
-            f"{self.build.isa} build {self.origin}, {self.__file__}; {how} in {self.seconds:.1f} s"
-        )
+        """Where it came from, in doctor's words (and why not from the package, where it was
+        compiled here)."""
+        why = f"; not the package's: {self.skipped}" if self.skipped else ""
+        return f"{self.build.isa} build {self.origin}, {self.__file__}{why}"
 
 
 def _check(ok: bool, message: str) -> None:
@@ -403,4 +407,7 @@ def load(build: builds.Build, kind: type[Library]) -> tuple[Library | None, str 
     path, failed, _ = jit.load_or_why(build)
     if path is None:
         return None, f"{failed}; no prebuilt kernel serves ({why})"
-    return _open(kind, path, build, COMPILED, t0)
+    lib, failed = _open(kind, path, build, COMPILED, t0)
+    if lib is not None:
+        lib.skipped = why
+    return lib, failed
