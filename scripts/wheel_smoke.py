@@ -140,7 +140,8 @@ def main() -> None:
     check(e < 1e-4, f"decode matches the float64 reference ({e:.1e})")
     cache = os.environ.get("ATTNKIT_KERNEL_CACHE")
     check(
-        cache is None or not os.listdir(cache), "nothing was compiled (the kernel cache is empty)"
+        cache is None or not os.path.exists(cache) or not os.listdir(cache),
+        "nothing was compiled (the kernel cache is empty)",
     )
     print(f"wheel smoke test passed: torch {torch.__version__}, {time.perf_counter() - T0:.1f} s")
 
