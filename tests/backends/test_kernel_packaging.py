@@ -78,7 +78,8 @@ def test_prebuilt_only_never_compiles_and_says_why(
     monkeypatch.setattr(native, "prebuilt_dir", lambda: tmp_path / "none")
     monkeypatch.setenv(native.ENV, "prebuilt")
     monkeypatch.setenv("ATTNKIT_KERNEL_CACHE", str(tmp_path / "cache"))
-    kernel, why = native.load(builds.DECODE, native.DecodeKernel)
+    with pytest.warns(RuntimeWarning, match="attnkit_decode_avx2 kernel is unavailable"):
+        kernel, why = native.load(builds.DECODE, native.DecodeKernel)
     assert kernel is None
     assert why == (
         f"no prebuilt kernel serves (no prebuilt kernels in this install ({tmp_path / 'none'} "
@@ -133,8 +134,8 @@ def test_a_kernel_reports_a_refusal_as_an_error() -> None:
     lo, hi = torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), 15)
     with pytest.raises(RuntimeError, match="decode: shapes of q, k, v do not match"):
         kernel.decode_forward(q, k, k, lo, hi, 0.5)
+    kt = torch.randn(1, 2, 8, 16).transpose(2, 3)  # (1, 2, 16, 8), last dim strided
     with pytest.raises(RuntimeError, match="decode: k and v need a contiguous last dim"):
-        kt = torch.randn(1, 2, 8, 16).transpose(2, 3)  # (1, 2, 16, 8), last dim strided
         kernel.decode_forward(q, kt, kt.contiguous(), lo, hi, 0.5)
 
 
@@ -192,3 +193,6 @@ def test_without_prebuilt_kernels_or_a_compiler_attnkit_says_why_and_runs(
     assert why in lines[4]  # explain says why the kernel does not run the call
     assert lines[5] == lines[2]  # and so does attnkit doctor
     assert not list((tmp_path / "cache").glob("*/*.so"))
+    warned = [ln for ln in run.stderr.splitlines() if "RuntimeWarning" in ln]
+    assert len(warned) == 2  # said once for each kernel (row-span, decode), not per call
+    assert "attnkit's attnkit_row_span_avx2 kernel is unavailable: " + why in warned[0]

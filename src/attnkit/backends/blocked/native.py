@@ -22,8 +22,10 @@ Where a kernel comes from (:func:`load`), in this order:
    a development checkout, is compiled instead);
 2. a build compiled here from ``csrc/`` (a C++ compiler on ``PATH``; cached per source and
    flags; a CPU without F16C gets a build without it);
-3. none: the reason is kept (``status()``, ``attnkit doctor``, ``attnkit.explain``) and the
-   blocked backend runs torch's kernels or its tiles.
+3. none: the reason is kept (``status()``, ``attnkit doctor``, ``attnkit.explain``), said once
+   as a ``RuntimeWarning`` (neither a prebuilt nor a compiled build: not for a CPU that lacks the
+   instruction set, nor for ``ATTNKIT_SPAN_KERNEL=0``), and the blocked backend runs torch's
+   kernels or its tiles.
 
 ``ATTNKIT_KERNEL_SOURCE`` picks: ``auto`` (the default, as above), ``prebuilt`` (the prebuilt
 file or nothing: never compile) or ``compile`` (never the prebuilt file).
@@ -35,6 +37,7 @@ import ctypes
 import json
 import os
 import time
+import warnings
 from array import array
 from ctypes import c_double, c_int32, c_int64, c_void_p
 from functools import cache
@@ -403,11 +406,23 @@ def load(build: builds.Build, kind: type[Library]) -> tuple[Library | None, str 
     else:
         return None, why
     if how == "prebuilt":
-        return None, f"no prebuilt kernel serves ({why}) and {ENV}=prebuilt"
+        return _unavailable(build, f"no prebuilt kernel serves ({why}) and {ENV}=prebuilt")
     path, failed, _ = jit.load_or_why(build)
     if path is None:
-        return None, f"{failed}; no prebuilt kernel serves ({why})"
+        return _unavailable(build, f"{failed}; no prebuilt kernel serves ({why})")
     lib, failed = _open(kind, path, build, COMPILED, t0)
-    if lib is not None:
-        lib.skipped = why
-    return lib, failed
+    if lib is None:
+        return _unavailable(build, failed or "")
+    lib.skipped = why
+    return lib, None
+
+
+def _unavailable(build: builds.Build, why: str) -> tuple[None, str]:
+    """``(None, why)``, said once as a warning: attnkit runs slower paths from here on."""
+    warnings.warn(
+        f"attnkit's {build.name} kernel is unavailable: {why}. Calls it would serve run on "
+        f"torch's kernels or attnkit's tiles instead (see `attnkit doctor`, docs/install.md)",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    return None, why
