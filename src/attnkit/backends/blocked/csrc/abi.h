@@ -15,10 +15,12 @@
 //   * at::get_num_threads(): the thread count of the current call (torch.get_num_threads(),
 //     passed in by the caller; at::set_call_threads sets it).
 // Errors: the entry functions catch every exception, keep its message (attnkit_last_error)
-// and return non-zero; ABI_CHECK(cond, msg) throws one.
+// and return non-zero; ABI_CHECK(cond, msg) throws one, and so does TORCH_CHECK(cond, parts...)
+// (its message the parts streamed in turn, as ATen's), for a body written against ATen.
 #include <omp.h>
 
 #include <cstdint>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -107,6 +109,13 @@ namespace attnkit_abi {
 // dtype codes of the C ABI (native.py's DTYPES): float32, bfloat16, float16; -1: anything else
 enum Code : int32_t { F32 = 0, BF16 = 1, F16 = 2 };
 
+template <typename... Parts>
+inline std::string message(const Parts&... parts) {
+  std::ostringstream out;
+  (out << ... << parts);
+  return out.str();
+}
+
 inline std::string& last_error() {
   static thread_local std::string s;
   return s;
@@ -141,3 +150,4 @@ inline int32_t low_dtype_bits() {
   do {                                            \
     if (!(cond)) throw std::runtime_error((msg)); \
   } while (0)
+#define TORCH_CHECK(cond, ...) ABI_CHECK(cond, attnkit_abi::message(__VA_ARGS__))
