@@ -95,12 +95,15 @@ def prebuilt(build: builds.Build) -> tuple[Path | None, str]:
     """The prebuilt file of ``build`` and ``""``, or ``None`` and why it does not serve."""
     if source() == "compile":
         return None, f"{ENV}=compile"
-    entry = _manifest(prebuilt_dir()).get(build.name)
-    if entry is None:
+    manifest = _manifest(prebuilt_dir())
+    if not manifest:
         return (
             None,
             f"no prebuilt kernels in this install ({prebuilt_dir()} has no {builds.MANIFEST})",
         )
+    entry = manifest.get(build.name)
+    if entry is None:
+        return None, f"the package was built without {build.name} (its compiler failed)"
     path = prebuilt_dir() / entry["file"]
     if not path.exists():
         return None, f"the prebuilt kernel {path} is missing"
