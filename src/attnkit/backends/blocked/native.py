@@ -39,6 +39,7 @@ import os
 import time
 import warnings
 from array import array
+from collections.abc import Callable
 from ctypes import c_double, c_int32, c_int64, c_void_p
 from functools import cache
 from pathlib import Path
@@ -373,6 +374,56 @@ class DecodeKernel(Library):
         if rc == 1:
             raise self.error()
         return out, lse, rc == 0
+
+    def bind(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        lo: torch.Tensor,
+        hi: torch.Tensor,
+        scale: float,
+    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, bool]]:
+        """:meth:`decode_forward` for calls of ``q``, ``k``, ``v``'s signature (shapes, dtype,
+        k's and v's strides; q any strides) with these runs and scale, for a caller that has
+        checked the signature (a repeated decode call, :mod:`attnkit.backends.memo`): the
+        checks and the argument array are made here once, and a call costs three pointers, the
+        output's allocation and the C call. It returns ``(out, finite)``: its ``lse`` goes to
+        a scratch buffer of this binding that nobody reads. A call whose signature differs is
+        not checked and reads out of bounds: bind again."""
+        self.decode_forward(q, k, v, lo, hi, scale)  # checks the signature once
+        lo, hi = lo.contiguous(), hi.contiguous()
+        qs, vs = q.shape, v.shape
+        B, H, L = qs[0], qs[1], qs[2]
+        scratch = torch.empty(B, H, L, dtype=torch.float32)
+        dtype, same, Dv = q.dtype, vs[3] == qs[3], vs[3]
+        template = array(
+            "q",
+            (0, 0, 0, lo.data_ptr(), hi.data_ptr(), 0, scratch.data_ptr(), DTYPES[dtype], 1,
+             *lo.shape, *qs, *k.shape, *k.stride(), *vs, *v.stride()),
+        )  # fmt: skip
+        forward, threads, empty, empty_like = (
+            self._lib.attnkit_decode_forward,
+            torch.get_num_threads,
+            torch.empty,
+            torch.empty_like,
+        )
+        keep = (lo, hi, scratch)  # alive as long as the binding
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, bool]:
+            q = q.contiguous()
+            out = empty_like(q) if same else empty(B, H, L, Dv, dtype=dtype)
+            a = array("q", template)
+            a[0], a[1], a[2], a[5], a[8] = (
+                q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), threads(),
+            )  # fmt: skip
+            rc = forward(a.buffer_info()[0], scale)
+            if rc == 1:
+                raise self.error()
+            return out, rc == 0
+
+        run.keep = keep  # type: ignore[attr-defined]
+        return run
 
 
 def _open(
