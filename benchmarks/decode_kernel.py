@@ -10,8 +10,10 @@ as ``torch.sum`` of a 512 MiB float32 tensor sees it (same threads), for scale.
 Rows: ``step`` (B=1, GQA 32/8 heads, D=128, S=4096, L=1, against SDPA with ``enable_gqa``),
 ``ragged`` (8 sequences of lengths up to 2048, as a ``sequence_causal`` spec, against SDPA with
 the dense ``(B, 1, 1, S)`` mask it needs), ``window`` (a causal 4096 window over a 16384 cache,
-against SDPA on the window sliced by hand), and ``min_s`` (small caches, where ``decode.MIN_S``
-comes from).
+against SDPA on the window sliced by hand), and ``min_s`` (small caches, where the rule of
+:func:`attnkit.backends.blocked.decode.shaped` comes from: the kernel against what ``auto``
+would run instead, SDPA through attnkit with the end-aligned mask and the non-finite check of
+an eager CPU call).
 
     python benchmarks/decode_kernel.py [--reps 15] [--inner 5] [--threads N] [--rows step,...]
 """
@@ -116,12 +118,10 @@ def window(reps: int, inner: int) -> None:
 
 def _min_s_row(L: int, S: int, reps: int, inner: int) -> None:
     q, k, v = _qkv(1, S, L)
-    # end-aligned causal (SDPA's is_causal is top-left aligned when L < S): a (L, S) mask
-    end = torch.ones(L, S, dtype=torch.bool).tril(S - L)
     med = _time(
         {
             "attnkit": lambda: attnkit.attention(q, k, v, causal=True, backend="blocked"),
-            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=end, enable_gqa=True),
+            "sdpa": lambda: attnkit.attention(q, k, v, causal=True, backend="sdpa"),
         },
         reps,
         inner * 4,
@@ -131,8 +131,9 @@ def _min_s_row(L: int, S: int, reps: int, inner: int) -> None:
 
 def min_s(reps: int, inner: int) -> None:
     for L in (1, 2, 4, 8, 16):
-        for S in (64, 128, 256, 512, 1024):
-            _min_s_row(L, S, reps, inner)
+        for S in (16, 64, 256, 1024):
+            if S >= L:
+                _min_s_row(L, S, reps, inner)
 
 
 ROWS = {"step": step, "ragged": ragged, "window": window, "min_s": min_s}

@@ -11,7 +11,7 @@ from typing import Literal, NamedTuple, overload
 
 import torch
 
-from attnkit.backends import choose
+from attnkit.backends import Choice, choose, memo
 from attnkit.call import AttentionCall
 from attnkit.inspect.tracing import record_attention, recording
 from attnkit.mask_checks import check_mask
@@ -140,6 +140,14 @@ def attention(
     Long because this docstring is the function's reference; the body is the checks, one
     call built, one run.
     """
+    key = None  # a call like an earlier one runs its kernel directly (backends.memo)
+    if sinks is None and softcap is None and return_weights is False and _no_dropout(dropout_p):
+        key = memo.direct_key(q, k, v, mask, causal, scale, backend)
+        found = memo.DIRECT.get(key) if key is not None else None
+        if found is not None:
+            out = found[0](q, k, v)
+            if out is not None:
+                return out
     dims = check_qkv(q, k, v, where=WHERE)
     check_mask(mask, q, dims, where=WHERE)
     warn_if_inverted_causal(mask)
@@ -152,15 +160,27 @@ def attention(
         q=q, k=k, v=v, dims=dims, where=WHERE, mask=mask, causal=causal, scale=scale,
         dropout_p=dropout_p, return_weights=return_weights, softcap=softcap, sinks=sinks,
     )  # fmt: skip
-    result = run_call(call, backend, WHERE)
+    choice = choose(call, backend, WHERE)
+    result = _run(choice)
+    if key is not None:
+        memo.keep_direct(key, choice, mask if isinstance(mask, MaskSpec) else None)
     return result if return_weights else result.output
+
+
+def _no_dropout(p: object) -> bool:
+    """``dropout_p`` is the float 0 (anything else is checked first)."""
+    return type(p) is float and p == 0.0
 
 
 def run_call(call: AttentionCall, backend: str = "auto", where: str = WHERE) -> AttentionOutput:
     """Run a call built by :meth:`AttentionCall.build` on ``backend`` ("auto" or a name):
     always ``(output, weights or None)``. The modules build their calls and run them here."""
-    choice = choose(call, backend, where)
+    return _run(choose(call, backend, where))
+
+
+def _run(choice: Choice) -> AttentionOutput:
     out, weights = choice.run()
     if recording():  # attnkit.trace() is open: record shapes into this thread's traces
+        call = choice.call
         record_attention(call.q, call.k, call.v, out, choice.name, choice.backend.fused)
     return AttentionOutput(out, weights)

@@ -95,7 +95,12 @@ def test_the_decode_kernel_is_built_here() -> None:
 def test_no_mask_and_causal_equal_the_oracle(
     dtype: torch.dtype, B: int, H: int, Hkv: int, D: int, L: int
 ) -> None:
-    for S, layout in [(decode.min_keys(L), "transposed"), (decode.min_keys(L) + 333, "buffer")]:
+    for S, layout in [
+        (L + 1, "transposed"),
+        (L + 7, "buffer"),
+        (256, "transposed"),
+        (589, "buffer"),
+    ]:
         q, k, v = _inputs(B, H, Hkv, L, S, D, dtype, layout, seed=S + L)
         _check(q, k, v)
         _check(q, k, v, causal=True)
@@ -147,7 +152,7 @@ def _cases(draw: st.DrawFn) -> dict[str, Any]:
         "Hkv": Hkv,
         "H": Hkv * draw(st.sampled_from([1, 2, 4, 8])),
         "L": L,
-        "S": draw(st.integers(decode.min_keys(L), decode.min_keys(L) + 900)),
+        "S": draw(st.integers(L + 1, 1200)),
         "D": draw(st.sampled_from([8, 13, 64, 80, 128])),
         "dtype": draw(st.sampled_from(DTYPES)),
         "layout": draw(st.sampled_from(["contiguous", "buffer", "transposed"])),
@@ -204,7 +209,7 @@ def test_explain_says_when_the_decode_kernel_runs_and_why_not() -> None:
         "decode kernel, forward only: each of the 2 key/value heads read once for its 4 query "
         "heads, only the keys a row may see"
     )
-    assert "a decode-shaped CPU call (L = 1 <= 16 queries, S = 512 >= " in e.rule
+    assert "a decode-shaped CPU call (L = 1 <= 16 queries, S = 512 keys): " in e.rule
     qg = q.clone().requires_grad_()
     note = attnkit.explain(qg, k, v, causal=True).notes["blocked"]
     assert note.startswith(
@@ -219,8 +224,11 @@ def test_explain_says_when_the_decode_kernel_runs_and_why_not() -> None:
     holes = masks.key_mask(torch.arange(512)[None].expand(2, -1) % 3 != 0)
     note = attnkit.explain(q, k, v, mask=holes).notes["blocked"]
     assert note.startswith("the decode kernel does not run it (it has no holes in the key mask)")
-    short = attnkit.explain(q[:, :, :, :], k[:, :, :64], v[:, :, :64]).notes["blocked"]
-    assert "decode kernel" not in short  # below MIN_S keys: not a decode-shaped call
+    short = attnkit.explain(q, k[:, :, :3], v[:, :, :3])
+    assert short.chosen == "blocked"  # a cache of any length: the decode kernel
+    assert "attnkit's AVX2 decode kernel" in short.notes["blocked"]
+    long = torch.randn(2, 8, decode.MAX_L + 1, 64)
+    assert "decode kernel" not in attnkit.explain(long, k, v).notes["blocked"]
 
 
 def test_auto_never_builds_a_dense_mask_for_a_ragged_spec(monkeypatch: Any) -> None:
@@ -287,3 +295,13 @@ def test_the_switch_turns_the_decode_kernel_off(monkeypatch: Any) -> None:
     want, _ = reference_attention(q, k, v, causal=True)
     naive, _ = reference_attention(q, k, v, causal=True, dtype=torch.float32)
     within_naive(out, want, naive, what="switched off")
+
+
+def test_a_small_call_with_autograd_is_not_given_the_large_unmasked_rule() -> None:
+    """L = 6 queries against 8 keys with autograd: the decode kernel does not run it, and the
+    row-span kernel's rule for large unmasked calls (L >= 1024) does not fire either."""
+    q, k, v = (torch.randn(1, 2, n, 24, requires_grad=True) for n in (6, 8, 8))
+    e = attnkit.explain(q, k, v)
+    assert e.chosen == "sdpa"
+    assert "can serve, but its auto rule does not fire" in str(e)
+    assert "this unmasked call is 6 x 8 in training" in e.rules["blocked"][1]

@@ -160,7 +160,7 @@ def test_a_toy_rule_memory_and_note_reach_auto_and_explain() -> None:
         assert "auto's rule: more than 4 queries" in text
         assert "test-ruled: a toy note" in text
         e = explain(q[:, :, :4], k, v)
-        assert e.chosen == "sdpa"
+        assert e.chosen == "blocked"  # the next in auto's order (its decode kernel, L = 4)
         assert "test-ruled: can serve, but its auto rule does not fire: 4 queries or fewer" in (
             str(e)
         )
@@ -170,7 +170,7 @@ def test_a_toy_rule_memory_and_note_reach_auto_and_explain() -> None:
         previous = attnkit.set_memory_limit(4 * 2**20)  # its 5 MiB are above the limit
         try:
             e = explain(q, k, v)
-            assert e.chosen == "sdpa"  # the next whose rule fires, within the limit
+            assert e.chosen == "blocked"  # the next whose rule fires (its decode kernel, L = 5)
             assert e.verdicts["test-ruled"] == (
                 "a toy buffer per query would take 0.00488 GiB (5,242,880 bytes), above "
                 "attnkit's memory limit of 0.00391 GiB (4,194,304 bytes)"

@@ -63,7 +63,7 @@ GRID = list(
         ["none", "bool", "float"],  # mask
         [False, True],  # float mask requires grad
         [0.0, 0.2],  # dropout_p
-        [(8, 8), (4, 8)],  # (L, S)
+        [(24, 24), (17, 24)],  # (L, S): more rows than the decode kernel takes (MAX_L)
     )
 )
 

@@ -56,7 +56,7 @@ def test_cross_attention_records_both_lengths_and_widths() -> None:
     assert shapes[("scores", "q @ k^T * scale")] == "(B=1, H=2, L=6, S=8)"
     assert shapes[("output", "weights @ v")] == "(B=1, H=2, L=6, Dv=28)"
     assert shapes[("out_proj", "out")] == "(B=1, L=6, E=16)"
-    assert t.backends == ["math"]  # Dv != Dk: no fused kernel
+    assert t.backends == ["math"]  # Dv != Dk: no fused kernel; the decode kernel: no autograd
     assert "never materialised" not in str(t)
 
 

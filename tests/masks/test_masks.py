@@ -75,7 +75,7 @@ def test_sdpa_runs_without_a_mask_where_the_spec_allows_every_pair(
     assert seen == [None]  # the window holds every key: no mask made or passed
     torch.testing.assert_close(out, ref.float(), atol=1e-6, rtol=0)
     e = attnkit.explain(q, k, k, mask=spec)
-    assert e.chosen == "sdpa"
+    assert e.chosen == "blocked"  # auto: the decode kernel (one query against a cache)
     assert (
         e.notes["sdpa"] == "the mask allows every pair of this 1 x 40 call: torch runs without one"
     )

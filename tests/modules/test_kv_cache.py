@@ -220,3 +220,54 @@ def test_module_level_cache_errors() -> None:
     stack = TransformerStack(TransformerConfig(dim=16, num_heads=2), 2)
     with pytest.raises(AttentionInputError, match="one KVCache per layer"):
         stack(x, kv_cache=[cache])
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        attnkit.masks.sliding_window(3),
+        causal() & attnkit.masks.sliding_window(2),
+        attnkit.masks.alibi(2),
+        ~attnkit.masks.sliding_window(2),
+    ],
+    ids=["window", "causal-window", "alibi", "not-window"],
+)
+def test_a_rule_placed_from_the_end_is_refused_on_a_ragged_cache(mask: object) -> None:
+    """Sequences of 3 and 5 cached tokens: a window (or ALiBi) counted from the end of the keys
+    would place sequence 0's new token after key 4, not after its own last key 2; refused with
+    the lengths, where it would have been a silently wrong answer."""
+    torch.manual_seed(7)
+    mha = attnkit.MultiHeadAttention(16, 2, causal=True).eval()
+    cache = KVCache(2, 2, max_len=8, head_dim=8)
+    with torch.no_grad():
+        mha(torch.randn(2, 5, 16), kv_cache=cache)
+        cache.truncate(torch.tensor([3, 5]))
+        with pytest.raises(AttentionInputError) as info:
+            mha(torch.randn(2, 1, 16), kv_cache=cache, mask=mask)
+    text = str(info.value)
+    assert "counts query positions from the end of the keys" in text
+    assert "cached lengths [3, 5]" in text
+    assert cache.lengths.tolist() == [3, 5]  # refused before anything was written
+    assert "separate batches" in text
+
+
+def test_a_mask_of_keys_alone_on_a_ragged_cache_equals_each_sequence_alone() -> None:
+    """key_mask (keys alone) on a ragged cache: each sequence's new token equals the same
+    sequence decoded alone with its own keys masked the same way."""
+    torch.manual_seed(8)
+    mha = attnkit.MultiHeadAttention(16, 2, causal=True).eval()
+    x0, x = torch.randn(2, 5, 16), torch.randn(2, 1, 16)
+    keep = torch.ones(2, 6, dtype=torch.bool)
+    keep[:, 0] = False  # nobody sees the first token
+    cache = KVCache(2, 2, max_len=8, head_dim=8)
+    with torch.no_grad():
+        mha(x0, kv_cache=cache)
+        cache.truncate(torch.tensor([3, 5]))
+        got = mha(x, kv_cache=cache, mask=attnkit.masks.key_mask(keep)).output
+        for b, n in enumerate([3, 5]):
+            alone = KVCache(1, 2, max_len=8, head_dim=8)
+            mha(x0[b : b + 1, :n], kv_cache=alone)
+            want = mha(
+                x[b : b + 1], kv_cache=alone, mask=attnkit.masks.key_mask(keep[b : b + 1, : n + 1])
+            ).output
+            torch.testing.assert_close(got[b : b + 1], want, atol=1e-5, rtol=0)

@@ -31,7 +31,12 @@ This is the one description of the path of a call; the other modules point here.
    ``explain`` asks every registered backend, and prints the same decisions. A call like an
    earlier one (sizes, strides, dtype, device, flags, the mask spec's key) takes the decision
    that call took, kept in a bounded cache (:mod:`attnkit.backends.memo`): a decode step asks
-   no backend again, at any layer; its checks (step 1) and the memory limit still run.
+   no backend again, at any layer; its checks (step 1) and the memory limit still run. One
+   step further, where the backend offers it (:meth:`Backend.direct`: the decode kernel), a
+   decode call whose signature (sizes, dtypes, strides, flags, the spec's key) equals an
+   earlier one's runs that call's kernel on its tensors and nothing else: the checks of step 1
+   read only the signature, so they would pass again, and the kernel reports NaN or inf, for
+   which the call takes the whole path.
 3. :meth:`Choice.run` runs the decision under the contract every backend runs under:
    ``backend.run(call, decision.plan)``, where
 
@@ -86,7 +91,8 @@ Adding a backend is one class in one file: subclass :class:`Backend`, answer ``d
 
 A decision may also carry ``rule=(fires, why)`` (auto's rule), ``memory=(bytes, what)`` (its
 L x S memory, which the dispatcher holds to the limit), ``plan=`` (handed to ``run``) and
-``note=`` (a line for ``explain``, made where ``call.explaining``).
+``note=`` (a line for ``explain``, made where ``call.explaining``). A backend whose plan can run
+from the tensors alone may answer :meth:`Backend.direct` (see step 2).
 ``tests/backends/test_registry.py`` registers a toy backend this way, and
 ``tests/test_nonfinite_inputs.py`` holds every registered backend to the NaN rule.
 """

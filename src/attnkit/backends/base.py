@@ -6,6 +6,7 @@ and how to add a backend.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -107,6 +108,17 @@ class Backend:
         dispatcher hands it zeroed copies and sets the rows that saw them to NaN:
         :mod:`attnkit.backends.nonfinite`)."""
         raise NotImplementedError
+
+    def direct(
+        self, call: AttentionCall, plan: Any = None
+    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None] | None:
+        """A function that runs this decision's plan for any later call with the same
+        signature as ``call`` (:func:`attnkit.backends.memo.direct_key`), given only its q, k
+        and v: the output, or ``None`` where the whole path must run the call (NaN or inf
+        read). ``None`` (the default): the backend offers none, and every call takes the
+        whole path. Asked only for eager CPU calls without gradients, weights, dropout,
+        soft-cap or sinks."""
+        return None
 
 
 def mask_planning(call: AttentionCall) -> tuple[int, str] | None:

@@ -28,24 +28,45 @@ The cache is emptied when the registry changes (:func:`~attnkit.backends.registe
 when the ``blocked`` settings change (:func:`~attnkit.backends.blocked.configure`) and with the
 plans (:func:`~attnkit.backends.blocked.clear_plans`); :func:`clear` empties it.
 
-Validation is not cached: every call is checked as before; a hit only skips asking the backends
-the same question again.
+Validation is not cached by :func:`find`: every call is checked as before; a hit only skips
+asking the backends the same question again.
+
+**Calls run directly.** One level further, for the calls a decode step makes (eager, on the
+CPU, no gradient, no weights, no dropout, no soft-cap, no sinks, no mask tensor):
+:func:`attnkit.attention` keeps, under the call's *signature* (:func:`direct_key`: q, k and v's
+shapes, dtypes and k and v's strides, the mask spec's key as above, ``causal``, ``scale``, the
+backend asked for and the CPU path setting), the function its backend's
+:meth:`~attnkit.backends.Backend.direct` returned for the decision it took: the plan's kernel,
+called on the tensors alone. A later call with the same signature runs that function and
+nothing else. That skips the checks too, which is exact: every check of
+:mod:`attnkit.validate` and :mod:`attnkit.mask_checks` reads only what the signature holds
+(types, ranks, sizes, dtypes, devices, the flags and numbers, the spec's sizes), so a call with
+a signature that passed them passes them again. The values are still read: the function
+returns ``None`` where the kernel saw NaN or inf, and the call then takes the whole path (the
+non-finite rule, :mod:`attnkit.backends.nonfinite`). Only a backend that offers such a function
+is kept (the blocked backend's decode kernel); :func:`clear` empties both caches.
 """
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 
+from attnkit import cpu
 from attnkit.backends.blocked import config as blocked_config
 from attnkit.backends.owned import owned
 from attnkit.call import AttentionCall
+from attnkit.inspect import tracing
 from attnkit.masks import MaskSpec
 
-__all__ = ["SIZE", "call_key", "clear", "find", "keep"]
+__all__ = ["SIZE", "Direct", "call_key", "clear", "direct_key", "find", "keep", "keep_direct"]
+
+#: a call run directly: ``(q, k, v) -> out``, or ``None`` where the whole path must run it
+Direct = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 #: decisions kept at most (each holds its spec and plan: a few small tensors)
 SIZE = 256
@@ -56,9 +77,20 @@ _CACHE: OrderedDict[Hashable, tuple[Any, MaskSpec | None]] = OrderedDict()
 _CONFIG: list[object] = [blocked_config.CONFIG]
 
 
+#: signature -> (the direct run, the mask the signature names, kept alive for its id)
+DIRECT: dict[Hashable, tuple[Direct, MaskSpec | None]] = {}
+
+
 def clear() -> None:
-    """Forget every kept decision."""
+    """Forget every kept decision and direct run."""
     _CACHE.clear()
+    DIRECT.clear()
+
+
+def _settings_seen() -> None:
+    if blocked_config.CONFIG is not _CONFIG[0]:  # settings changed (configure, a test's patch)
+        clear()
+        _CONFIG[0] = blocked_config.CONFIG
 
 
 def _spec_key(spec: MaskSpec) -> Hashable | None:
@@ -71,9 +103,7 @@ def call_key(call: AttentionCall, backend: str) -> Hashable | None:
     """The key of ``call``'s decision on ``backend``, or ``None`` where it is not cached."""
     if call.explaining or torch.compiler.is_compiling():
         return None
-    if blocked_config.CONFIG is not _CONFIG[0]:  # settings changed (configure, a test's patch)
-        _CACHE.clear()
-        _CONFIG[0] = blocked_config.CONFIG
+    _settings_seen()
     spec = call.mask
     skey: Hashable = None
     if spec is not None:
@@ -105,3 +135,50 @@ def keep(key: Hashable, decision: Any, spec: MaskSpec | None) -> None:
     _CACHE[key] = (decision, spec)
     while len(_CACHE) > SIZE:
         _CACHE.popitem(last=False)
+
+
+def direct_key(
+    q: Any, k: Any, v: Any, mask: Any, causal: Any, scale: Any, backend: Any
+) -> Hashable | None:
+    """The signature of a call of :func:`attnkit.attention` that may run directly (see the
+    module docstring; the caller has checked that it asks for no weights, dropout, soft-cap
+    or sinks), or ``None``. Read before any check, so it takes anything: what is not plainly
+    the tensors and flags of an eager CPU call without gradients gets ``None``."""
+    if tracing.ANY_OPEN or torch.compiler.is_compiling():
+        return None
+    try:
+        if not (q.is_cpu and k.is_cpu and v.is_cpu) or type(causal) is not bool:
+            return None
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return None
+        dtype = q.dtype
+        path = None if dtype is torch.float32 else os.environ.get(cpu.ENV)
+        skey: Hashable = None
+        if mask is not None:
+            if not isinstance(mask, MaskSpec) or mask.from_tensor:
+                return None
+            skey = _spec_key(mask)
+            if skey is None:
+                return None
+        _settings_seen()
+        return (
+            backend, skey, causal, scale, q.shape, k.shape, v.shape, dtype, k.dtype, v.dtype,
+            k.stride(), v.stride(), path,
+        )  # fmt: skip
+    except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the checks
+        return None  # will say what is wrong
+
+
+def keep_direct(key: Hashable, choice: Any, mask: MaskSpec | None) -> None:
+    """Keep the direct run of ``choice`` (a :class:`~attnkit.backends.Choice` that ran a call
+    whose signature is ``key``), where its backend offers one; ``mask`` is the call's mask
+    argument, held so that the ids in the key stay unique."""
+    d = choice.decision
+    if choice.fallback or d.memory is not None:  # (held to the memory limit at every call)
+        return
+    run = choice.backend.direct(choice.call, d.plan)
+    if run is None:
+        return
+    if len(DIRECT) >= SIZE:
+        del DIRECT[next(iter(DIRECT))]  # the oldest first
+    DIRECT[key] = (run, mask)

@@ -100,6 +100,12 @@ class SpecBase(Digestible):
     from_tensor: bool = False
     #: the key length a position-indexed spec is built for (``key_mask``, ``document``), or None
     length: int | None = None
+    #: the rule places query ``i`` at key position ``i + S - L`` (the end-aligned offset
+    #: ``off``: causal, windows, ALiBi, documents), so it is one place for every sequence of a
+    #: batch. False for rules of keys alone (padding, key masks, prefixes) and those that hold
+    #: each sequence's own position (``sequence_causal``); a rule that does not say counts as
+    #: True (a ragged KV cache then refuses it rather than place it wrongly)
+    reads_query_position: bool = True
     #: bytes per ``(b, h, q, kv)`` pair that evaluating :meth:`allowed` over a whole grid
     #: allocates besides the mask itself, at most (int64 index arithmetic); see :meth:`dense_bytes`
     scratch_bytes: int = 16

@@ -26,6 +26,7 @@ class DenseMask(MaskSpec):
     it is made per call instead of keeping user tensors alive in a cache.
     """
 
+    reads_query_position = False
     from_tensor = True
     scratch_bytes = 32  # allowed() gathers with four broadcast int64 index tensors
     digest_ignores = ("m", "ok", "_sums")  # views of the tensor, what it allows, a cache

@@ -180,6 +180,7 @@ class _Window(MaskSpec):
 class _Padding(MaskSpec):
     """Keys at or beyond each sequence's length are padding; optionally query rows too."""
 
+    reads_query_position = False
     scratch_bytes = 0
 
     def __init__(self, lengths: torch.Tensor, q_lengths: torch.Tensor | None) -> None:
@@ -237,6 +238,7 @@ class _Padding(MaskSpec):
 class _KeyMask(MaskSpec):
     """Keys allowed per sequence, from a bool ``(B, S)`` tensor (True = a real key)."""
 
+    reads_query_position = False
     scratch_bytes = 0
 
     def __init__(self, keep: torch.Tensor) -> None:
@@ -347,6 +349,7 @@ class _Document(MaskSpec):
 class _PrefixKeys(MaskSpec):
     """Keys before ``prefix_len`` (per sequence when a tensor) are visible to every query."""
 
+    reads_query_position = False
     scratch_bytes = 0
 
     def __init__(self, prefix_len: int | torch.Tensor) -> None:
@@ -394,6 +397,8 @@ class _PrefixKeys(MaskSpec):
 
 class _Unmasked(MaskSpec):
     """Every pair allowed (transformers' bidirectional rule, no padding)."""
+
+    reads_query_position = False
 
     def key(self) -> Hashable:
         return ("unmasked",)

@@ -22,6 +22,7 @@ class _SequenceCausal(MaskSpec):
     """The end-aligned causal rule per sequence: the last of the ``new`` queries of sequence
     ``b`` stands at its last cached key, ``lengths[b] - 1``; keys past it are not seen."""
 
+    reads_query_position = False
     scratch_bytes = 0
 
     def __init__(self, lengths: torch.Tensor, new: int) -> None:

@@ -143,6 +143,7 @@ class _Combined(MaskSpec):
         self.heads = _same("heads", "head counts", a, b)
         self.length = _same("length", "key lengths", a, b)
         self.from_tensor = a.from_tensor or b.from_tensor
+        self.reads_query_position = a.reads_query_position or b.reads_query_position
         self.scratch_bytes = a.scratch_bytes + b.scratch_bytes + 2  # the parts' bool masks
 
     def key(self) -> Hashable | None:
@@ -264,6 +265,7 @@ class _Not(MaskSpec):
         self.a = a
         self.batch, self.heads, self.length = a.batch, a.heads, a.length
         self.from_tensor = a.from_tensor
+        self.reads_query_position = a.reads_query_position
         self.scratch_bytes = a.scratch_bytes + 1
 
     def key(self) -> Hashable | None:
@@ -292,6 +294,7 @@ class _HeadSlice(MaskSpec):
         self.heads = stop - start
         self.has_bias = a.has_bias
         self.from_tensor = a.from_tensor
+        self.reads_query_position = a.reads_query_position
         self.scratch_bytes = a.scratch_bytes
 
     def key(self) -> Hashable | None:

@@ -23,6 +23,7 @@ from attnkit.inspect.tracing import (
     record_module_start,
     recording,
 )
+from attnkit.masks import MaskSpec
 from attnkit.modules.checks import attention_call, check_batch, check_head_sizes, check_input
 from attnkit.modules.kv_cache import KVCache
 from attnkit.modules.masking import Mask, MaskArgs, combine, module_mask
@@ -225,6 +226,8 @@ class AttentionBase(nn.Module):
             return q, k, v, mask, causal
         if kv_cache.static and mask is not None:
             raise kv_cache.mask_error(where, mask)
+        if kv_cache.ragged and isinstance(mask, MaskSpec) and mask.reads_query_position:
+            raise kv_cache.ragged_mask_error(where, mask)  # (before the cache is written)
         k, v = kv_cache.update(start, k, v)  # (B, Hkv, S, Dk), (B, Hkv, S, Dv)
         rule = kv_cache.rule(L, causal=causal)
         if rule is None:  # one new token sees every cached key: causal needs no mask then

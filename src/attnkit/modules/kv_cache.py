@@ -140,6 +140,11 @@ class KVCache(nn.Module):
             + (", static=True" if self.static else "")
         )
 
+    @property
+    def ragged(self) -> bool:
+        """The dynamic cache's sequences have different lengths (:meth:`rule` is a spec)."""
+        return not self.static and self._uniform is None
+
     def next_pos(self) -> int | torch.Tensor:
         """Where the next :meth:`update` goes: an int while every sequence has the same length,
         else each sequence's length ``(B,)`` (always, in a static cache)."""
@@ -234,6 +239,25 @@ class KVCache(nn.Module):
             got=f"mask ({kind}) with {WHERE}(static=True, max_len={self.max_len})",
             expected="mask=None with a static cache (its own rule is the causal one)",
             fix="decode a masked or ALiBi model with the dynamic cache (static=False)",
+        )
+
+    def ragged_mask_error(self, where: str, mask: MaskSpec) -> AttentionInputError:
+        """The error for a module's mask spec that places the queries from the end of the keys
+        (:attr:`~attnkit.masks.MaskSpec.reads_query_position`: causal, sliding_window, alibi,
+        document) while the sequences of the batch have different lengths: the rule would put
+        every sequence's new tokens after the longest one's last token."""
+        return AttentionInputError(
+            where,
+            "mask",
+            f"the mask {mask!r} counts query positions from the end of the keys, one place for "
+            "the whole batch, but the cached sequences have different lengths "
+            f"({self.lengths.tolist()}): a shorter sequence's new tokens would be placed after "
+            "the longest one's.",
+            got=f"mask={mask!r} with cached lengths {self.lengths.tolist()}",
+            expected="a mask of keys alone (padding, key_mask, prefix_keys) with a ragged "
+            "cache, or sequences of one length",
+            fix="decode the sequences of different lengths in separate batches (or left-pad "
+            "them to one length and mask the padding with key_mask), or drop the mask",
         )
 
     def truncate(self, lengths: int | torch.Tensor) -> None:

@@ -44,6 +44,7 @@ with nothing to attend to gets output 0, log-sum-exp ``-inf`` and gradient 0.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -257,8 +258,8 @@ def _rule(call: AttentionCall, kernel_plan: BlockPlan | None) -> tuple[bool, str
     if plan is not None and plan.decode is not None:
         if plan.decode.serves:
             return True, (
-                f"a decode-shaped CPU call (L = {L} <= {decode.MAX_L} queries, S = {S} >= "
-                f"{decode.min_keys(L)} keys): attnkit's decode kernel reads each key/value head "
+                f"a decode-shaped CPU call (L = {L} <= {decode.MAX_L} queries, S = {S} "
+                "keys): attnkit's decode kernel reads each key/value head "
                 "once for its query heads and only the keys each row may see (no dense mask), "
                 "measured faster than SDPA (benchmarks/decode_kernel.py)"
             )
@@ -268,11 +269,12 @@ def _rule(call: AttentionCall, kernel_plan: BlockPlan | None) -> tuple[bool, str
                 f"does not run it: {plan.decode.reason}): the row-span kernel reads only each "
                 "row's own keys, where SDPA would need a dense L x S mask"
             )
-    if plan is not None and plan.spans.serves:
+    sized = plan is not None and _kernel_sized(call, compiling)  # (not a small decode plan)
+    if sized and plan is not None and plan.spans.serves:
         return True, _kernel_rule(call, plan)
     if not extras and (spec is None or spec.from_tensor or call.causal):
         why, kind = "", "plain causal" if call.causal else "unmasked"
-        if plan is not None:  # big enough, but the kernel does not run it
+        if sized and plan is not None:  # big enough, but the kernel does not run it
             why = f"; this {L} x {S} call is {kind}, but {plan.spans.reason}"
         elif (call.causal or spec is None) and not compiling:  # too small
             train = " in training" if spec is None and call.needs_grad else ""
@@ -359,6 +361,18 @@ class BlockedBackend(Backend):
         qc, kc, vc = _float32(q, k, v, upcast)
         out, lse = forward_with_lse(qc, kc, vc, mask=call.mask, scale=call.scale, plan=plan)
         return with_sinks(out, lse, sinks)[0].to(q.dtype), None
+
+    def direct(
+        self, call: AttentionCall, plan: BlockPlan | None = None
+    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None] | None:
+        """The decode kernel on the plan's runs of keys, where it serves the call: a decode
+        step's later calls (every layer, every step with these sizes) run it directly
+        (:mod:`attnkit.backends.memo`); ``None`` where the kernel saw NaN or inf."""
+        if plan is None or plan.decode is None or not plan.decode.serves:
+            return None
+        if call.sinks is not None or call.softcap is not None or call.return_weights:
+            return None
+        return decode.direct(call, plan.decode)
 
     def _note(self, call: AttentionCall, plan: BlockPlan | None) -> str:
         """The plan in one line, and what changes under ``torch.compile``, for

@@ -4,7 +4,7 @@ key/value cache, at the speed of reading the cache once.
 Dimension legend: B batch, H query heads, Hkv key/value heads, g = H // Hkv query heads per
 key/value head, L query length, S key length, Dk query/key head dim, Dv value head dim.
 
-A decode step (L <= :data:`MAX_L` queries against S >= :func:`min_keys` cached keys) is bound by
+A decode step (L <= :data:`MAX_L` queries against a cache of S keys) is bound by
 memory: every key and value it may see has to be read, and little else has to be done. The
 kernel reads each key/value head's K and V once for its ``g`` query heads and all L rows (no
 repeat, no copy; K and V may be strided views of a cache buffer, ``(B, Hkv, N, D)[:, :, :S]``,
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,13 +44,12 @@ from attnkit.call import AttentionCall
 
 __all__ = [
     "MAX_L",
-    "MIN_S",
     "DecodePlan",
     "available",
     "build",
+    "direct",
     "kernel",
     "main",
-    "min_keys",
     "plan",
     "run",
     "shaped",
@@ -60,10 +60,6 @@ __all__ = [
 NAME = builds.DECODE.name
 #: the most query rows per call the kernel serves (a decode step, or a few speculative tokens)
 MAX_L = 16
-#: the fewest keys for up to 3 queries (:func:`min_keys`): below this many cached keys SDPA's
-#: single call costs less than the kernel's planning and thread start (measured:
-#: benchmarks/decode_kernel.py, ``min_s`` rows)
-MIN_S = 256
 
 _lock = threading.Lock()
 _module: Any = None
@@ -135,19 +131,15 @@ class DecodePlan:
         return self.serves
 
 
-def min_keys(L: int) -> int:
-    """The fewest keys for which ``L`` queries are decode-shaped: :data:`MIN_S` up to 3
-    queries, doubled at 4, 8 and 16 (the kernel's work grows with L x S while SDPA's GEMMs
-    get more efficient: measured against SDPA with the end-aligned causal mask, the kernel
-    was faster from about 256 keys at L = 1-2, 1024 at L = 4-8, and even at 1024 at L = 16)."""
-    return MIN_S << max(0, L.bit_length() - 2)
-
-
 def shaped(call: AttentionCall) -> bool:
-    """A decode-shaped eager CPU call: ``1 <= L <= MAX_L`` queries, ``S >= min_keys(L)`` keys
-    (not while torch.compile traces: the blocked backend runs as one custom op there)."""
+    """A decode-shaped eager CPU call: ``1 <= L <= MAX_L`` queries against a cache, more keys
+    than queries (``S > L``; self-attention of a few tokens, ``L == S``, is not decoding), not
+    while torch.compile traces (the blocked backend runs as one custom op there). Against what
+    ``auto`` would run instead (SDPA through attnkit, with the end-aligned mask and the
+    non-finite check an eager CPU call pays) the kernel was faster at every cache length
+    measured, from 16 keys up, at 1 to 16 queries (docs/benchmarks.md)."""
     d = call.dims
-    if call.device_type != "cpu" or not 1 <= d.L <= MAX_L or min_keys(d.L) > d.S:
+    if call.device_type != "cpu" or not 1 <= d.L <= MAX_L or d.S <= d.L:
         return False
     return not torch.compiler.is_compiling()
 
@@ -243,6 +235,22 @@ def run(call: AttentionCall, p: DecodePlan) -> tuple[torch.Tensor, torch.Tensor,
     assert p.hi is not None
     out, lse, finite = kernel().decode_forward(call.q, call.k, call.v, p.lo, p.hi, call.scale)
     return out, lse, bool(finite)
+
+
+def direct(
+    call: AttentionCall, p: DecodePlan
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]:
+    """:func:`run` for any call with ``call``'s signature, given its q, k and v: the output,
+    or ``None`` where the kernel saw NaN or inf (``p`` must serve ``call``)."""
+    assert p.lo is not None
+    assert p.hi is not None
+    forward, lo, hi, scale = kernel().decode_forward, p.lo, p.hi, call.scale
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+        out, _, finite = forward(q, k, v, lo, hi, scale)
+        return out if finite else None
+
+    return run
 
 
 def main() -> None:

@@ -1,0 +1,230 @@
+"""Calls run directly (:mod:`attnkit.backends.memo`, "Calls run directly"): a decode call like
+an earlier one runs the kernel its decision took and nothing else, gives the oracle's answer,
+still takes the whole path where the values hold NaN or inf, and never lets bad input through.
+
+Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S key length,
+D head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnkit
+import attnkit.functional as functional
+from attnkit import AttentionInputError, masks
+from attnkit.backends import memo, owned
+from attnkit.backends.blocked import configure, decode
+from oracle import reference_attention, within_naive
+
+pytestmark = pytest.mark.skipif(
+    decode.build() is None, reason=f"the decode kernel is not available: {decode.status()}"
+)
+
+
+@pytest.fixture(autouse=True)
+def fresh() -> Iterator[None]:
+    memo.clear()
+    yield
+    memo.clear()
+
+
+def _qkv(
+    B: int = 2, H: int = 8, Hkv: int = 2, L: int = 1, S: int = 48, D: int = 32, seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+    return q, k, torch.randn(B, Hkv, S, D, generator=g).to(dtype)
+
+
+def _check(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> None:
+    want = reference_attention(q, k, v, **kw)[0]
+    naive = reference_attention(q, k, v, dtype=q.dtype, **kw)[0]
+    within_naive(out, want, naive)
+
+
+def _no_whole_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the checks and the dispatcher raise: only a direct run can answer."""
+
+    def whole_path(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the call took the whole path")
+
+    monkeypatch.setattr(functional, "check_qkv", whole_path)
+    monkeypatch.setattr(functional, "choose", whole_path)
+
+
+MASKS: dict[str, Any] = {
+    "causal": lambda B, S: {"causal": True},
+    "none": lambda B, S: {},
+    "window": lambda B, S: {"mask": masks.causal() & masks.sliding_window(7)},
+    "padding": lambda B, S: {"mask": masks.padding(torch.tensor([S, S // 3][:B]))},
+    "owned": lambda B, S: {
+        "mask": owned.own(masks.causal() & masks.key_mask(torch.arange(S).expand(B, S) >= 2))
+    },
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("H", "Hkv", "L"), [(8, 2, 1), (4, 4, 1), (6, 3, 5), (2, 1, 16)])
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_a_repeated_call_runs_directly_and_matches_the_oracle(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, H: int, Hkv: int, L: int, mask: str
+) -> None:
+    """GQA and MHA, batch 2, one to sixteen query rows, every mask the decode kernel reads:
+    the first call takes the whole path and keeps the kernel; the second (new values, same
+    sizes) runs it without any check or decision and gives the oracle's answer."""
+    kw = MASKS[mask](2, 48)
+    q, k, v = _qkv(H=H, Hkv=Hkv, L=L, dtype=dtype)
+    first = attnkit.attention(q, k, v, **kw)
+    assert len(memo.DIRECT) == 1
+    dense = {"mask": kw["mask"].to_dense(L, 48)} if "mask" in kw else kw
+    _check(first, q, k, v, **dense)
+    _no_whole_path(monkeypatch)
+    q2, k2, v2 = _qkv(H=H, Hkv=Hkv, L=L, dtype=dtype, seed=1)
+    second = attnkit.attention(q2, k2, v2, **kw)
+    _check(second, q2, k2, v2, **dense)
+    assert second.dtype == dtype
+    assert second.shape == (2, H, L, 32)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    B=st.integers(1, 3),
+    Hkv=st.sampled_from([1, 2, 3]),
+    g=st.sampled_from([1, 2, 4]),
+    L=st.integers(1, 16),
+    S=st.integers(1, 300),
+    D=st.sampled_from([8, 13, 64]),
+    window=st.sampled_from([None, 1, 5, 64]),
+)
+def test_direct_runs_sweep_shapes_and_windows(
+    B: int, Hkv: int, g: int, L: int, S: int, D: int, window: int | None
+) -> None:
+    """Any decode shape, twice with other values: both answers are the oracle's."""
+    S = max(S, L)
+    kw: dict[str, Any] = {"causal": True}
+    if window is not None:
+        kw = {"mask": masks.causal() & masks.sliding_window(window)}
+    for seed in (0, 1):
+        q, k, v = _qkv(B, Hkv * g, Hkv, L, S, D, seed=seed)
+        out = attnkit.attention(q, k, v, **kw)
+        dense = {"mask": kw["mask"].to_dense(L, S)} if "mask" in kw else kw
+        _check(out, q, k, v, **dense)
+
+
+def test_nan_on_a_direct_run_takes_the_whole_path() -> None:
+    """NaN in a key some row sees: exactly those rows are NaN; NaN in a value outside every
+    row's window: no row is NaN (the exact rule of attnkit.backends.nonfinite)."""
+    spec = masks.causal() & masks.sliding_window(8)
+    q, k, v = _qkv()
+    attnkit.attention(q, k, v, mask=spec)
+    attnkit.attention(q, k, v, mask=spec)  # direct
+    k_bad = k.clone()
+    k_bad[1, 0, 45, 3] = math.nan  # within the window of the last row
+    out = attnkit.attention(q, k_bad, v, mask=spec)
+    assert out[1, :4].isnan().all()  # query heads 0-3 read key/value head 0
+    assert not out[1, 4:].isnan().any()
+    assert not out[0].isnan().any()
+    v_bad = v.clone()
+    v_bad[:, :, 3] = math.inf  # outside every row's window
+    out = attnkit.attention(q, k, v_bad, mask=spec)
+    assert not out.isnan().any()
+    _check(out, q, k, v, mask=spec.to_dense(1, 48))
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"causal": 1}, "`causal` is of type int"),
+        ({"scale": -1.0}, "`scale` must be a positive finite number"),
+        ({"q": np.zeros((2, 8, 1, 32), dtype=np.float32)}, "`q` is a ndarray, not a tensor"),
+        ({"k": [[0.0]]}, "`k` is a list, not a tensor"),
+        ({"mask": 3}, "mask"),
+        ({"dropout_p": True}, "dropout_p"),
+        ({"v": torch.zeros(2, 2, 47, 32)}, "k and v have different lengths"),
+        ({"backend": "nope"}, "unknown backend 'nope'"),
+    ],
+)
+def test_bad_input_after_a_direct_run_is_still_refused(
+    bad: dict[str, object], message: str
+) -> None:
+    q, k, v = _qkv()
+    attnkit.attention(q, k, v, causal=True)
+    attnkit.attention(q, k, v, causal=True)  # direct
+    args: dict[str, Any] = {"q": q, "k": k, "v": v, "causal": True, **bad}
+    with pytest.raises(AttentionInputError) as info:
+        attnkit.attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+    assert message in str(info.value)
+
+
+def test_gradients_weights_and_dropout_take_the_whole_path() -> None:
+    """The same sizes with autograd, weights or dropout are not run directly: the gradients
+    and the weights are the oracle's."""
+    q, k, v = _qkv()
+    attnkit.attention(q, k, v, causal=True)
+    assert len(memo.DIRECT) == 1
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    attnkit.attention(qg, kg, vg, causal=True).square().sum().backward()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    reference_attention(q64, k64, v64, causal=True)[0].square().sum().backward()
+    for got, want in ((qg.grad, q64.grad), (kg.grad, k64.grad), (vg.grad, v64.grad)):
+        assert got is not None
+        assert want is not None
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+    out, weights = attnkit.attention(q, k, v, causal=True, return_weights=True)
+    torch.testing.assert_close(
+        weights.double(), reference_attention(q, k, v, causal=True)[1], atol=1e-6, rtol=1e-5
+    )
+    torch.manual_seed(0)
+    dropped = attnkit.attention(q, k, v, causal=True, dropout_p=0.5)
+    assert not torch.allclose(dropped, out)  # dropout ran (a direct run has none)
+    assert len(memo.DIRECT) == 1
+
+
+def test_a_trace_records_a_call_that_would_run_directly() -> None:
+    q, k, v = _qkv()
+    attnkit.attention(q, k, v, causal=True)
+    attnkit.attention(q, k, v, causal=True)  # direct
+    with attnkit.trace() as tr:
+        attnkit.attention(q, k, v, causal=True)
+    assert tr.n_calls == 1
+    assert tr.backends == ["blocked"]
+
+
+def test_settings_registry_and_spec_writes_forget_direct_runs() -> None:
+    q, k, v = _qkv()
+    attnkit.attention(q, k, v, causal=True)
+    assert memo.DIRECT
+    old = configure(min_pairs=7)
+    try:
+        attnkit.attention(q, k, v, causal=True)  # new settings: everything kept is forgotten
+        assert len(memo.DIRECT) == 1
+        memo.DIRECT.clear()
+    finally:
+        configure(min_pairs=old.min_pairs)
+    keep = torch.ones(2, 48, dtype=torch.bool)
+    spec = owned.own(masks.causal() & masks.key_mask(keep))
+    first = attnkit.attention(q, k, v, mask=spec)
+    keep[0, :40] = False  # through torch: the version moves, a new signature
+    second = attnkit.attention(q, k, v, mask=spec)
+    _check(second, q, k, v, mask=spec.to_dense(1, 48))
+    assert not torch.equal(first[0], second[0])
+    assert len(memo.DIRECT) == 2
+
+
+def test_explain_names_the_kernel_a_direct_run_calls() -> None:
+    q, k, v = _qkv(S=5)
+    e = attnkit.explain(q, k, v, causal=True)
+    assert e.chosen == "blocked"
+    assert "attnkit's AVX2 decode kernel" in e.notes["blocked"]
+    assert not memo.DIRECT  # explain keeps nothing
