@@ -244,10 +244,11 @@ def direct(
     or ``None`` where the kernel saw NaN or inf (``p`` must serve ``call``)."""
     assert p.lo is not None
     assert p.hi is not None
-    forward, lo, hi, scale = kernel().decode_forward, p.lo, p.hi, call.scale
+    # the kernel's entry bound to this signature (its checks and arguments made once)
+    bound = kernel().bind(call.q, call.k, call.v, p.lo, p.hi, call.scale)
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-        out, _, finite = forward(q, k, v, lo, hi, scale)
+        out, finite = bound(q, k, v)
         return out if finite else None
 
     return run

@@ -345,19 +345,7 @@ class DecodeKernel(Library):
         """``(out (B, H, L, Dv) in q's dtype, lse (B, H, L) float32, finite)``; k and v may be
         strided views with a contiguous last dimension. (Written for a decode step's few
         microseconds: one array of arguments, ``empty_like`` where out has q's shape.)"""
-        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-            raise RuntimeError("decode: q, k, v must be 4-d")
-        if q.dtype != k.dtype or q.dtype != v.dtype:
-            raise RuntimeError("decode: q, k, v must share a dtype")
-        if not (q.is_cpu and k.is_cpu and v.is_cpu):
-            raise RuntimeError("decode: CPU tensors only")
-        if (
-            lo.dtype != torch.long
-            or hi.dtype != torch.long
-            or lo.dim() != 2
-            or hi.shape != lo.shape
-        ):
-            raise RuntimeError("decode: lo/hi must be int64 (1 or B, L)")
+        _decode_checks(q, k, v, lo, hi)
         q, lo, hi = q.contiguous(), lo.contiguous(), hi.contiguous()
         qs, vs = q.shape, v.shape
         B, H, L = qs[0], qs[1], qs[2]
@@ -391,9 +379,15 @@ class DecodeKernel(Library):
         output's allocation and the C call. It returns ``(out, finite)``: its ``lse`` goes to
         a scratch buffer of this binding that nobody reads. A call whose signature differs is
         not checked and reads out of bounds: bind again."""
-        self.decode_forward(q, k, v, lo, hi, scale)  # checks the signature once
+        _decode_checks(q, k, v, lo, hi)  # what the C side checks too, once
+        qs, ks, vs = q.shape, k.shape, v.shape
+        if not (ks[0] == vs[0] == qs[0] and ks[1] == vs[1] and ks[2] == vs[2] and ks[3] == qs[3]):
+            raise RuntimeError("decode: shapes of q, k, v do not match")
+        if ks[1] == 0 or qs[1] % ks[1] or k.stride(3) != 1 or v.stride(3) != 1:
+            raise RuntimeError("decode: shapes of q, k, v do not match, or k, v strided rows")
+        if lo.shape[1] != qs[2] or lo.shape[0] not in (1, qs[0]):
+            raise RuntimeError("decode: lo/hi must be int64 (1 or B, L)")
         lo, hi = lo.contiguous(), hi.contiguous()
-        qs, vs = q.shape, v.shape
         B, H, L = qs[0], qs[1], qs[2]
         scratch = torch.empty(B, H, L, dtype=torch.float32)
         dtype, same, Dv = q.dtype, vs[3] == qs[3], vs[3]
@@ -424,6 +418,22 @@ class DecodeKernel(Library):
 
         run.keep = keep  # type: ignore[attr-defined]
         return run
+
+
+def _decode_checks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
+) -> None:
+    """What the decode kernel's C side cannot see: dims, dtypes, devices."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise RuntimeError("decode: q, k, v must be 4-d")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise RuntimeError("decode: q, k, v must share a dtype")
+    if q.dtype not in DTYPES:
+        raise RuntimeError("decode: dtype not supported")
+    if not (q.is_cpu and k.is_cpu and v.is_cpu):
+        raise RuntimeError("decode: CPU tensors only")
+    if lo.dtype != torch.long or hi.dtype != torch.long or lo.dim() != 2 or hi.shape != lo.shape:
+        raise RuntimeError("decode: lo/hi must be int64 (1 or B, L)")
 
 
 def _open(
