@@ -153,6 +153,29 @@ def test_a_kernel_reports_a_refusal_as_an_error() -> None:
         kernel.decode_forward(q, kt, kt.contiguous(), lo, hi, 0.5)
 
 
+def test_a_bound_decode_call_gives_the_checked_calls_bits() -> None:
+    kernel = decode.build() or pytest.skip(decode.status())
+    import torch
+
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(2, 8, 3, 64, dtype=dtype).transpose(1, 2).contiguous().transpose(1, 2)
+        cache = torch.randn(2, 2, 40, 64, dtype=dtype)
+        k, v = cache[:, :, :33], cache[:, :, 5:38]  # strided views of a cache buffer
+        lo = torch.tensor([[0, 0, 1], [3, 4, 5]])
+        hi = torch.tensor([[30, 31, 32], [30, 31, 32]])
+        bound = kernel.bind(q, k, v, lo, hi, 0.3)
+        for _ in range(2):
+            q2, k2, v2 = torch.randn_like(q), torch.randn_like(cache), torch.randn_like(cache)
+            out, finite = bound(q2, k2[:, :, :33], v2[:, :, 5:38])
+            want, _, ok = kernel.decode_forward(q2, k2[:, :, :33], v2[:, :, 5:38], lo, hi, 0.3)
+            assert finite is ok is True
+            assert torch.equal(out, want)
+        q2[0, 0, 0, 0] = float("nan")
+        assert bound(q2, k2[:, :, :33], v2[:, :, 5:38])[1] is False
+    with pytest.raises(RuntimeError, match="decode: shapes of q, k, v do not match"):
+        kernel.bind(q[:, :5], k, v, lo, hi, 0.3)
+
+
 NO_KERNEL = textwrap.dedent(
     """
     import torch, attnkit
