@@ -46,6 +46,21 @@ namespace decode {
 // element types, their loads and stores, exp2_ps, hsum, hmax: elements.h
 using namespace attnkit_elements;
 
+// the tuning knobs (keys): how many keys one block holds at most (K and V of a block stay in
+// L1/L2 between the score and the value pass), and how far ahead K and V rows are prefetched
+#ifndef DECODE_BLOCK_BYTES
+#define DECODE_BLOCK_BYTES 16384
+#endif
+#ifndef DECODE_PF_BYTES
+#define DECODE_PF_BYTES 8192
+#endif
+#ifndef DECODE_SERIAL_BYTES
+#define DECODE_SERIAL_BYTES 131072
+#endif
+#ifndef DECODE_PF_HINT
+#define DECODE_PF_HINT _MM_HINT_T0
+#endif
+
 
 
 
@@ -73,9 +88,6 @@ static inline void qk_tile(const float* q, int64_t Dk, const elem_t<E>* const* k
     }
   }
 }
-
-// how many keys ahead the score loop prefetches K rows (two blocks of 32)
-constexpr int64_t kAhead = 64;
 
 // four scores from four accumulators: [sum a0, sum a1, sum a2, sum a3]
 static inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
@@ -109,7 +121,7 @@ static inline void qk_4keys(const float* q, int64_t Dk, const elem_t<E>* k0, int
   for (; d + 8 <= Dk; d += 8) {
     if (pf != nullptr && ((d * static_cast<int64_t>(sizeof(elem_t<E>))) & 63) == 0) {
       for (int c = 0; c < 4; ++c)  // the same keys of the next block, one line at a time
-        _mm_prefetch(reinterpret_cast<const char*>(pf + c * sk + d), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(pf + c * sk + d), DECODE_PF_HINT);
     }
     const __m256 x0 = load8<E>(k0 + d), x1 = load8<E>(k1 + d);
     const __m256 x2 = load8<E>(k2 + d), x3 = load8<E>(k3 + d);
@@ -138,10 +150,11 @@ static inline void qk_4keys(const float* q, int64_t Dk, const elem_t<E>* k0, int
 
 template <Dt E, int RB>
 static inline void qk_rows(const float* q, int64_t Dk, const elem_t<E>* k0, int64_t sk,
-                           int64_t n, float* s, int64_t ss, int64_t ahead) {
+                           int64_t n, float* s, int64_t ss, int64_t ahead,
+                           int64_t dist) {
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
-    const elem_t<E>* pf = j + 4 <= ahead ? k0 + (j + kAhead) * sk : nullptr;
+    const elem_t<E>* pf = j + 4 <= ahead ? k0 + (j + dist) * sk : nullptr;
     qk_4keys<E, RB>(q, Dk, k0 + j * sk, sk, s + j, ss, pf);
   }
   for (; j < n; ++j) {
@@ -150,26 +163,25 @@ static inline void qk_rows(const float* q, int64_t Dk, const elem_t<E>* k0, int6
   }
 }
 
-// scores of R rows against keys k0[0 .. n) (rows sk apart): s[r * ss + j]
+// scores of R rows against keys k0[0 .. n) (rows sk apart): s[r * ss + j]; the first row pair
+// prefetches the K rows `pf` keys ahead while ahead of them lie `avail` keys of the item
 template <Dt E>
-static void qk_all(const float* q, int64_t R, int64_t Dk, const elem_t<E>* k0, int64_t sk,
-                   int64_t n, float* s, int64_t ss) {
-  // key blocks of 32 outermost: their K rows stay in L1 while every row pair reads them
-  for (int64_t j0 = 0; j0 < n; j0 += 32) {
-    const int64_t nb = std::min<int64_t>(32, n - j0);
-    int64_t ahead = std::max<int64_t>(0, n - j0 - kAhead);  // keys kAhead on
-    int64_t r = 0;
-    for (; r + 2 <= R; r += 2) {  // the first row pair prefetches the next block's K rows
-      qk_rows<E, 2>(q + r * Dk, Dk, k0 + j0 * sk, sk, nb, s + r * ss + j0, ss, ahead);
-      ahead = 0;
-    }
-    if (r < R) qk_rows<E, 1>(q + r * Dk, Dk, k0 + j0 * sk, sk, nb, s + r * ss + j0, ss, ahead);
+static void qk_block(const float* q, int64_t R, int64_t Dk, const elem_t<E>* k0, int64_t sk,
+                     int64_t n, float* s, int64_t ss, int64_t pf, int64_t avail) {
+  int64_t ahead = std::max<int64_t>(0, avail - pf);  // keys j < ahead have a row pf on
+  int64_t r = 0;
+  for (; r + 2 <= R; r += 2) {
+    qk_rows<E, 2>(q + r * Dk, Dk, k0, sk, n, s + r * ss, ss, ahead, pf);
+    ahead = 0;
   }
+  if (r < R) qk_rows<E, 1>(q + r * Dk, Dk, k0, sk, n, s + r * ss, ss, ahead, pf);
 }
 
-// softmax numerators of s[a .. e) in place (2^(s - m)); returns (m, sum); bad |= non-finite
-static inline void softmax_run(float* s, int64_t a, int64_t e, float& m_out, float& l_out,
-                               bool& bad) {
+// one block of a row's online softmax: s[a .. e) becomes 2^(s - m) for the row's running max m
+// (raised to the block's max first, the running sum l and the row's output acc (Dv) rescaled
+// by 2^(m_old - m_new) when it grows); bad |= a score there is NaN or inf
+static inline void softmax_block(float* s, int64_t a, int64_t e, float& m_io, float& l_io,
+                                 float* acc, int64_t Dv, bool& bad) {
   __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   __m256 nf = _mm256_setzero_ps();  // NaN lanes where a score is NaN or inf
   int64_t j = a;
@@ -178,14 +190,26 @@ static inline void softmax_run(float* s, int64_t a, int64_t e, float& m_out, flo
     mv = _mm256_max_ps(mv, x);
     nf = _mm256_add_ps(nf, _mm256_sub_ps(x, x));
   }
-  float m = hmax(mv);
+  float bm = hmax(mv);
   float tail_nf = 0.0f;
   for (; j < e; ++j) {
-    m = std::max(m, s[j]);
+    bm = std::max(bm, s[j]);
     tail_nf += s[j] - s[j];
   }
   const float nfs = hsum(nf) + tail_nf;
-  if (!std::isfinite(nfs) || !std::isfinite(m)) bad = true;
+  if (!std::isfinite(nfs) || !std::isfinite(bm)) bad = true;
+  float m = m_io, l = l_io;
+  if (bm > m) {
+    if (l > 0.0f) {  // rescale what the row holds to the new max
+      const float alpha = std::exp2(m - bm);
+      l *= alpha;
+      const __m256 av = _mm256_set1_ps(alpha);
+      int64_t d = 0;
+      for (; d + 8 <= Dv; d += 8) _mm256_storeu_ps(acc + d, _mm256_mul_ps(av, _mm256_loadu_ps(acc + d)));
+      for (; d < Dv; ++d) acc[d] *= alpha;
+    }
+    m = bm;
+  }
   const __m256 mb = _mm256_set1_ps(m);
   __m256 lv = _mm256_setzero_ps();
   j = a;
@@ -194,14 +218,14 @@ static inline void softmax_run(float* s, int64_t a, int64_t e, float& m_out, flo
     _mm256_storeu_ps(s + j, p);
     lv = _mm256_add_ps(lv, p);
   }
-  float l = hsum(lv);
+  l += hsum(lv);
   for (; j < e; ++j) {
     const float p = std::exp2(s[j] - m);
     s[j] = p;
     l += p;
   }
-  m_out = m;
-  l_out = l;
+  m_io = m;
+  l_io = l;
 }
 
 // o_r[d ..] += sum_j p_r[j] v_j[d ..] for RB rows over keys j < n of vb (float32 rows, Dv
@@ -239,49 +263,95 @@ static inline void pv_rows(const float* const* p, const float* vb, int64_t Dv, i
     }
 }
 
-// acc[r] += sum_j p[r][j] v_j over each row's own keys [ra[r], re[r]) (local to the chunk), in
-// blocks of KB keys: the block's V rows are converted (copied for float32) once into vbuf, read
-// sequentially; rows whose run holds the whole block go through pv_rows four at a time, the
-// others key by key (so a value a row may not see is never multiplied into it)
+// acc[r] += sum_j p[r][j] v_j over each row's own keys [ra[r], re[r]) of one block of nb keys
+// (v0 its first V row): the block's V rows are converted (copied for float32) once into vbuf,
+// read sequentially (prefetching the V rows pf keys on, where the item has `avail` more keys);
+// rows whose run holds the whole block go through pv_rows four at a time, the others key by
+// key (so a value a row may not see is never multiplied into it)
 template <Dt E>
-static void pv_all(const float* s, int64_t ss, int64_t R, const int64_t* ra, const int64_t* re,
-                   const elem_t<E>* v0, int64_t sv, int64_t n, int64_t Dv, float* acc,
-                   float* vbuf, int64_t KB, const float** pp, float** op) {
-  for (int64_t j0 = 0; j0 < n; j0 += KB) {
-    const int64_t nb = std::min(KB, n - j0);
-    for (int64_t j = 0; j < nb; ++j) {
-      const elem_t<E>* src = v0 + (j0 + j) * sv;
-      float* dst = vbuf + j * Dv;
-      if (j0 + 2 * KB + j < n) {  // the same row of the next block
-        const char* nx = reinterpret_cast<const char*>(src + 2 * KB * sv);
-        for (int64_t b = 0; b < Dv * static_cast<int64_t>(sizeof(elem_t<E>)); b += 64)
-          _mm_prefetch(nx + b, _MM_HINT_T0);
-      }
-      int64_t d = 0;
-      for (; d + 8 <= Dv; d += 8) _mm256_storeu_ps(dst + d, load8<E>(src + d));
-      for (; d < Dv; ++d) dst[d] = load1<E>(src + d);
+static void pv_block(const float* s, int64_t ss, int64_t R, const int64_t* ra, const int64_t* re,
+                     const elem_t<E>* v0, int64_t sv, int64_t nb, int64_t Dv, float* acc,
+                     float* vbuf, const float** pp, float** op, int64_t pf, int64_t avail) {
+  const int64_t row_bytes = Dv * static_cast<int64_t>(sizeof(elem_t<E>));
+  for (int64_t j = 0; j < nb; ++j) {
+    const elem_t<E>* src = v0 + j * sv;
+    float* dst = vbuf + j * Dv;
+    if (j + pf < avail) {
+      const char* nx = reinterpret_cast<const char*>(src + pf * sv);
+      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(nx + b, DECODE_PF_HINT);
     }
-    int64_t nf = 0;
+    int64_t d = 0;
+    for (; d + 8 <= Dv; d += 8) _mm256_storeu_ps(dst + d, load8<E>(src + d));
+    for (; d < Dv; ++d) dst[d] = load1<E>(src + d);
+  }
+  int64_t nf = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    if (ra[r] <= 0 && re[r] >= nb) {
+      pp[nf] = s + r * ss;
+      op[nf] = acc + r * Dv;
+      ++nf;
+    } else if (re[r] > ra[r]) {  // part of the block: key by key
+      const int64_t a = ra[r], e = re[r];
+      const float* pr = s + r * ss + a;
+      float* o = acc + r * Dv;
+      pv_rows<1>(&pr, vbuf + a * Dv, Dv, e - a, &o);
+    }
+  }
+  int64_t i = 0;
+  for (; i + 4 <= nf; i += 4) pv_rows<4>(pp + i, vbuf, Dv, nb, op + i);
+  switch (nf - i) {
+    case 3: pv_rows<3>(pp + i, vbuf, Dv, nb, op + i); break;
+    case 2: pv_rows<2>(pp + i, vbuf, Dv, nb, op + i); break;
+    case 1: pv_rows<1>(pp + i, vbuf, Dv, nb, op + i); break;
+    default: break;
+  }
+}
+
+// the per-thread buffers of run_item
+struct Scratch {
+  std::vector<float> sb, vbuf;
+  std::vector<int64_t> ra, re, ba, be;
+  std::vector<const float*> pp;
+  std::vector<float*> ob;
+  std::vector<float> o;
+  Scratch(int64_t R, int64_t ss, int64_t NB, int64_t Dv)
+      : sb(static_cast<size_t>(R * ss)), vbuf(static_cast<size_t>(NB * Dv + 8)), ra(R), re(R),
+        ba(R), be(R), pp(R), ob(R), o(static_cast<size_t>(Dv)) {}
+};
+
+// one item: R rows (qg, float32, Dk apart) against n keys k0/v0 (rows ks/vs apart), row r
+// over its keys [ra[r], re[r]) of them: in blocks of NB keys, the scores of the block, each
+// row's online softmax step, then P V of the block, so that K and V each stream once and a
+// block's K and V rows are hot between the passes; leaves max m, sum l (log2 units) and the
+// unnormalised output acc (R x Dv) of each row
+template <Dt E>
+static void run_item(const float* qg, int64_t R, int64_t Dk, int64_t Dv, const elem_t<E>* k0,
+                     int64_t ks, const elem_t<E>* v0, int64_t vs, int64_t n, int64_t NB,
+                     Scratch& w, int64_t ss, float* acc, float* m, float* l, bool& bad) {
+  const int64_t pfk = std::max<int64_t>(
+      4, DECODE_PF_BYTES / std::max<int64_t>(1, Dk * static_cast<int64_t>(sizeof(elem_t<E>))));
+  const int64_t pfv = std::max<int64_t>(
+      1, DECODE_PF_BYTES / std::max<int64_t>(1, Dv * static_cast<int64_t>(sizeof(elem_t<E>))));
+  std::fill(acc, acc + R * Dv, 0.0f);
+  for (int64_t r = 0; r < R; ++r) {
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.0f;
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += NB) {
+    const int64_t nb = std::min(NB, n - j0);
+    bool any = false;
     for (int64_t r = 0; r < R; ++r) {
-      if (ra[r] <= j0 && re[r] >= j0 + nb) {
-        pp[nf] = s + r * ss + j0;
-        op[nf] = acc + r * Dv;
-        ++nf;
-      } else if (ra[r] < j0 + nb && re[r] > j0) {  // part of the block: key by key
-        const int64_t a = std::max(ra[r], j0) - j0, e = std::min(re[r], j0 + nb) - j0;
-        const float* pr = s + r * ss + j0 + a;
-        float* o = acc + r * Dv;
-        pv_rows<1>(&pr, vbuf + a * Dv, Dv, e - a, &o);
-      }
+      w.ba[r] = std::max<int64_t>(w.ra[r] - j0, 0);
+      w.be[r] = std::min(w.re[r] - j0, nb);
+      any |= w.be[r] > w.ba[r];
     }
-    int64_t i = 0;
-    for (; i + 4 <= nf; i += 4) pv_rows<4>(pp + i, vbuf, Dv, nb, op + i);
-    switch (nf - i) {
-      case 3: pv_rows<3>(pp + i, vbuf, Dv, nb, op + i); break;
-      case 2: pv_rows<2>(pp + i, vbuf, Dv, nb, op + i); break;
-      case 1: pv_rows<1>(pp + i, vbuf, Dv, nb, op + i); break;
-      default: break;
-    }
+    if (!any) continue;  // no row sees a key of this block
+    qk_block<E>(qg, R, Dk, k0 + j0 * ks, ks, nb, w.sb.data(), ss, pfk, n - j0);
+    for (int64_t r = 0; r < R; ++r)
+      if (w.be[r] > w.ba[r])
+        softmax_block(w.sb.data() + r * ss, w.ba[r], w.be[r], m[r], l[r], acc + r * Dv, Dv, bad);
+    pv_block<E>(w.sb.data(), ss, R, w.ba.data(), w.be.data(), v0 + j0 * vs, vs, nb, Dv, acc,
+                w.vbuf.data(), w.pp.data(), w.ob.data(), pfv, n - j0);
   }
 }
 
@@ -411,45 +481,40 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
     if (mybad) bad = true;
   }
   std::atomic<int64_t> next{0};
-  const int64_t ss = C + 8;
-  at::parallel_for(0, nth, 1, [&](int64_t, int64_t) {
-    std::vector<float> sb(static_cast<size_t>(R * ss));
-    const int64_t KB = std::max<int64_t>(8, std::min<int64_t>(32, 4096 / std::max<int64_t>(Dv, 1)));
-    std::vector<float> vbuf(static_cast<size_t>(KB * Dv + 8));
-    std::vector<int64_t> ra(R), re(R);
-    std::vector<const float*> pp(R);
-    std::vector<float*> ob(R);
-    std::vector<float> o(static_cast<size_t>(Dv));
+  const int64_t NB = std::min<int64_t>(
+      128, std::max<int64_t>(8, DECODE_BLOCK_BYTES / (std::max<int64_t>({Dk, Dv, 1}) *
+                                                      static_cast<int64_t>(sizeof(T)))) /
+               8 * 8);
+  const int64_t ss = NB + 8;
+  auto work = [&](int64_t, int64_t) {
+    Scratch w(R, ss, NB, Dv);
     bool mybad = false;
     for (;;) {
-      const int64_t t = next.fetch_add(1);
+      const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
       if (t >= nitems) break;
       const Item it = items[t];
-      const int64_t n = it.e - it.a;
-      const float* qg = qs.data() + ((it.b * H + it.hk * g) * L) * Dk;  // R rows, gi-major
-      const T* k0 = kp + it.b * kb + it.hk * kh + it.a * ks;
-      const T* v0 = vp + it.b * vb + it.hk * vh + it.a * vs;
-      qk_all<E>(qg, R, Dk, k0, ks, n, sb.data(), ss);
-      float* acc = pacc.data() + t * R * Dv;
-      std::fill(acc, acc + R * Dv, 0.0f);
-      for (int64_t r = 0; r < R; ++r) {
+      for (int64_t r = 0; r < R; ++r) {  // row r's keys of the item, local
         const int64_t l = r % L;
         const int64_t x = std::max(lo[it.b * lo_b + l], it.a);
         const int64_t y = std::min(hi[it.b * lo_b + l] + 1, it.e);
-        ra[r] = x - it.a;
-        re[r] = std::max(x, y) - it.a;
-        float m = -std::numeric_limits<float>::infinity(), s = 0.0f;
-        if (re[r] > ra[r]) softmax_run(sb.data() + r * ss, ra[r], re[r], m, s, mybad);
-        pm[t * R + r] = m;
-        pl[t * R + r] = s;
+        w.ra[r] = x - it.a;
+        w.re[r] = std::max(x, y) - it.a;
       }
-      pv_all<E>(sb.data(), ss, R, ra.data(), re.data(), v0, vs, n, Dv, acc, vbuf.data(), KB,
-                pp.data(), ob.data());
+      const float* qg = qs.data() + ((it.b * H + it.hk * g) * L) * Dk;  // R rows, gi-major
+      run_item<E>(qg, R, Dk, Dv, kp + it.b * kb + it.hk * kh + it.a * ks, ks,
+                  vp + it.b * vb + it.hk * vh + it.a * vs, vs, it.e - it.a, NB, w, ss,
+                  pacc.data() + t * R * Dv, pm.data() + t * R, pl.data() + t * R, mybad);
       const int64_t gi = it.b * Hkv + it.hk;  // the group's last item merges it
-      if (left[gi].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(gi, o, mybad);
+      if (left[gi].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(gi, w.o, mybad);
     }
     if (mybad) bad = true;
-  });
+  };
+  // little work (a short cache): one thread, no thread start
+  const int64_t bytes = total * Hkv * (Dk + Dv) * static_cast<int64_t>(sizeof(T));
+  if (nth == 1 || nitems <= 1 || bytes < DECODE_SERIAL_BYTES)
+    work(0, 1);
+  else
+    at::parallel_for(0, nth, 1, work);
   finite = !bad.load();
 }
 
