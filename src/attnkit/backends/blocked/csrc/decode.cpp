@@ -64,6 +64,14 @@ using namespace attnkit_elements;
 
 
 
+// prefetch the `bytes` of each of `count` rows at p (rows `stride` elements apart)
+template <typename T>
+static inline void prefetch_rows(const T* p, int64_t stride, int count, int64_t bytes) {
+  for (int c = 0; c < count; ++c)
+    for (int64_t b = 0; b < bytes; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p + c * stride) + b, DECODE_PF_HINT);
+}
+
 // s[r * ss + kb] = q_r . k_kb for RB rows of q (float32, Dk apart) and KB keys
 template <Dt E, int RB, int KB>
 static inline void qk_tile(const float* q, int64_t Dk, const elem_t<E>* const* k, float* s,
@@ -151,11 +159,12 @@ static inline void qk_4keys(const float* q, int64_t Dk, const elem_t<E>* k0, int
 template <Dt E, int RB>
 static inline void qk_rows(const float* q, int64_t Dk, const elem_t<E>* k0, int64_t sk,
                            int64_t n, float* s, int64_t ss, int64_t ahead,
-                           int64_t dist) {
+                           int64_t dist, const elem_t<E>* v0, int64_t sv, int64_t vbytes) {
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
     const elem_t<E>* pf = j + 4 <= ahead ? k0 + (j + dist) * sk : nullptr;
     qk_4keys<E, RB>(q, Dk, k0 + j * sk, sk, s + j, ss, pf);
+    if (pf != nullptr) prefetch_rows(v0 + (j + dist) * sv, sv, 4, vbytes);
   }
   for (; j < n; ++j) {
     const elem_t<E>* kp[1] = {k0 + j * sk};
@@ -163,18 +172,87 @@ static inline void qk_rows(const float* q, int64_t Dk, const elem_t<E>* k0, int6
   }
 }
 
-// scores of R rows against keys k0[0 .. n) (rows sk apart): s[r * ss + j]; the first row pair
-// prefetches the K rows `pf` keys ahead while ahead of them lie `avail` keys of the item
+// s[r * ss + c] = q_r . k_c for 4 rows of q (float32, Dk apart) and 2 keys (sk apart): each K
+// vector loaded (converted) once for the four rows; eight accumulators reduced by hadds
+template <Dt E>
+static inline void qk_4x2(const float* q, int64_t Dk, const elem_t<E>* k0, int64_t sk, float* s,
+                          int64_t ss, const elem_t<E>* pf) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+  __m256 c0 = a0, c1 = a0, e0 = a0, e1 = a0;
+  const elem_t<E>* k1 = k0 + sk;
+  int64_t d = 0;
+  for (; d + 8 <= Dk; d += 8) {
+    if (pf != nullptr && ((d * static_cast<int64_t>(sizeof(elem_t<E>))) & 63) == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(pf + d), DECODE_PF_HINT);
+      _mm_prefetch(reinterpret_cast<const char*>(pf + sk + d), DECODE_PF_HINT);
+    }
+    const __m256 x0 = load8<E>(k0 + d), x1 = load8<E>(k1 + d);
+    __m256 u = _mm256_loadu_ps(q + d);
+    a0 = _mm256_fmadd_ps(u, x0, a0);
+    a1 = _mm256_fmadd_ps(u, x1, a1);
+    u = _mm256_loadu_ps(q + Dk + d);
+    b0 = _mm256_fmadd_ps(u, x0, b0);
+    b1 = _mm256_fmadd_ps(u, x1, b1);
+    u = _mm256_loadu_ps(q + 2 * Dk + d);
+    c0 = _mm256_fmadd_ps(u, x0, c0);
+    c1 = _mm256_fmadd_ps(u, x1, c1);
+    u = _mm256_loadu_ps(q + 3 * Dk + d);
+    e0 = _mm256_fmadd_ps(u, x0, e0);
+    e1 = _mm256_fmadd_ps(u, x1, e1);
+  }
+  __m128 x = sum4(a0, a1, b0, b1);  // [r0k0, r0k1, r1k0, r1k1]
+  __m128 y = sum4(c0, c1, e0, e1);
+  if (d < Dk) {
+    alignas(16) float t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int r = 0; r < 4; ++r)
+      for (int c = 0; c < 2; ++c)
+        for (int64_t i = d; i < Dk; ++i) t[r * 2 + c] += q[r * Dk + i] * load1<E>(k0 + c * sk + i);
+    x = _mm_add_ps(x, _mm_load_ps(t));
+    y = _mm_add_ps(y, _mm_load_ps(t + 4));
+  }
+  _mm_storel_pi(reinterpret_cast<__m64*>(s), x);
+  _mm_storeh_pi(reinterpret_cast<__m64*>(s + ss), x);
+  _mm_storel_pi(reinterpret_cast<__m64*>(s + 2 * ss), y);
+  _mm_storeh_pi(reinterpret_cast<__m64*>(s + 3 * ss), y);
+}
+
+// scores of four rows against keys k0[0 .. n), each key read once for the four rows
+template <Dt E>
+static inline void qk_rows4(const float* q, int64_t Dk, const elem_t<E>* k0, int64_t sk,
+                            int64_t n, float* s, int64_t ss, int64_t ahead, int64_t dist,
+                            const elem_t<E>* v0, int64_t sv, int64_t vbytes) {
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    const elem_t<E>* pf = j + 2 <= ahead ? k0 + (j + dist) * sk : nullptr;
+    qk_4x2<E>(q, Dk, k0 + j * sk, sk, s + j, ss, pf);
+    if (pf != nullptr) prefetch_rows(v0 + (j + dist) * sv, sv, 2, vbytes);
+  }
+  if (j < n) {
+    const elem_t<E>* kp[1] = {k0 + j * sk};
+    qk_tile<E, 4, 1>(q, Dk, kp, s + j, ss);
+  }
+}
+
+// scores of R rows against keys k0[0 .. n) (rows sk apart): s[r * ss + j], four rows at a time
+// (each K row read once per four rows); the first group prefetches the K and V rows (V: v0,
+// rows sv apart, vbytes each) `pf` keys ahead while ahead of them lie `avail` keys of the item
 template <Dt E>
 static void qk_block(const float* q, int64_t R, int64_t Dk, const elem_t<E>* k0, int64_t sk,
-                     int64_t n, float* s, int64_t ss, int64_t pf, int64_t avail) {
+                     int64_t n, float* s, int64_t ss, int64_t pf, int64_t avail,
+                     const elem_t<E>* v0, int64_t sv, int64_t vbytes) {
   int64_t ahead = std::max<int64_t>(0, avail - pf);  // keys j < ahead have a row pf on
   int64_t r = 0;
-  for (; r + 2 <= R; r += 2) {
-    qk_rows<E, 2>(q + r * Dk, Dk, k0, sk, n, s + r * ss, ss, ahead, pf);
+#ifndef DECODE_NO_QK4
+  for (; r + 4 <= R; r += 4) {
+    qk_rows4<E>(q + r * Dk, Dk, k0, sk, n, s + r * ss, ss, ahead, pf, v0, sv, vbytes);
     ahead = 0;
   }
-  if (r < R) qk_rows<E, 1>(q + r * Dk, Dk, k0, sk, n, s + r * ss, ss, ahead, pf);
+#endif
+  for (; r + 2 <= R; r += 2) {
+    qk_rows<E, 2>(q + r * Dk, Dk, k0, sk, n, s + r * ss, ss, ahead, pf, v0, sv, vbytes);
+    ahead = 0;
+  }
+  if (r < R) qk_rows<E, 1>(q + r * Dk, Dk, k0, sk, n, s + r * ss, ss, ahead, pf, v0, sv, vbytes);
 }
 
 // one block of a row's online softmax: s[a .. e) becomes 2^(s - m) for the row's running max m
@@ -228,17 +306,17 @@ static inline void softmax_block(float* s, int64_t a, int64_t e, float& m_io, fl
   l_io = l;
 }
 
-// o_r[d ..] += sum_j p_r[j] v_j[d ..] for RB rows over keys j < n of vb (float32 rows, Dv
-// apart): the accumulators of NV vectors per row stay in registers across the keys
-template <int RB, int NV>
-static inline void pv_tile(const float* const* p, const float* vb, int64_t Dv, int64_t n,
+// o_r[d ..] += sum_j p_r[j] v_j[d ..] for RB rows over keys j < n of vb (rows sv apart, as
+// float32): the accumulators of NV vectors per row stay in registers across the keys
+template <Dt E, int RB, int NV>
+static inline void pv_tile(const float* const* p, const elem_t<E>* vb, int64_t sv, int64_t n,
                            float* const* o, int64_t d) {
   __m256 a[RB][NV];
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < NV; ++c) a[r][c] = _mm256_loadu_ps(o[r] + d + 8 * c);
   for (int64_t j = 0; j < n; ++j) {
     __m256 vv[NV];
-    for (int c = 0; c < NV; ++c) vv[c] = _mm256_loadu_ps(vb + j * Dv + d + 8 * c);
+    for (int c = 0; c < NV; ++c) vv[c] = load8<E>(vb + j * sv + d + 8 * c);
     for (int r = 0; r < RB; ++r) {
       const __m256 pb = _mm256_broadcast_ss(p[r] + j);
       for (int c = 0; c < NV; ++c) a[r][c] = _mm256_fmadd_ps(pb, vv[c], a[r][c]);
@@ -248,42 +326,28 @@ static inline void pv_tile(const float* const* p, const float* vb, int64_t Dv, i
     for (int c = 0; c < NV; ++c) _mm256_storeu_ps(o[r] + d + 8 * c, a[r][c]);
 }
 
-template <int RB>
-static inline void pv_rows(const float* const* p, const float* vb, int64_t Dv, int64_t n,
-                           float* const* o) {
+template <Dt E, int RB>
+static inline void pv_rows(const float* const* p, const elem_t<E>* vb, int64_t sv, int64_t Dv,
+                           int64_t n, float* const* o) {
   constexpr int NV = RB == 1 ? 8 : RB == 2 ? 4 : 2;
   int64_t d = 0;
-  for (; d + 8 * NV <= Dv; d += 8 * NV) pv_tile<RB, NV>(p, vb, Dv, n, o, d);
-  for (; d + 8 <= Dv; d += 8) pv_tile<RB, 1>(p, vb, Dv, n, o, d);
+  for (; d + 8 * NV <= Dv; d += 8 * NV) pv_tile<E, RB, NV>(p, vb, sv, n, o, d);
+  for (; d + 8 <= Dv; d += 8) pv_tile<E, RB, 1>(p, vb, sv, n, o, d);
   for (; d < Dv; ++d)
     for (int r = 0; r < RB; ++r) {
       float t = o[r][d];
-      for (int64_t j = 0; j < n; ++j) t += p[r][j] * vb[j * Dv + d];
+      for (int64_t j = 0; j < n; ++j) t += p[r][j] * load1<E>(vb + j * sv + d);
       o[r][d] = t;
     }
 }
 
 // acc[r] += sum_j p[r][j] v_j over each row's own keys [ra[r], re[r]) of one block of nb keys
-// (v0 its first V row): the block's V rows are converted (copied for float32) once into vbuf,
-// read sequentially (prefetching the V rows pf keys on, where the item has `avail` more keys);
-// rows whose run holds the whole block go through pv_rows four at a time, the others key by
-// key (so a value a row may not see is never multiplied into it)
+// (vb its first V row, rows sv apart): rows whose run holds the whole block four at a time,
+// the others key by key (so a value a row may not see is never multiplied into it)
 template <Dt E>
-static void pv_block(const float* s, int64_t ss, int64_t R, const int64_t* ra, const int64_t* re,
-                     const elem_t<E>* v0, int64_t sv, int64_t nb, int64_t Dv, float* acc,
-                     float* vbuf, const float** pp, float** op, int64_t pf, int64_t avail) {
-  const int64_t row_bytes = Dv * static_cast<int64_t>(sizeof(elem_t<E>));
-  for (int64_t j = 0; j < nb; ++j) {
-    const elem_t<E>* src = v0 + j * sv;
-    float* dst = vbuf + j * Dv;
-    if (j + pf < avail) {
-      const char* nx = reinterpret_cast<const char*>(src + pf * sv);
-      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(nx + b, DECODE_PF_HINT);
-    }
-    int64_t d = 0;
-    for (; d + 8 <= Dv; d += 8) _mm256_storeu_ps(dst + d, load8<E>(src + d));
-    for (; d < Dv; ++d) dst[d] = load1<E>(src + d);
-  }
+static void pv_rows_all(const float* s, int64_t ss, int64_t R, const int64_t* ra,
+                        const int64_t* re, const elem_t<E>* vb, int64_t sv, int64_t nb,
+                        int64_t Dv, float* acc, const float** pp, float** op) {
   int64_t nf = 0;
   for (int64_t r = 0; r < R; ++r) {
     if (ra[r] <= 0 && re[r] >= nb) {
@@ -291,20 +355,51 @@ static void pv_block(const float* s, int64_t ss, int64_t R, const int64_t* ra, c
       op[nf] = acc + r * Dv;
       ++nf;
     } else if (re[r] > ra[r]) {  // part of the block: key by key
-      const int64_t a = ra[r], e = re[r];
+      const int64_t a = ra[r];
       const float* pr = s + r * ss + a;
       float* o = acc + r * Dv;
-      pv_rows<1>(&pr, vbuf + a * Dv, Dv, e - a, &o);
+      pv_rows<E, 1>(&pr, vb + a * sv, sv, Dv, re[r] - a, &o);
     }
   }
   int64_t i = 0;
-  for (; i + 4 <= nf; i += 4) pv_rows<4>(pp + i, vbuf, Dv, nb, op + i);
+  for (; i + 4 <= nf; i += 4) pv_rows<E, 4>(pp + i, vb, sv, Dv, nb, op + i);
   switch (nf - i) {
-    case 3: pv_rows<3>(pp + i, vbuf, Dv, nb, op + i); break;
-    case 2: pv_rows<2>(pp + i, vbuf, Dv, nb, op + i); break;
-    case 1: pv_rows<1>(pp + i, vbuf, Dv, nb, op + i); break;
+    case 3: pv_rows<E, 3>(pp + i, vb, sv, Dv, nb, op + i); break;
+    case 2: pv_rows<E, 2>(pp + i, vb, sv, Dv, nb, op + i); break;
+    case 1: pv_rows<E, 1>(pp + i, vb, sv, Dv, nb, op + i); break;
     default: break;
   }
+}
+
+// whether P V reads a block's V rows in place (the score pass prefetches them): bfloat16 and
+// float16 ones where at most four rows read them (each element then converted once); else
+// (float32: contiguous float rows in L1 run P V faster than strided ones) the block's V rows
+// are converted or copied once into vbuf, prefetched as they are
+template <Dt E>
+static inline bool pv_in_place(int64_t R) {
+  return E != Dt::F32 && R <= 4;
+}
+
+// P V of one block of nb keys (v0 its first V row, rows sv apart; `avail` keys of the item from
+// it on, the V rows pf keys ahead prefetched where it copies)
+template <Dt E>
+static void pv_block(const float* s, int64_t ss, int64_t R, const int64_t* ra, const int64_t* re,
+                     const elem_t<E>* v0, int64_t sv, int64_t nb, int64_t Dv, float* acc,
+                     float* vbuf, const float** pp, float** op, int64_t pf, int64_t avail) {
+  if (pv_in_place<E>(R)) {
+    pv_rows_all<E>(s, ss, R, ra, re, v0, sv, nb, Dv, acc, pp, op);
+    return;
+  }
+  const int64_t row_bytes = Dv * static_cast<int64_t>(sizeof(elem_t<E>));
+  for (int64_t j = 0; j < nb; ++j) {
+    const elem_t<E>* src = v0 + j * sv;
+    float* dst = vbuf + j * Dv;
+    if (j + pf < avail) prefetch_rows(src + pf * sv, sv, 1, row_bytes);
+    int64_t d = 0;
+    for (; d + 8 <= Dv; d += 8) _mm256_storeu_ps(dst + d, load8<E>(src + d));
+    for (; d < Dv; ++d) dst[d] = load1<E>(src + d);
+  }
+  pv_rows_all<Dt::F32>(s, ss, R, ra, re, vbuf, Dv, nb, Dv, acc, pp, op);
 }
 
 // the per-thread buffers of run_item
@@ -328,10 +423,10 @@ template <Dt E>
 static void run_item(const float* qg, int64_t R, int64_t Dk, int64_t Dv, const elem_t<E>* k0,
                      int64_t ks, const elem_t<E>* v0, int64_t vs, int64_t n, int64_t NB,
                      Scratch& w, int64_t ss, float* acc, float* m, float* l, bool& bad) {
-  const int64_t pfk = std::max<int64_t>(
-      4, DECODE_PF_BYTES / std::max<int64_t>(1, Dk * static_cast<int64_t>(sizeof(elem_t<E>))));
-  const int64_t pfv = std::max<int64_t>(
-      1, DECODE_PF_BYTES / std::max<int64_t>(1, Dv * static_cast<int64_t>(sizeof(elem_t<E>))));
+  const int64_t row_bytes = std::max(Dk, Dv) * static_cast<int64_t>(sizeof(elem_t<E>));
+  const int64_t pf = DECODE_PF_BYTES == 0 ? n : std::max<int64_t>(4, DECODE_PF_BYTES / std::max<int64_t>(1, row_bytes));
+  // the score pass prefetches V rows only where P V reads them in place
+  const int64_t vbytes = pv_in_place<E>(R) ? Dv * static_cast<int64_t>(sizeof(elem_t<E>)) : 0;
   std::fill(acc, acc + R * Dv, 0.0f);
   for (int64_t r = 0; r < R; ++r) {
     m[r] = -std::numeric_limits<float>::infinity();
@@ -346,12 +441,13 @@ static void run_item(const float* qg, int64_t R, int64_t Dk, int64_t Dv, const e
       any |= w.be[r] > w.ba[r];
     }
     if (!any) continue;  // no row sees a key of this block
-    qk_block<E>(qg, R, Dk, k0 + j0 * ks, ks, nb, w.sb.data(), ss, pfk, n - j0);
+    qk_block<E>(qg, R, Dk, k0 + j0 * ks, ks, nb, w.sb.data(), ss, pf, n - j0, v0 + j0 * vs, vs,
+                vbytes);
     for (int64_t r = 0; r < R; ++r)
       if (w.be[r] > w.ba[r])
         softmax_block(w.sb.data() + r * ss, w.ba[r], w.be[r], m[r], l[r], acc + r * Dv, Dv, bad);
     pv_block<E>(w.sb.data(), ss, R, w.ba.data(), w.be.data(), v0 + j0 * vs, vs, nb, Dv, acc,
-                w.vbuf.data(), w.pp.data(), w.ob.data(), pfv, n - j0);
+                w.vbuf.data(), w.pp.data(), w.ob.data(), pf, n - j0);
   }
 }
 
