@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -45,6 +46,9 @@ namespace decode {
 
 // element types, their loads and stores, exp2_ps, hsum, hmax: elements.h
 using namespace attnkit_elements;
+
+// the micro-kernels are inlined into their loops (GCC otherwise keeps some out of line)
+#define DECODE_INLINE inline __attribute__((always_inline))
 
 // the tuning knobs (keys): how many keys one block holds at most (K and V of a block stay in
 // L1/L2 between the score and the value pass), and how far ahead K and V rows are prefetched
@@ -74,7 +78,7 @@ static inline void prefetch_rows(const T* p, int64_t stride, int count, int64_t 
 
 // s[r * ss + kb] = q_r . k_kb for RB rows of q (float32, Dk apart) and KB keys
 template <Dt E, int RB, int KB>
-static inline void qk_tile(const float* q, int64_t Dk, const elem_t<E>* const* k, float* s,
+static DECODE_INLINE void qk_tile(const float* q, int64_t Dk, const elem_t<E>* const* k, float* s,
                            int64_t ss) {
   __m256 acc[RB][KB];
   for (int r = 0; r < RB; ++r)
@@ -98,14 +102,14 @@ static inline void qk_tile(const float* q, int64_t Dk, const elem_t<E>* const* k
 }
 
 // four scores from four accumulators: [sum a0, sum a1, sum a2, sum a3]
-static inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+static DECODE_INLINE __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
 // the scalar tail d0 .. Dk of four dot products of q (one row) with k0 + c * sk
 template <Dt E>
-static inline __m128 tail4(const float* q, int64_t d0, int64_t Dk, const elem_t<E>* k0,
+static DECODE_INLINE __m128 tail4(const float* q, int64_t d0, int64_t Dk, const elem_t<E>* k0,
                            int64_t sk) {
   alignas(16) float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int c = 0; c < 4; ++c)
@@ -116,7 +120,7 @@ static inline __m128 tail4(const float* q, int64_t d0, int64_t Dk, const elem_t<
 // s[r * ss + c] = q_r . k_c for RB <= 2 rows of q (float32, Dk apart) and 4 keys (sk apart):
 // eight accumulators in named registers over d, reduced to four scores per row by hadds
 template <Dt E, int RB>
-static inline void qk_4keys(const float* q, int64_t Dk, const elem_t<E>* k0, int64_t sk,
+static DECODE_INLINE void qk_4keys(const float* q, int64_t Dk, const elem_t<E>* k0, int64_t sk,
                             float* s, int64_t ss, const elem_t<E>* pf) {
   static_assert(RB == 1 || RB == 2, "one or two rows");
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -175,7 +179,7 @@ static inline void qk_rows(const float* q, int64_t Dk, const elem_t<E>* k0, int6
 // s[r * ss + c] = q_r . k_c for 4 rows of q (float32, Dk apart) and 2 keys (sk apart): each K
 // vector loaded (converted) once for the four rows; eight accumulators reduced by hadds
 template <Dt E>
-static inline void qk_4x2(const float* q, int64_t Dk, const elem_t<E>* k0, int64_t sk, float* s,
+static DECODE_INLINE void qk_4x2(const float* q, int64_t Dk, const elem_t<E>* k0, int64_t sk, float* s,
                           int64_t ss, const elem_t<E>* pf) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
   __m256 c0 = a0, c1 = a0, e0 = a0, e1 = a0;
@@ -309,7 +313,7 @@ static inline void softmax_block(float* s, int64_t a, int64_t e, float& m_io, fl
 // o_r[d ..] += sum_j p_r[j] v_j[d ..] for RB rows over keys j < n of vb (rows sv apart, as
 // float32): the accumulators of NV vectors per row stay in registers across the keys
 template <Dt E, int RB, int NV>
-static inline void pv_tile(const float* const* p, const elem_t<E>* vb, int64_t sv, int64_t n,
+static DECODE_INLINE void pv_tile(const float* const* p, const elem_t<E>* vb, int64_t sv, int64_t n,
                            float* const* o, int64_t d) {
   __m256 a[RB][NV];
   for (int r = 0; r < RB; ++r)
@@ -327,7 +331,7 @@ static inline void pv_tile(const float* const* p, const elem_t<E>* vb, int64_t s
 }
 
 template <Dt E, int RB>
-static inline void pv_rows(const float* const* p, const elem_t<E>* vb, int64_t sv, int64_t Dv,
+static DECODE_INLINE void pv_rows(const float* const* p, const elem_t<E>* vb, int64_t sv, int64_t Dv,
                            int64_t n, float* const* o) {
   constexpr int NV = RB == 1 ? 8 : RB == 2 ? 4 : 2;
   int64_t d = 0;
@@ -512,7 +516,10 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
   }
   int64_t C = (total * Hkv + nth * 8 - 1) / (nth * 8);
   C = std::min<int64_t>(512, std::max<int64_t>(64, (C + 15) / 16 * 16));
+  int64_t count = 0;
+  for (int64_t b = 0; b < B; ++b) count += (ue[b] - ua[b] + C - 1) / C;
   std::vector<Item> items;
+  items.reserve(static_cast<size_t>(count * Hkv));
   std::vector<int64_t> first(B * Hkv + 1, 0);  // items of (b, hk): first[i] .. first[i + 1]
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t hk = 0; hk < Hkv; ++hk) {
@@ -524,7 +531,7 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int64_t nitems = static_cast<int64_t>(items.size());
   // partials per item and row: max, sum (log2 units) and the unnormalised output
   std::vector<float> pm(static_cast<size_t>(nitems * R)), pl(static_cast<size_t>(nitems * R));
-  std::vector<float> pacc(static_cast<size_t>(nitems * R * Dv));
+  std::unique_ptr<float[]> pacc(new float[static_cast<size_t>(nitems * R * Dv)]);  // run_item fills it
 
   // merge group i's partials by the log-sum-exp rule (out in q's dtype, lse natural log); run
   // by the thread that finishes the group's last item, or here for a group with no keys
@@ -552,7 +559,7 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
         if (!(pl[t * R + r] > 0.0f)) continue;
         const float w = std::exp2(pm[t * R + r] - M);
         lsum += w * pl[t * R + r];
-        const float* a = pacc.data() + (t * R + r) * Dv;
+        const float* a = pacc.get() + (t * R + r) * Dv;
         for (int64_t d = 0; d < Dv; ++d) o[d] += w * a[d];
       }
       const float inv = 1.0f / lsum;
@@ -599,7 +606,7 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
       const float* qg = qs.data() + ((it.b * H + it.hk * g) * L) * Dk;  // R rows, gi-major
       run_item<E>(qg, R, Dk, Dv, kp + it.b * kb + it.hk * kh + it.a * ks, ks,
                   vp + it.b * vb + it.hk * vh + it.a * vs, vs, it.e - it.a, NB, w, ss,
-                  pacc.data() + t * R * Dv, pm.data() + t * R, pl.data() + t * R, mybad);
+                  pacc.get() + t * R * Dv, pm.data() + t * R, pl.data() + t * R, mybad);
       const int64_t gi = it.b * Hkv + it.hk;  // the group's last item merges it
       if (left[gi].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(gi, w.o, mybad);
     }
