@@ -15,12 +15,17 @@
 //   * Split-K: the keys of each (b, kv head) are cut into chunks of C keys; threads pull
 //     (b, kv head, chunk) items from a shared counter; each item leaves a partial (max, sum,
 //     acc) per row; the thread that finishes the last item of a (b, kv head) merges its rows by
-//     the log-sum-exp rule (no second parallel pass).
-//   * In an item: scores S = q K^T (q pre-scaled by scale * log2(e), so the softmax uses exp2)
-//     for every row over the chunk's keys (4 rows x 2 keys per micro-kernel, K row loaded once
-//     per row block from L1), the softmax over each row's own keys (vectorised degree-5 exp2
-//     polynomial), then acc += P V with keys outermost (V row loaded once per key for every
-//     row whose run holds it, so a value a row may not see is never multiplied into it).
+//     the log-sum-exp rule (no second parallel pass). A call with little to read (under
+//     DECODE_SERIAL_BYTES of K/V) runs on the calling thread: no thread start.
+//   * In an item, block by block of NB keys (DECODE_BLOCK_BYTES of K, 16 KiB): scores S = q K^T
+//     of every row over the block (q pre-scaled by scale * log2(e), so the softmax uses exp2;
+//     4 rows x 2 keys per micro-kernel, each K vector loaded once for the four rows), each
+//     row's online softmax step over its own keys of the block (vectorised degree-5 exp2
+//     polynomial; the row's max, sum and output rescaled when its max grows), then acc += P V
+//     with keys innermost per tile of the output (a value a row may not see is never
+//     multiplied into it). So K and V each stream from memory once, in step, the block's K and
+//     V hot between the passes; K rows DECODE_PF_BYTES (8 KiB) ahead are prefetched by the
+//     score pass, V rows by the pass that reads them first.
 //   * bfloat16 and float16 K/V/q are converted as they are loaded (bf16: 16-bit shift; fp16:
 //     vcvtph2ps); everything inside is float32; out comes back in q's dtype, lse in float32.
 //   * NaN/inf: the kernel reports whether any q it read, any score of a key a row may see, or
@@ -50,8 +55,10 @@ using namespace attnkit_elements;
 // the micro-kernels are inlined into their loops (GCC otherwise keeps some out of line)
 #define DECODE_INLINE inline __attribute__((always_inline))
 
-// the tuning knobs (keys): how many keys one block holds at most (K and V of a block stay in
-// L1/L2 between the score and the value pass), and how far ahead K and V rows are prefetched
+// the tuning knobs (bytes; -D at build time to measure others): the K bytes of one block (its
+// K and V rows stay in L1/L2 between the score and the value pass), how far ahead K and V rows
+// are prefetched (0: no software prefetch), and the K/V bytes under which a call runs on the
+// calling thread
 #ifndef DECODE_BLOCK_BYTES
 #define DECODE_BLOCK_BYTES 16384
 #endif
@@ -59,14 +66,11 @@ using namespace attnkit_elements;
 #define DECODE_PF_BYTES 8192
 #endif
 #ifndef DECODE_SERIAL_BYTES
-#define DECODE_SERIAL_BYTES 131072
+#define DECODE_SERIAL_BYTES 65536
 #endif
 #ifndef DECODE_PF_HINT
 #define DECODE_PF_HINT _MM_HINT_T0
 #endif
-
-
-
 
 // prefetch the `bytes` of each of `count` rows at p (rows `stride` elements apart)
 template <typename T>
@@ -79,7 +83,7 @@ static inline void prefetch_rows(const T* p, int64_t stride, int count, int64_t 
 // s[r * ss + kb] = q_r . k_kb for RB rows of q (float32, Dk apart) and KB keys
 template <Dt E, int RB, int KB>
 static DECODE_INLINE void qk_tile(const float* q, int64_t Dk, const elem_t<E>* const* k, float* s,
-                           int64_t ss) {
+                                  int64_t ss) {
   __m256 acc[RB][KB];
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < KB; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -110,7 +114,7 @@ static DECODE_INLINE __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 // the scalar tail d0 .. Dk of four dot products of q (one row) with k0 + c * sk
 template <Dt E>
 static DECODE_INLINE __m128 tail4(const float* q, int64_t d0, int64_t Dk, const elem_t<E>* k0,
-                           int64_t sk) {
+                                  int64_t sk) {
   alignas(16) float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int c = 0; c < 4; ++c)
     for (int64_t e = d0; e < Dk; ++e) t[c] += q[e] * load1<E>(k0 + c * sk + e);
@@ -121,7 +125,7 @@ static DECODE_INLINE __m128 tail4(const float* q, int64_t d0, int64_t Dk, const 
 // eight accumulators in named registers over d, reduced to four scores per row by hadds
 template <Dt E, int RB>
 static DECODE_INLINE void qk_4keys(const float* q, int64_t Dk, const elem_t<E>* k0, int64_t sk,
-                            float* s, int64_t ss, const elem_t<E>* pf) {
+                                   float* s, int64_t ss, const elem_t<E>* pf) {
   static_assert(RB == 1 || RB == 2, "one or two rows");
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
@@ -179,8 +183,8 @@ static inline void qk_rows(const float* q, int64_t Dk, const elem_t<E>* k0, int6
 // s[r * ss + c] = q_r . k_c for 4 rows of q (float32, Dk apart) and 2 keys (sk apart): each K
 // vector loaded (converted) once for the four rows; eight accumulators reduced by hadds
 template <Dt E>
-static DECODE_INLINE void qk_4x2(const float* q, int64_t Dk, const elem_t<E>* k0, int64_t sk, float* s,
-                          int64_t ss, const elem_t<E>* pf) {
+static DECODE_INLINE void qk_4x2(const float* q, int64_t Dk, const elem_t<E>* k0, int64_t sk,
+                                 float* s, int64_t ss, const elem_t<E>* pf) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
   __m256 c0 = a0, c1 = a0, e0 = a0, e1 = a0;
   const elem_t<E>* k1 = k0 + sk;
@@ -246,12 +250,10 @@ static void qk_block(const float* q, int64_t R, int64_t Dk, const elem_t<E>* k0,
                      const elem_t<E>* v0, int64_t sv, int64_t vbytes) {
   int64_t ahead = std::max<int64_t>(0, avail - pf);  // keys j < ahead have a row pf on
   int64_t r = 0;
-#ifndef DECODE_NO_QK4
   for (; r + 4 <= R; r += 4) {
     qk_rows4<E>(q + r * Dk, Dk, k0, sk, n, s + r * ss, ss, ahead, pf, v0, sv, vbytes);
     ahead = 0;
   }
-#endif
   for (; r + 2 <= R; r += 2) {
     qk_rows<E, 2>(q + r * Dk, Dk, k0, sk, n, s + r * ss, ss, ahead, pf, v0, sv, vbytes);
     ahead = 0;
@@ -287,7 +289,8 @@ static inline void softmax_block(float* s, int64_t a, int64_t e, float& m_io, fl
       l *= alpha;
       const __m256 av = _mm256_set1_ps(alpha);
       int64_t d = 0;
-      for (; d + 8 <= Dv; d += 8) _mm256_storeu_ps(acc + d, _mm256_mul_ps(av, _mm256_loadu_ps(acc + d)));
+      for (; d + 8 <= Dv; d += 8)
+        _mm256_storeu_ps(acc + d, _mm256_mul_ps(av, _mm256_loadu_ps(acc + d)));
       for (; d < Dv; ++d) acc[d] *= alpha;
     }
     m = bm;
@@ -314,7 +317,7 @@ static inline void softmax_block(float* s, int64_t a, int64_t e, float& m_io, fl
 // float32): the accumulators of NV vectors per row stay in registers across the keys
 template <Dt E, int RB, int NV>
 static DECODE_INLINE void pv_tile(const float* const* p, const elem_t<E>* vb, int64_t sv, int64_t n,
-                           float* const* o, int64_t d) {
+                                  float* const* o, int64_t d) {
   __m256 a[RB][NV];
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < NV; ++c) a[r][c] = _mm256_loadu_ps(o[r] + d + 8 * c);
@@ -331,8 +334,8 @@ static DECODE_INLINE void pv_tile(const float* const* p, const elem_t<E>* vb, in
 }
 
 template <Dt E, int RB>
-static DECODE_INLINE void pv_rows(const float* const* p, const elem_t<E>* vb, int64_t sv, int64_t Dv,
-                           int64_t n, float* const* o) {
+static DECODE_INLINE void pv_rows(const float* const* p, const elem_t<E>* vb, int64_t sv,
+                                  int64_t Dv, int64_t n, float* const* o) {
   constexpr int NV = RB == 1 ? 8 : RB == 2 ? 4 : 2;
   int64_t d = 0;
   for (; d + 8 * NV <= Dv; d += 8 * NV) pv_tile<E, RB, NV>(p, vb, sv, n, o, d);
@@ -408,14 +411,24 @@ static void pv_block(const float* s, int64_t ss, int64_t R, const int64_t* ra, c
 
 // the per-thread buffers of run_item
 struct Scratch {
-  std::vector<float> sb, vbuf;
-  std::vector<int64_t> ra, re, ba, be;
+  std::unique_ptr<float[]> fbuf;  // scores (R x ss), then vbuf (NB x Dv + 8): uninitialised
+  float* sb;
+  float* vbuf;
+  std::vector<int64_t> idx;  // ra, re, ba, be: R each
+  int64_t *ra, *re, *ba, *be;
   std::vector<const float*> pp;
   std::vector<float*> ob;
   std::vector<float> o;
   Scratch(int64_t R, int64_t ss, int64_t NB, int64_t Dv)
-      : sb(static_cast<size_t>(R * ss)), vbuf(static_cast<size_t>(NB * Dv + 8)), ra(R), re(R),
-        ba(R), be(R), pp(R), ob(R), o(static_cast<size_t>(Dv)) {}
+      : fbuf(new float[static_cast<size_t>(R * ss + NB * Dv + 8)]), idx(4 * R), pp(R), ob(R),
+        o(static_cast<size_t>(Dv)) {
+    sb = fbuf.get();
+    vbuf = sb + R * ss;
+    ra = idx.data();
+    re = ra + R;
+    ba = re + R;
+    be = ba + R;
+  }
 };
 
 // one item: R rows (qg, float32, Dk apart) against n keys k0/v0 (rows ks/vs apart), row r
@@ -428,7 +441,9 @@ static void run_item(const float* qg, int64_t R, int64_t Dk, int64_t Dv, const e
                      int64_t ks, const elem_t<E>* v0, int64_t vs, int64_t n, int64_t NB,
                      Scratch& w, int64_t ss, float* acc, float* m, float* l, bool& bad) {
   const int64_t row_bytes = std::max(Dk, Dv) * static_cast<int64_t>(sizeof(elem_t<E>));
-  const int64_t pf = DECODE_PF_BYTES == 0 ? n : std::max<int64_t>(4, DECODE_PF_BYTES / std::max<int64_t>(1, row_bytes));
+  const int64_t pf = DECODE_PF_BYTES == 0
+                         ? n
+                         : std::max<int64_t>(4, DECODE_PF_BYTES / std::max<int64_t>(1, row_bytes));
   // the score pass prefetches V rows only where P V reads them in place
   const int64_t vbytes = pv_in_place<E>(R) ? Dv * static_cast<int64_t>(sizeof(elem_t<E>)) : 0;
   std::fill(acc, acc + R * Dv, 0.0f);
@@ -445,13 +460,13 @@ static void run_item(const float* qg, int64_t R, int64_t Dk, int64_t Dv, const e
       any |= w.be[r] > w.ba[r];
     }
     if (!any) continue;  // no row sees a key of this block
-    qk_block<E>(qg, R, Dk, k0 + j0 * ks, ks, nb, w.sb.data(), ss, pf, n - j0, v0 + j0 * vs, vs,
+    qk_block<E>(qg, R, Dk, k0 + j0 * ks, ks, nb, w.sb, ss, pf, n - j0, v0 + j0 * vs, vs,
                 vbytes);
     for (int64_t r = 0; r < R; ++r)
       if (w.be[r] > w.ba[r])
-        softmax_block(w.sb.data() + r * ss, w.ba[r], w.be[r], m[r], l[r], acc + r * Dv, Dv, bad);
-    pv_block<E>(w.sb.data(), ss, R, w.ba.data(), w.be.data(), v0 + j0 * vs, vs, nb, Dv, acc,
-                w.vbuf.data(), w.pp.data(), w.ob.data(), pf, n - j0);
+        softmax_block(w.sb + r * ss, w.ba[r], w.be[r], m[r], l[r], acc + r * Dv, Dv, bad);
+    pv_block<E>(w.sb, ss, R, w.ba, w.be, v0 + j0 * vs, vs, nb, Dv, acc, w.vbuf, w.pp.data(),
+                w.ob.data(), pf, n - j0);
   }
 }
 
@@ -531,7 +546,7 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int64_t nitems = static_cast<int64_t>(items.size());
   // partials per item and row: max, sum (log2 units) and the unnormalised output
   std::vector<float> pm(static_cast<size_t>(nitems * R)), pl(static_cast<size_t>(nitems * R));
-  std::unique_ptr<float[]> pacc(new float[static_cast<size_t>(nitems * R * Dv)]);  // run_item fills it
+  std::unique_ptr<float[]> pacc(new float[static_cast<size_t>(nitems * R * Dv)]);  // no init
 
   // merge group i's partials by the log-sum-exp rule (out in q's dtype, lse natural log); run
   // by the thread that finishes the group's last item, or here for a group with no keys
