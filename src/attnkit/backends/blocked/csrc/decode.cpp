@@ -15,12 +15,17 @@
 //   * Split-K: the keys of each (b, kv head) are cut into chunks of C keys; threads pull
 //     (b, kv head, chunk) items from a shared counter; each item leaves a partial (max, sum,
 //     acc) per row; the thread that finishes the last item of a (b, kv head) merges its rows by
-//     the log-sum-exp rule (no second parallel pass).
-//   * In an item: scores S = q K^T (q pre-scaled by scale * log2(e), so the softmax uses exp2)
-//     for every row over the chunk's keys (4 rows x 2 keys per micro-kernel, K row loaded once
-//     per row block from L1), the softmax over each row's own keys (vectorised degree-5 exp2
-//     polynomial), then acc += P V with keys outermost (V row loaded once per key for every
-//     row whose run holds it, so a value a row may not see is never multiplied into it).
+//     the log-sum-exp rule (no second parallel pass). A call with little to read (under
+//     DECODE_SERIAL_BYTES of K/V) runs on the calling thread: no thread start.
+//   * In an item, block by block of NB keys (DECODE_BLOCK_BYTES of K, 16 KiB): scores S = q K^T
+//     of every row over the block (q pre-scaled by scale * log2(e), so the softmax uses exp2;
+//     4 rows x 2 keys per micro-kernel, each K vector loaded once for the four rows), each
+//     row's online softmax step over its own keys of the block (vectorised degree-5 exp2
+//     polynomial; the row's max, sum and output rescaled when its max grows), then acc += P V
+//     with keys innermost per tile of the output (a value a row may not see is never
+//     multiplied into it). So K and V each stream from memory once, in step, the block's K and
+//     V hot between the passes; K rows DECODE_PF_BYTES (8 KiB) ahead are prefetched by the
+//     score pass, V rows by the pass that reads them first.
 //   * bfloat16 and float16 K/V/q are converted as they are loaded (bf16: 16-bit shift; fp16:
 //     vcvtph2ps); everything inside is float32; out comes back in q's dtype, lse in float32.
 //   * NaN/inf: the kernel reports whether any q it read, any score of a key a row may see, or
@@ -34,6 +39,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -44,13 +50,38 @@ namespace decode {
 // element types, their loads and stores, exp2_ps, hsum, hmax: elements.h
 using namespace attnkit_elements;
 
+// the micro-kernels are inlined into their loops (GCC otherwise keeps some out of line)
+#define DECODE_INLINE inline __attribute__((always_inline))
 
+// the tuning knobs (bytes; -D at build time to measure others): the K bytes of one block (its
+// K and V rows stay in L1/L2 between the score and the value pass), how far ahead K and V rows
+// are prefetched (0: no software prefetch), and the K/V bytes under which a call runs on the
+// calling thread
+#ifndef DECODE_BLOCK_BYTES
+#define DECODE_BLOCK_BYTES 16384
+#endif
+#ifndef DECODE_PF_BYTES
+#define DECODE_PF_BYTES 8192
+#endif
+#ifndef DECODE_SERIAL_BYTES
+#define DECODE_SERIAL_BYTES 65536
+#endif
+#ifndef DECODE_PF_HINT
+#define DECODE_PF_HINT _MM_HINT_T0
+#endif
 
+// prefetch the `bytes` of each of `count` rows at p (rows `stride` elements apart)
+template <typename T>
+static inline void prefetch_rows(const T* p, int64_t stride, int count, int64_t bytes) {
+  for (int c = 0; c < count; ++c)
+    for (int64_t b = 0; b < bytes; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p + c * stride) + b, DECODE_PF_HINT);
+}
 
 // s[r * ss + kb] = q_r . k_kb for RB rows of q (float32, Dk apart) and KB keys
 template <Dt E, int RB, int KB>
-static inline void qk_tile(const float* q, int64_t Dk, const elem_t<E>* const* k, float* s,
-                           int64_t ss) {
+static DECODE_INLINE void qk_tile(const float* q, int64_t Dk, const elem_t<E>* const* k, float* s,
+                                  int64_t ss) {
   __m256 acc[RB][KB];
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < KB; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -72,19 +103,16 @@ static inline void qk_tile(const float* q, int64_t Dk, const elem_t<E>* const* k
   }
 }
 
-// how many keys ahead the score loop prefetches K rows (two blocks of 32)
-constexpr int64_t kAhead = 64;
-
 // four scores from four accumulators: [sum a0, sum a1, sum a2, sum a3]
-static inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+static DECODE_INLINE __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
 // the scalar tail d0 .. Dk of four dot products of q (one row) with k0 + c * sk
 template <Dt E>
-static inline __m128 tail4(const float* q, int64_t d0, int64_t Dk, const elem_t<E>* k0,
-                           int64_t sk) {
+static DECODE_INLINE __m128 tail4(const float* q, int64_t d0, int64_t Dk, const elem_t<E>* k0,
+                                  int64_t sk) {
   alignas(16) float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int c = 0; c < 4; ++c)
     for (int64_t e = d0; e < Dk; ++e) t[c] += q[e] * load1<E>(k0 + c * sk + e);
@@ -94,8 +122,8 @@ static inline __m128 tail4(const float* q, int64_t d0, int64_t Dk, const elem_t<
 // s[r * ss + c] = q_r . k_c for RB <= 2 rows of q (float32, Dk apart) and 4 keys (sk apart):
 // eight accumulators in named registers over d, reduced to four scores per row by hadds
 template <Dt E, int RB>
-static inline void qk_4keys(const float* q, int64_t Dk, const elem_t<E>* k0, int64_t sk,
-                            float* s, int64_t ss, const elem_t<E>* pf) {
+static DECODE_INLINE void qk_4keys(const float* q, int64_t Dk, const elem_t<E>* k0, int64_t sk,
+                                   float* s, int64_t ss, const elem_t<E>* pf) {
   static_assert(RB == 1 || RB == 2, "one or two rows");
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
@@ -107,7 +135,7 @@ static inline void qk_4keys(const float* q, int64_t Dk, const elem_t<E>* k0, int
   for (; d + 8 <= Dk; d += 8) {
     if (pf != nullptr && ((d * static_cast<int64_t>(sizeof(elem_t<E>))) & 63) == 0) {
       for (int c = 0; c < 4; ++c)  // the same keys of the next block, one line at a time
-        _mm_prefetch(reinterpret_cast<const char*>(pf + c * sk + d), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(pf + c * sk + d), DECODE_PF_HINT);
     }
     const __m256 x0 = load8<E>(k0 + d), x1 = load8<E>(k1 + d);
     const __m256 x2 = load8<E>(k2 + d), x3 = load8<E>(k3 + d);
@@ -136,11 +164,13 @@ static inline void qk_4keys(const float* q, int64_t Dk, const elem_t<E>* k0, int
 
 template <Dt E, int RB>
 static inline void qk_rows(const float* q, int64_t Dk, const elem_t<E>* k0, int64_t sk,
-                           int64_t n, float* s, int64_t ss, int64_t ahead) {
+                           int64_t n, float* s, int64_t ss, int64_t ahead,
+                           int64_t dist, const elem_t<E>* v0, int64_t sv, int64_t vbytes) {
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
-    const elem_t<E>* pf = j + 4 <= ahead ? k0 + (j + kAhead) * sk : nullptr;
+    const elem_t<E>* pf = j + 4 <= ahead ? k0 + (j + dist) * sk : nullptr;
     qk_4keys<E, RB>(q, Dk, k0 + j * sk, sk, s + j, ss, pf);
+    if (pf != nullptr) prefetch_rows(v0 + (j + dist) * sv, sv, 4, vbytes);
   }
   for (; j < n; ++j) {
     const elem_t<E>* kp[1] = {k0 + j * sk};
@@ -148,26 +178,92 @@ static inline void qk_rows(const float* q, int64_t Dk, const elem_t<E>* k0, int6
   }
 }
 
-// scores of R rows against keys k0[0 .. n) (rows sk apart): s[r * ss + j]
+// s[r * ss + c] = q_r . k_c for 4 rows of q (float32, Dk apart) and 2 keys (sk apart): each K
+// vector loaded (converted) once for the four rows; eight accumulators reduced by hadds
 template <Dt E>
-static void qk_all(const float* q, int64_t R, int64_t Dk, const elem_t<E>* k0, int64_t sk,
-                   int64_t n, float* s, int64_t ss) {
-  // key blocks of 32 outermost: their K rows stay in L1 while every row pair reads them
-  for (int64_t j0 = 0; j0 < n; j0 += 32) {
-    const int64_t nb = std::min<int64_t>(32, n - j0);
-    int64_t ahead = std::max<int64_t>(0, n - j0 - kAhead);  // keys kAhead on
-    int64_t r = 0;
-    for (; r + 2 <= R; r += 2) {  // the first row pair prefetches the next block's K rows
-      qk_rows<E, 2>(q + r * Dk, Dk, k0 + j0 * sk, sk, nb, s + r * ss + j0, ss, ahead);
-      ahead = 0;
+static DECODE_INLINE void qk_4x2(const float* q, int64_t Dk, const elem_t<E>* k0, int64_t sk,
+                                 float* s, int64_t ss, const elem_t<E>* pf) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+  __m256 c0 = a0, c1 = a0, e0 = a0, e1 = a0;
+  const elem_t<E>* k1 = k0 + sk;
+  int64_t d = 0;
+  for (; d + 8 <= Dk; d += 8) {
+    if (pf != nullptr && ((d * static_cast<int64_t>(sizeof(elem_t<E>))) & 63) == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(pf + d), DECODE_PF_HINT);
+      _mm_prefetch(reinterpret_cast<const char*>(pf + sk + d), DECODE_PF_HINT);
     }
-    if (r < R) qk_rows<E, 1>(q + r * Dk, Dk, k0 + j0 * sk, sk, nb, s + r * ss + j0, ss, ahead);
+    const __m256 x0 = load8<E>(k0 + d), x1 = load8<E>(k1 + d);
+    __m256 u = _mm256_loadu_ps(q + d);
+    a0 = _mm256_fmadd_ps(u, x0, a0);
+    a1 = _mm256_fmadd_ps(u, x1, a1);
+    u = _mm256_loadu_ps(q + Dk + d);
+    b0 = _mm256_fmadd_ps(u, x0, b0);
+    b1 = _mm256_fmadd_ps(u, x1, b1);
+    u = _mm256_loadu_ps(q + 2 * Dk + d);
+    c0 = _mm256_fmadd_ps(u, x0, c0);
+    c1 = _mm256_fmadd_ps(u, x1, c1);
+    u = _mm256_loadu_ps(q + 3 * Dk + d);
+    e0 = _mm256_fmadd_ps(u, x0, e0);
+    e1 = _mm256_fmadd_ps(u, x1, e1);
+  }
+  __m128 x = sum4(a0, a1, b0, b1);  // [r0k0, r0k1, r1k0, r1k1]
+  __m128 y = sum4(c0, c1, e0, e1);
+  if (d < Dk) {
+    alignas(16) float t[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int r = 0; r < 4; ++r)
+      for (int c = 0; c < 2; ++c)
+        for (int64_t i = d; i < Dk; ++i) t[r * 2 + c] += q[r * Dk + i] * load1<E>(k0 + c * sk + i);
+    x = _mm_add_ps(x, _mm_load_ps(t));
+    y = _mm_add_ps(y, _mm_load_ps(t + 4));
+  }
+  _mm_storel_pi(reinterpret_cast<__m64*>(s), x);
+  _mm_storeh_pi(reinterpret_cast<__m64*>(s + ss), x);
+  _mm_storel_pi(reinterpret_cast<__m64*>(s + 2 * ss), y);
+  _mm_storeh_pi(reinterpret_cast<__m64*>(s + 3 * ss), y);
+}
+
+// scores of four rows against keys k0[0 .. n), each key read once for the four rows
+template <Dt E>
+static inline void qk_rows4(const float* q, int64_t Dk, const elem_t<E>* k0, int64_t sk,
+                            int64_t n, float* s, int64_t ss, int64_t ahead, int64_t dist,
+                            const elem_t<E>* v0, int64_t sv, int64_t vbytes) {
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    const elem_t<E>* pf = j + 2 <= ahead ? k0 + (j + dist) * sk : nullptr;
+    qk_4x2<E>(q, Dk, k0 + j * sk, sk, s + j, ss, pf);
+    if (pf != nullptr) prefetch_rows(v0 + (j + dist) * sv, sv, 2, vbytes);
+  }
+  if (j < n) {
+    const elem_t<E>* kp[1] = {k0 + j * sk};
+    qk_tile<E, 4, 1>(q, Dk, kp, s + j, ss);
   }
 }
 
-// softmax numerators of s[a .. e) in place (2^(s - m)); returns (m, sum); bad |= non-finite
-static inline void softmax_run(float* s, int64_t a, int64_t e, float& m_out, float& l_out,
-                               bool& bad) {
+// scores of R rows against keys k0[0 .. n) (rows sk apart): s[r * ss + j], four rows at a time
+// (each K row read once per four rows); the first group prefetches the K and V rows (V: v0,
+// rows sv apart, vbytes each) `pf` keys ahead while ahead of them lie `avail` keys of the item
+template <Dt E>
+static void qk_block(const float* q, int64_t R, int64_t Dk, const elem_t<E>* k0, int64_t sk,
+                     int64_t n, float* s, int64_t ss, int64_t pf, int64_t avail,
+                     const elem_t<E>* v0, int64_t sv, int64_t vbytes) {
+  int64_t ahead = std::max<int64_t>(0, avail - pf);  // keys j < ahead have a row pf on
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) {
+    qk_rows4<E>(q + r * Dk, Dk, k0, sk, n, s + r * ss, ss, ahead, pf, v0, sv, vbytes);
+    ahead = 0;
+  }
+  for (; r + 2 <= R; r += 2) {
+    qk_rows<E, 2>(q + r * Dk, Dk, k0, sk, n, s + r * ss, ss, ahead, pf, v0, sv, vbytes);
+    ahead = 0;
+  }
+  if (r < R) qk_rows<E, 1>(q + r * Dk, Dk, k0, sk, n, s + r * ss, ss, ahead, pf, v0, sv, vbytes);
+}
+
+// one block of a row's online softmax: s[a .. e) becomes 2^(s - m) for the row's running max m
+// (raised to the block's max first, the running sum l and the row's output acc (Dv) rescaled
+// by 2^(m_old - m_new) when it grows); bad |= a score there is NaN or inf
+static inline void softmax_block(float* s, int64_t a, int64_t e, float& m_io, float& l_io,
+                                 float* acc, int64_t Dv, bool& bad) {
   __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   __m256 nf = _mm256_setzero_ps();  // NaN lanes where a score is NaN or inf
   int64_t j = a;
@@ -176,14 +272,27 @@ static inline void softmax_run(float* s, int64_t a, int64_t e, float& m_out, flo
     mv = _mm256_max_ps(mv, x);
     nf = _mm256_add_ps(nf, _mm256_sub_ps(x, x));
   }
-  float m = hmax(mv);
+  float bm = hmax(mv);
   float tail_nf = 0.0f;
   for (; j < e; ++j) {
-    m = std::max(m, s[j]);
+    bm = std::max(bm, s[j]);
     tail_nf += s[j] - s[j];
   }
   const float nfs = hsum(nf) + tail_nf;
-  if (!std::isfinite(nfs) || !std::isfinite(m)) bad = true;
+  if (!std::isfinite(nfs) || !std::isfinite(bm)) bad = true;
+  float m = m_io, l = l_io;
+  if (bm > m) {
+    if (l > 0.0f) {  // rescale what the row holds to the new max
+      const float alpha = std::exp2(m - bm);
+      l *= alpha;
+      const __m256 av = _mm256_set1_ps(alpha);
+      int64_t d = 0;
+      for (; d + 8 <= Dv; d += 8)
+        _mm256_storeu_ps(acc + d, _mm256_mul_ps(av, _mm256_loadu_ps(acc + d)));
+      for (; d < Dv; ++d) acc[d] *= alpha;
+    }
+    m = bm;
+  }
   const __m256 mb = _mm256_set1_ps(m);
   __m256 lv = _mm256_setzero_ps();
   j = a;
@@ -192,27 +301,27 @@ static inline void softmax_run(float* s, int64_t a, int64_t e, float& m_out, flo
     _mm256_storeu_ps(s + j, p);
     lv = _mm256_add_ps(lv, p);
   }
-  float l = hsum(lv);
+  l += hsum(lv);
   for (; j < e; ++j) {
     const float p = std::exp2(s[j] - m);
     s[j] = p;
     l += p;
   }
-  m_out = m;
-  l_out = l;
+  m_io = m;
+  l_io = l;
 }
 
-// o_r[d ..] += sum_j p_r[j] v_j[d ..] for RB rows over keys j < n of vb (float32 rows, Dv
-// apart): the accumulators of NV vectors per row stay in registers across the keys
-template <int RB, int NV>
-static inline void pv_tile(const float* const* p, const float* vb, int64_t Dv, int64_t n,
-                           float* const* o, int64_t d) {
+// o_r[d ..] += sum_j p_r[j] v_j[d ..] for RB rows over keys j < n of vb (rows sv apart, as
+// float32): the accumulators of NV vectors per row stay in registers across the keys
+template <Dt E, int RB, int NV>
+static DECODE_INLINE void pv_tile(const float* const* p, const elem_t<E>* vb, int64_t sv, int64_t n,
+                                  float* const* o, int64_t d) {
   __m256 a[RB][NV];
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < NV; ++c) a[r][c] = _mm256_loadu_ps(o[r] + d + 8 * c);
   for (int64_t j = 0; j < n; ++j) {
     __m256 vv[NV];
-    for (int c = 0; c < NV; ++c) vv[c] = _mm256_loadu_ps(vb + j * Dv + d + 8 * c);
+    for (int c = 0; c < NV; ++c) vv[c] = load8<E>(vb + j * sv + d + 8 * c);
     for (int r = 0; r < RB; ++r) {
       const __m256 pb = _mm256_broadcast_ss(p[r] + j);
       for (int c = 0; c < NV; ++c) a[r][c] = _mm256_fmadd_ps(pb, vv[c], a[r][c]);
@@ -222,64 +331,140 @@ static inline void pv_tile(const float* const* p, const float* vb, int64_t Dv, i
     for (int c = 0; c < NV; ++c) _mm256_storeu_ps(o[r] + d + 8 * c, a[r][c]);
 }
 
-template <int RB>
-static inline void pv_rows(const float* const* p, const float* vb, int64_t Dv, int64_t n,
-                           float* const* o) {
+template <Dt E, int RB>
+static DECODE_INLINE void pv_rows(const float* const* p, const elem_t<E>* vb, int64_t sv,
+                                  int64_t Dv, int64_t n, float* const* o) {
   constexpr int NV = RB == 1 ? 8 : RB == 2 ? 4 : 2;
   int64_t d = 0;
-  for (; d + 8 * NV <= Dv; d += 8 * NV) pv_tile<RB, NV>(p, vb, Dv, n, o, d);
-  for (; d + 8 <= Dv; d += 8) pv_tile<RB, 1>(p, vb, Dv, n, o, d);
+  for (; d + 8 * NV <= Dv; d += 8 * NV) pv_tile<E, RB, NV>(p, vb, sv, n, o, d);
+  for (; d + 8 <= Dv; d += 8) pv_tile<E, RB, 1>(p, vb, sv, n, o, d);
   for (; d < Dv; ++d)
     for (int r = 0; r < RB; ++r) {
       float t = o[r][d];
-      for (int64_t j = 0; j < n; ++j) t += p[r][j] * vb[j * Dv + d];
+      for (int64_t j = 0; j < n; ++j) t += p[r][j] * load1<E>(vb + j * sv + d);
       o[r][d] = t;
     }
 }
 
-// acc[r] += sum_j p[r][j] v_j over each row's own keys [ra[r], re[r]) (local to the chunk), in
-// blocks of KB keys: the block's V rows are converted (copied for float32) once into vbuf, read
-// sequentially; rows whose run holds the whole block go through pv_rows four at a time, the
-// others key by key (so a value a row may not see is never multiplied into it)
+// acc[r] += sum_j p[r][j] v_j over each row's own keys [ra[r], re[r]) of one block of nb keys
+// (vb its first V row, rows sv apart): rows whose run holds the whole block four at a time,
+// the others key by key (so a value a row may not see is never multiplied into it)
 template <Dt E>
-static void pv_all(const float* s, int64_t ss, int64_t R, const int64_t* ra, const int64_t* re,
-                   const elem_t<E>* v0, int64_t sv, int64_t n, int64_t Dv, float* acc,
-                   float* vbuf, int64_t KB, const float** pp, float** op) {
-  for (int64_t j0 = 0; j0 < n; j0 += KB) {
-    const int64_t nb = std::min(KB, n - j0);
-    for (int64_t j = 0; j < nb; ++j) {
-      const elem_t<E>* src = v0 + (j0 + j) * sv;
-      float* dst = vbuf + j * Dv;
-      if (j0 + 2 * KB + j < n) {  // the same row of the next block
-        const char* nx = reinterpret_cast<const char*>(src + 2 * KB * sv);
-        for (int64_t b = 0; b < Dv * static_cast<int64_t>(sizeof(elem_t<E>)); b += 64)
-          _mm_prefetch(nx + b, _MM_HINT_T0);
-      }
-      int64_t d = 0;
-      for (; d + 8 <= Dv; d += 8) _mm256_storeu_ps(dst + d, load8<E>(src + d));
-      for (; d < Dv; ++d) dst[d] = load1<E>(src + d);
+static void pv_rows_all(const float* s, int64_t ss, int64_t R, const int64_t* ra,
+                        const int64_t* re, const elem_t<E>* vb, int64_t sv, int64_t nb,
+                        int64_t Dv, float* acc, const float** pp, float** op) {
+  int64_t nf = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    if (ra[r] <= 0 && re[r] >= nb) {
+      pp[nf] = s + r * ss;
+      op[nf] = acc + r * Dv;
+      ++nf;
+    } else if (re[r] > ra[r]) {  // part of the block: key by key
+      const int64_t a = ra[r];
+      const float* pr = s + r * ss + a;
+      float* o = acc + r * Dv;
+      pv_rows<E, 1>(&pr, vb + a * sv, sv, Dv, re[r] - a, &o);
     }
-    int64_t nf = 0;
+  }
+  int64_t i = 0;
+  for (; i + 4 <= nf; i += 4) pv_rows<E, 4>(pp + i, vb, sv, Dv, nb, op + i);
+  switch (nf - i) {
+    case 3: pv_rows<E, 3>(pp + i, vb, sv, Dv, nb, op + i); break;
+    case 2: pv_rows<E, 2>(pp + i, vb, sv, Dv, nb, op + i); break;
+    case 1: pv_rows<E, 1>(pp + i, vb, sv, Dv, nb, op + i); break;
+    default: break;
+  }
+}
+
+// whether P V reads a block's V rows in place (the score pass prefetches them): bfloat16 and
+// float16 ones where at most four rows read them (each element then converted once); else
+// (float32: contiguous float rows in L1 run P V faster than strided ones) the block's V rows
+// are converted or copied once into vbuf, prefetched as they are
+template <Dt E>
+static inline bool pv_in_place(int64_t R) {
+  return E != Dt::F32 && R <= 4;
+}
+
+// P V of one block of nb keys (v0 its first V row, rows sv apart; `avail` keys of the item from
+// it on, the V rows pf keys ahead prefetched where it copies)
+template <Dt E>
+static void pv_block(const float* s, int64_t ss, int64_t R, const int64_t* ra, const int64_t* re,
+                     const elem_t<E>* v0, int64_t sv, int64_t nb, int64_t Dv, float* acc,
+                     float* vbuf, const float** pp, float** op, int64_t pf, int64_t avail) {
+  if (pv_in_place<E>(R)) {
+    pv_rows_all<E>(s, ss, R, ra, re, v0, sv, nb, Dv, acc, pp, op);
+    return;
+  }
+  const int64_t row_bytes = Dv * static_cast<int64_t>(sizeof(elem_t<E>));
+  for (int64_t j = 0; j < nb; ++j) {
+    const elem_t<E>* src = v0 + j * sv;
+    float* dst = vbuf + j * Dv;
+    if (j + pf < avail) prefetch_rows(src + pf * sv, sv, 1, row_bytes);
+    int64_t d = 0;
+    for (; d + 8 <= Dv; d += 8) _mm256_storeu_ps(dst + d, load8<E>(src + d));
+    for (; d < Dv; ++d) dst[d] = load1<E>(src + d);
+  }
+  pv_rows_all<Dt::F32>(s, ss, R, ra, re, vbuf, Dv, nb, Dv, acc, pp, op);
+}
+
+// the per-thread buffers of run_item
+struct Scratch {
+  std::unique_ptr<float[]> fbuf;  // scores (R x ss), then vbuf (NB x Dv + 8): uninitialised
+  float* sb;
+  float* vbuf;
+  std::vector<int64_t> idx;  // ra, re, ba, be: R each
+  int64_t *ra, *re, *ba, *be;
+  std::vector<const float*> pp;
+  std::vector<float*> ob;
+  std::vector<float> o;
+  Scratch(int64_t R, int64_t ss, int64_t NB, int64_t Dv)
+      : fbuf(new float[static_cast<size_t>(R * ss + NB * Dv + 8)]), idx(4 * R), pp(R), ob(R),
+        o(static_cast<size_t>(Dv)) {
+    sb = fbuf.get();
+    vbuf = sb + R * ss;
+    ra = idx.data();
+    re = ra + R;
+    ba = re + R;
+    be = ba + R;
+  }
+};
+
+// one item: R rows (qg, float32, Dk apart) against n keys k0/v0 (rows ks/vs apart), row r
+// over its keys [ra[r], re[r]) of them: in blocks of NB keys, the scores of the block, each
+// row's online softmax step, then P V of the block, so that K and V each stream once and a
+// block's K and V rows are hot between the passes; leaves max m, sum l (log2 units) and the
+// unnormalised output acc (R x Dv) of each row
+template <Dt E>
+static void run_item(const float* qg, int64_t R, int64_t Dk, int64_t Dv, const elem_t<E>* k0,
+                     int64_t ks, const elem_t<E>* v0, int64_t vs, int64_t n, int64_t NB,
+                     Scratch& w, int64_t ss, float* acc, float* m, float* l, bool& bad) {
+  const int64_t row_bytes = std::max(Dk, Dv) * static_cast<int64_t>(sizeof(elem_t<E>));
+  const int64_t pf = DECODE_PF_BYTES == 0
+                         ? n
+                         : std::max<int64_t>(4, DECODE_PF_BYTES / std::max<int64_t>(1, row_bytes));
+  // the score pass prefetches V rows only where P V reads them in place
+  const int64_t vbytes = pv_in_place<E>(R) ? Dv * static_cast<int64_t>(sizeof(elem_t<E>)) : 0;
+  std::fill(acc, acc + R * Dv, 0.0f);
+  for (int64_t r = 0; r < R; ++r) {
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.0f;
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += NB) {
+    const int64_t nb = std::min(NB, n - j0);
+    bool any = false;
     for (int64_t r = 0; r < R; ++r) {
-      if (ra[r] <= j0 && re[r] >= j0 + nb) {
-        pp[nf] = s + r * ss + j0;
-        op[nf] = acc + r * Dv;
-        ++nf;
-      } else if (ra[r] < j0 + nb && re[r] > j0) {  // part of the block: key by key
-        const int64_t a = std::max(ra[r], j0) - j0, e = std::min(re[r], j0 + nb) - j0;
-        const float* pr = s + r * ss + j0 + a;
-        float* o = acc + r * Dv;
-        pv_rows<1>(&pr, vbuf + a * Dv, Dv, e - a, &o);
-      }
+      w.ba[r] = std::max<int64_t>(w.ra[r] - j0, 0);
+      w.be[r] = std::min(w.re[r] - j0, nb);
+      any |= w.be[r] > w.ba[r];
     }
-    int64_t i = 0;
-    for (; i + 4 <= nf; i += 4) pv_rows<4>(pp + i, vbuf, Dv, nb, op + i);
-    switch (nf - i) {
-      case 3: pv_rows<3>(pp + i, vbuf, Dv, nb, op + i); break;
-      case 2: pv_rows<2>(pp + i, vbuf, Dv, nb, op + i); break;
-      case 1: pv_rows<1>(pp + i, vbuf, Dv, nb, op + i); break;
-      default: break;
-    }
+    if (!any) continue;  // no row sees a key of this block
+    qk_block<E>(qg, R, Dk, k0 + j0 * ks, ks, nb, w.sb, ss, pf, n - j0, v0 + j0 * vs, vs,
+                vbytes);
+    for (int64_t r = 0; r < R; ++r)
+      if (w.be[r] > w.ba[r])
+        softmax_block(w.sb + r * ss, w.ba[r], w.be[r], m[r], l[r], acc + r * Dv, Dv, bad);
+    pv_block<E>(w.sb, ss, R, w.ba, w.be, v0 + j0 * vs, vs, nb, Dv, acc, w.vbuf, w.pp.data(),
+                w.ob.data(), pf, n - j0);
   }
 }
 
@@ -344,7 +529,10 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
   }
   int64_t C = (total * Hkv + nth * 8 - 1) / (nth * 8);
   C = std::min<int64_t>(512, std::max<int64_t>(64, (C + 15) / 16 * 16));
+  int64_t count = 0;
+  for (int64_t b = 0; b < B; ++b) count += (ue[b] - ua[b] + C - 1) / C;
   std::vector<Item> items;
+  items.reserve(static_cast<size_t>(count * Hkv));
   std::vector<int64_t> first(B * Hkv + 1, 0);  // items of (b, hk): first[i] .. first[i + 1]
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t hk = 0; hk < Hkv; ++hk) {
@@ -356,7 +544,7 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int64_t nitems = static_cast<int64_t>(items.size());
   // partials per item and row: max, sum (log2 units) and the unnormalised output
   std::vector<float> pm(static_cast<size_t>(nitems * R)), pl(static_cast<size_t>(nitems * R));
-  std::vector<float> pacc(static_cast<size_t>(nitems * R * Dv));
+  std::unique_ptr<float[]> pacc(new float[static_cast<size_t>(nitems * R * Dv)]);  // no init
 
   // merge group i's partials by the log-sum-exp rule (out in q's dtype, lse natural log); run
   // by the thread that finishes the group's last item, or here for a group with no keys
@@ -384,7 +572,7 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
         if (!(pl[t * R + r] > 0.0f)) continue;
         const float w = std::exp2(pm[t * R + r] - M);
         lsum += w * pl[t * R + r];
-        const float* a = pacc.data() + (t * R + r) * Dv;
+        const float* a = pacc.get() + (t * R + r) * Dv;
         for (int64_t d = 0; d < Dv; ++d) o[d] += w * a[d];
       }
       const float inv = 1.0f / lsum;
@@ -409,45 +597,40 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
     if (mybad) bad = true;
   }
   std::atomic<int64_t> next{0};
-  const int64_t ss = C + 8;
-  at::parallel_for(0, nth, 1, [&](int64_t, int64_t) {
-    std::vector<float> sb(static_cast<size_t>(R * ss));
-    const int64_t KB = std::max<int64_t>(8, std::min<int64_t>(32, 4096 / std::max<int64_t>(Dv, 1)));
-    std::vector<float> vbuf(static_cast<size_t>(KB * Dv + 8));
-    std::vector<int64_t> ra(R), re(R);
-    std::vector<const float*> pp(R);
-    std::vector<float*> ob(R);
-    std::vector<float> o(static_cast<size_t>(Dv));
+  const int64_t NB = std::min<int64_t>(
+      128, std::max<int64_t>(8, DECODE_BLOCK_BYTES / (std::max<int64_t>({Dk, Dv, 1}) *
+                                                      static_cast<int64_t>(sizeof(T)))) /
+               8 * 8);
+  const int64_t ss = NB + 8;
+  auto work = [&](int64_t, int64_t) {
+    Scratch w(R, ss, NB, Dv);
     bool mybad = false;
     for (;;) {
-      const int64_t t = next.fetch_add(1);
+      const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
       if (t >= nitems) break;
       const Item it = items[t];
-      const int64_t n = it.e - it.a;
-      const float* qg = qs.data() + ((it.b * H + it.hk * g) * L) * Dk;  // R rows, gi-major
-      const T* k0 = kp + it.b * kb + it.hk * kh + it.a * ks;
-      const T* v0 = vp + it.b * vb + it.hk * vh + it.a * vs;
-      qk_all<E>(qg, R, Dk, k0, ks, n, sb.data(), ss);
-      float* acc = pacc.data() + t * R * Dv;
-      std::fill(acc, acc + R * Dv, 0.0f);
-      for (int64_t r = 0; r < R; ++r) {
+      for (int64_t r = 0; r < R; ++r) {  // row r's keys of the item, local
         const int64_t l = r % L;
         const int64_t x = std::max(lo[it.b * lo_b + l], it.a);
         const int64_t y = std::min(hi[it.b * lo_b + l] + 1, it.e);
-        ra[r] = x - it.a;
-        re[r] = std::max(x, y) - it.a;
-        float m = -std::numeric_limits<float>::infinity(), s = 0.0f;
-        if (re[r] > ra[r]) softmax_run(sb.data() + r * ss, ra[r], re[r], m, s, mybad);
-        pm[t * R + r] = m;
-        pl[t * R + r] = s;
+        w.ra[r] = x - it.a;
+        w.re[r] = std::max(x, y) - it.a;
       }
-      pv_all<E>(sb.data(), ss, R, ra.data(), re.data(), v0, vs, n, Dv, acc, vbuf.data(), KB,
-                pp.data(), ob.data());
+      const float* qg = qs.data() + ((it.b * H + it.hk * g) * L) * Dk;  // R rows, gi-major
+      run_item<E>(qg, R, Dk, Dv, kp + it.b * kb + it.hk * kh + it.a * ks, ks,
+                  vp + it.b * vb + it.hk * vh + it.a * vs, vs, it.e - it.a, NB, w, ss,
+                  pacc.get() + t * R * Dv, pm.data() + t * R, pl.data() + t * R, mybad);
       const int64_t gi = it.b * Hkv + it.hk;  // the group's last item merges it
-      if (left[gi].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(gi, o, mybad);
+      if (left[gi].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(gi, w.o, mybad);
     }
     if (mybad) bad = true;
-  });
+  };
+  // little work (a short cache): one thread, no thread start
+  const int64_t bytes = total * Hkv * (Dk + Dv) * static_cast<int64_t>(sizeof(T));
+  if (nth == 1 || nitems <= 1 || bytes < DECODE_SERIAL_BYTES)
+    work(0, 1);
+  else
+    at::parallel_for(0, nth, 1, work);
   finite = !bad.load();
 }
 
