@@ -89,7 +89,7 @@ def test_low_precision_unmasked_calls_are_read_directly_on_fp32_upcast(
     q, k, v, _ = _qkv(shape, dtype, grad=False)
     if cpu.path_for(q, "test") != "fp32-upcast":
         pytest.skip(f"this CPU's path for {dtype} is {cpu.path_for(q, 'test')}, not fp32-upcast")
-    if str(dtype).removeprefix("torch.") not in rowspan.kernel().span_low_dtypes():
+    if str(dtype).removeprefix("torch.") not in rowspan.kernel().low_dtypes():
         pytest.skip(f"the kernel was built without F16C here, so it does not read {dtype}")
     note = attnkit.explain(q, k, v, backend="blocked").notes["blocked"]
     name = str(dtype).removeprefix("torch.")

@@ -302,7 +302,7 @@ def test_fp32_upcast_calls_the_kernel_does_not_serve_still_convert(
         def __getattr__(self, name: str) -> Any:
             return getattr(real, name)
 
-        def span_low_dtypes(self) -> list[str]:
+        def low_dtypes(self) -> list[str]:
             return ["bfloat16"]
 
     monkeypatch.setattr(rowspan, "_module", NoF16C())

@@ -100,7 +100,7 @@ def status() -> str:
 def kernel() -> Any:
     """The loaded C++ module: ``decode_forward(q, k, v, lo, hi, scale) -> (out, lse, finite)``
     (q ``(B, H, L, Dk)``, k ``(B, Hkv, S, Dk)``, v ``(B, Hkv, S, Dv)`` with a contiguous last
-    dimension, all float32 or all one of ``decode_low_dtypes()``; ``lo``/``hi`` int64
+    dimension, all float32 or all one of ``low_dtypes()``; ``lo``/``hi`` int64
     ``(1 or B, L)`` local inclusive runs; out in q's dtype, ``lse (B, H, L)`` float32 natural
     log, ``finite`` False where a query, a score of a key a row may see, or an output was not
     finite). Call it only where :func:`plan` serves."""
@@ -181,7 +181,7 @@ def _refusal(call: AttentionCall) -> str | None:
         return "an empty dimension: nothing for the kernel to do"
     if build() is None:
         return status()
-    if q.dtype == torch.float16 and "float16" not in _module.decode_low_dtypes():
+    if q.dtype == torch.float16 and "float16" not in _module.low_dtypes():
         return "it was built without F16C (this CPU has none), so it does not read float16"
     return None
 

@@ -183,9 +183,6 @@ class SpanKernel(Library):
         ],
     }
 
-    def span_low_dtypes(self) -> list[str]:
-        return self.low_dtypes()
-
     def _inputs(
         self,
         q: torch.Tensor,
@@ -195,9 +192,11 @@ class SpanKernel(Library):
         hi: torch.Tensor,
         slopes: torch.Tensor,
         keys: torch.Tensor,
-    ) -> tuple[int, list[Any]]:
-        """The dtype code and the arguments from ``sizes`` to ``keys_cols`` (but ``scale``,
-        ``softcap``, ``d0``, which the caller puts in); checks what the C side cannot see."""
+    ) -> tuple[tuple[torch.Tensor, ...], int, list[Any]]:
+        """q, k, v, lo, hi made contiguous, the dtype code and the arguments from ``sizes`` to
+        ``keys_cols`` (but ``scale``, ``softcap``, ``d0``, which the caller puts in); checks
+        what the C side cannot see."""
+        q, k, v, lo, hi = (t.contiguous() for t in (q, k, v, lo, hi))
         _check(
             q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
             "row-span kernel: q, k, v must be 4-D (B, H, L, D)",
@@ -232,7 +231,8 @@ class SpanKernel(Library):
         sizes = array("q", (*q.shape, *k.shape, *v.shape))
         args = [sizes, lo.data_ptr(), hi.data_ptr(), lo.shape[0], lo.shape[1]]
         keys_args = [_ptr(kk), 0 if kk is None else kk.shape[0], 0 if kk is None else kk.shape[1]]
-        return dt, [args, _ptr(sl), 0 if sl is None else sl.numel(), keys_args, sl, kk]
+        rest = [args, _ptr(sl), 0 if sl is None else sl.numel(), keys_args, sl, kk]
+        return (q, k, v, lo, hi), dt, rest
 
     def span_forward(
         self,
@@ -248,14 +248,9 @@ class SpanKernel(Library):
         keys: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out (B, H, L, Dv) in q's dtype, lse (B, H, L) float32)``."""
-        q, k, v, lo, hi = (
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-            lo.contiguous(),
-            hi.contiguous(),
+        (q, k, v, lo, hi), dt, (a, sl, nsl, ka, *_keep) = self._inputs(
+            q, k, v, lo, hi, slopes, keys
         )
-        dt, (a, sl, nsl, ka, *_keep) = self._inputs(q, k, v, lo, hi, slopes, keys)
         B, H, L = q.shape[:3]
         out = torch.empty((B, H, L, v.shape[3]), dtype=q.dtype)
         lse = torch.empty((B, H, L), dtype=torch.float32)
@@ -286,15 +281,10 @@ class SpanKernel(Library):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)`` in q's dtype (dk, dv summed in float32 over each kv head's query
         heads), given the final ``out`` and ``lse``."""
-        q, k, v, lo, hi = (
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-            lo.contiguous(),
-            hi.contiguous(),
-        )
         out, dout, lse = out.contiguous(), dout.contiguous(), lse.contiguous()
-        dt, (a, sl, nsl, ka, *_keep) = self._inputs(q, k, v, lo, hi, slopes, keys)
+        (q, k, v, lo, hi), dt, (a, sl, nsl, ka, *_keep) = self._inputs(
+            q, k, v, lo, hi, slopes, keys
+        )
         _check(
             out.dtype == q.dtype and dout.dtype == q.dtype and lse.dtype == torch.float32,
             "row-span kernel: out, dout must be contiguous in q's dtype, lse float32",
@@ -329,9 +319,6 @@ class DecodeKernel(Library):
     :func:`attnkit.backends.blocked.decode.kernel` for ``decode_forward``."""
 
     FUNCTIONS: ClassVar[dict[str, list[Any]]] = {"attnkit_decode_forward": [_P, _F64]}
-
-    def decode_low_dtypes(self) -> list[str]:
-        return self.low_dtypes()
 
     def decode_forward(
         self,

@@ -362,7 +362,7 @@ def plan(
     if low:
         p = dataclasses.replace(p, dtype=q.dtype)
         name = str(q.dtype).removeprefix("torch.")
-        if name not in _module.span_low_dtypes():
+        if name not in _module.low_dtypes():
             return p.refuse(
                 f"attnkit's row-span kernel was built without F16C (this CPU has none), so it "
                 f"does not read {name}"
@@ -378,7 +378,7 @@ def kernel(isa: str = "avx2") -> Any:
     non-empty ``keys`` ``(1 or B, >= S + 8)`` each key's 0 or ``-inf``: q
     ``(B, H, L, Dk)``, k ``(B, Hkv, S, Dk)``, v ``(B, Hkv, S, Dv)``, out ``(B, H, L, Dv)``, lse
     ``(B, H, L)`` (natural log, float32), ``lo``/``hi`` int64 ``(1 or B, L)``; q, k, v, out,
-    dout, dq, dk, dv all float32, or all the dtype of q among ``span_low_dtypes()``
+    dout, dq, dk, dv all float32, or all the dtype of q among ``low_dtypes()``
     (``["bfloat16", "float16"]``, without float16 where built without F16C). Call it only where
     :func:`plan` says the kernel serves; the C++ checks what its memory safety needs (shapes,
     dtypes, spans in order). ``isa``: a plan's (:data:`DOT`: the AVX512-BF16 build)."""

@@ -1618,6 +1618,26 @@ static Mods check_mods(const int64_t* sizes, double softcap, const double* slope
   return md;
 }
 
+// what both entry functions check and read first: the runs of keys, the modifiers (soft-cap,
+// ALiBi, key holes; `keep` holds the key holes' rows) and the sizes; built in place, never
+// moved (md may point into keep)
+struct Entry {
+  Spans sp;
+  std::vector<float> keep;
+  Mods md;
+  int64_t B, H, L, Dk, Hkv, S, Dv;
+  Entry(const int64_t* sizes, int32_t dtype, const int64_t* lo, const int64_t* hi,
+        int64_t lo_rows, int64_t lo_cols, double softcap, const double* slopes,
+        int64_t n_slopes, int64_t d0, const float* keys, int64_t keys_rows, int64_t keys_cols)
+      : sp(check_inputs(sizes, dtype, lo, hi, lo_rows, lo_cols)),
+        keep(),
+        md(check_mods(sizes, softcap, slopes, n_slopes, d0, keys, keys_rows, keys_cols, keep)),
+        B(sizes[0]), H(sizes[1]), L(sizes[2]), Dk(sizes[3]),
+        Hkv(sizes[5]), S(sizes[6]), Dv(sizes[11]) {}
+  Entry(const Entry&) = delete;
+  Entry& operator=(const Entry&) = delete;
+};
+
 }  // namespace rowspan
 
 // The C ABI (attnkit.backends.blocked.native calls it through ctypes): every tensor is a
@@ -1649,12 +1669,11 @@ int32_t attnkit_span_forward(const void* q, const void* k, const void* v, int32_
                              const float* keys, int64_t keys_rows, int64_t keys_cols, void* out,
                              float* lse, int64_t nthreads) {
   return attnkit_abi::guarded([&] {
-    const rowspan::Spans sp = rowspan::check_inputs(sizes, dtype, lo, hi, lo_rows, lo_cols);
-    std::vector<float> keep;
-    const rowspan::Mods md = rowspan::check_mods(sizes, softcap, slopes, n_slopes, d0, keys,
-                                                 keys_rows, keys_cols, keep);
-    const int64_t B = sizes[0], H = sizes[1], L = sizes[2], Dk = sizes[3];
-    const int64_t Hkv = sizes[5], S = sizes[6], Dv = sizes[11];
+    const rowspan::Entry e(sizes, dtype, lo, hi, lo_rows, lo_cols, softcap, slopes, n_slopes, d0,
+                           keys, keys_rows, keys_cols);
+    const rowspan::Spans& sp = e.sp;
+    const rowspan::Mods& md = e.md;
+    const int64_t B = e.B, H = e.H, L = e.L, Dk = e.Dk, Hkv = e.Hkv, S = e.S, Dv = e.Dv;
     if (B * H * L <= 0) return;
     at::set_call_threads(nthreads);
     const at::Tensor tq = at::view(const_cast<void*>(q), {B, H, L, Dk});
@@ -1692,12 +1711,11 @@ int32_t attnkit_span_backward(const void* q, const void* k, const void* v, const
                               float* dk, float* dv, void* dk_low, void* dv_low,
                               int64_t nthreads) {
   return attnkit_abi::guarded([&] {
-    const rowspan::Spans sp = rowspan::check_inputs(sizes, dtype, lo, hi, lo_rows, lo_cols);
-    std::vector<float> keep;
-    const rowspan::Mods md = rowspan::check_mods(sizes, softcap, slopes, n_slopes, d0, keys,
-                                                 keys_rows, keys_cols, keep);
-    const int64_t B = sizes[0], H = sizes[1], L = sizes[2], Dk = sizes[3];
-    const int64_t Hkv = sizes[5], S = sizes[6], Dv = sizes[11];
+    const rowspan::Entry e(sizes, dtype, lo, hi, lo_rows, lo_cols, softcap, slopes, n_slopes, d0,
+                           keys, keys_rows, keys_cols);
+    const rowspan::Spans& sp = e.sp;
+    const rowspan::Mods& md = e.md;
+    const int64_t B = e.B, H = e.H, L = e.L, Dk = e.Dk, Hkv = e.Hkv, S = e.S, Dv = e.Dv;
     const size_t esize = dtype == attnkit_abi::F32 ? 4 : 2;
     if (!(B * H * L > 0 && S > 0)) {  // nothing to sum: dq 0, dk and dv stay 0
       if (B * H * L > 0) std::memset(dq, 0, static_cast<size_t>(B * H * L * Dk) * esize);
