@@ -25,7 +25,11 @@ Each row shows the time, the rate K/V is read at (the bytes of the keys some que
 once per key/value head, over the time) next to **the machine's memory read bandwidth**,
 measured at the start of the run (:func:`attnkit.bench.machine.measure_read_bandwidth`: the
 median time of ``torch.sum`` over a 512 MiB float32 tensor, with torch's threads), and each
-peer's time over SDPA's (the ``sdpa`` peer: dense mask or none). onnxruntime's
+peer's time over SDPA's (the ``sdpa`` peer: dense mask or none). Every peer's calls turn
+through copies of K/V (:meth:`attnkit.bench.workloads.Workload.copies`: enough that the K/V read
+between two calls on one copy is twice the last-level cache), so each call reads K/V from
+memory, as a model's layers do; a cache of L3's size read again and again would partly come
+from L3 and overstate the rate. onnxruntime's
 ``GroupQueryAttention`` (``ort-gqa``, :mod:`attnkit.bench.ort`) runs where ``pip install
 'attnkit[peers]'`` installed it; elsewhere the row says why not.
 
@@ -87,7 +91,7 @@ def kernel_rows(reps: int) -> dict[str, Any]:
                     got["minus_sdpa_us"] = (e.ms - sdpa.ms) * 1e3
             entries.append(got)
         rows.append({"row": row.label, "description": wl.description, "kv_bytes": nbytes,
-                     "entries": entries})  # fmt: skip
+                     "kv_copies": row.kv_copies, "entries": entries})  # fmt: skip
     return {
         "read_gbps": read,
         "gemm_gflops": gemm,
@@ -106,7 +110,10 @@ def print_kernel_rows(res: dict[str, Any]) -> None:
         f"load {m.get('load_at_start')} -> {m.get('load_at_end')}"
     )
     for row in res["rows"]:
-        print(f"\n{row['row']}: {row['description']} (K/V {row['kv_bytes'] / 2**20:.1f} MiB)")
+        copies = f", {row['kv_copies']} copies turned through" if row["kv_copies"] > 1 else ""
+        print(
+            f"\n{row['row']}: {row['description']} (K/V {row['kv_bytes'] / 2**20:.1f} MiB{copies})"
+        )
         print(f"  {'peer':16} {'ms':>9} {'K/V GB/s':>9} {'of read':>8} {'SDPA/this':>10}")
         for e in row["entries"]:
             if "ms" not in e:

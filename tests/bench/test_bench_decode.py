@@ -154,3 +154,73 @@ def test_decode_benchmark_runs_and_writes_json(tmp_path: Path) -> None:
     sliced = {e["peer"]: e for e in res["rows"][1]["entries"]}
     assert sliced["sdpa"]["sdpa_over_this"] == 1.0
     assert sliced["sdpa-sliced"]["kv_gbps"] > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_mib", [1, 32, 256])
+def test_decode_rows_turn_through_enough_copies_to_miss_the_cache(
+    dtype: torch.dtype, cache_mib: int
+) -> None:
+    """A decode row's copies: the K/V read between two calls on one copy is at least twice the
+    last-level cache, unless a cap (copies, bytes) stops it; every other row has one copy."""
+    from attnkit.bench.workloads import MAX_COPIES, MAX_COPY_BYTES
+
+    cache = cache_mib << 20
+    size = torch.empty((), dtype=dtype).element_size()
+    for wl in WORKLOADS.values():
+        for L in (64, 2048, 4096):
+            n = wl.copies(L, dtype, cache)
+            if not wl.queries:
+                assert n == 1, wl.name
+                continue
+            whole = wl.B * wl.Hkv * L * wl.D * 2 * size
+            assert 1 <= n <= MAX_COPIES, (wl.name, L)
+            assert n == 1 or n * whole <= MAX_COPY_BYTES, (wl.name, L)
+            capped = n == MAX_COPIES or (n + 1) * whole > MAX_COPY_BYTES
+            assert capped or (n - 1) * wl.kv_bytes(L, dtype) >= 2 * cache, (wl.name, L, n)
+            assert n == 1 or (n - 2) * wl.kv_bytes(L, dtype) < 2 * cache, (wl.name, L, n)
+    assert WORKLOADS["decode-gqa"].copies(4096, dtype, None) >= 2  # an unknown cache: 64 MiB
+
+
+def test_a_timed_decode_row_reads_each_copy_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's timed calls go to copy 0, 1, ..., n-1, 0, ... (distinct K/V storage, equal
+    values), and the result says how many copies there were."""
+    from attnkit.bench import worker
+
+    monkeypatch.setattr(worker, "last_level_cache_bytes", lambda: 1 << 20)
+    seen: list[tuple[int, int]] = []
+    sdpa = PEERS["sdpa"]
+
+    class Spy(type(sdpa)):  # type: ignore[misc]
+        def setup(self, wl: bench.Workload, inputs: Inputs):  # type: ignore[no-untyped-def]
+            call = super().setup(wl, inputs)
+            assert torch.equal(inputs.k, first_k)
+            assert torch.equal(inputs.v, first_v)
+
+            def run() -> torch.Tensor:
+                seen.append((inputs.k.data_ptr(), inputs.v.data_ptr()))
+                return call()
+
+            return run
+
+    wl = WORKLOADS["decode-gqa"]
+    first = wl.inputs(64, torch.float32)
+    first_k, first_v = first.k, first.v
+    monkeypatch.setitem(PEERS, "spy", Spy("spy", "sdpa, recording the K/V it reads"))
+    n = wl.copies(64, torch.float32, 1 << 20)
+    assert n == 1 + 4  # 512 KiB read per call: 4 copies fill twice a 1 MiB cache
+    job = {"kind": "time", "workload": "decode-gqa", "L": 64, "dtype": "float32", "reps": 7,
+           "backward": False, "peers": ["spy"], "gemm_n": 0, "min_call_ms": 0}  # fmt: skip
+    out = worker.run_job(job)
+    assert "error" not in out["peers"]["spy"], out
+    assert out["copies"] == n
+    assert len(out["peers"]["spy"]["times"]) == 7
+    untimed, timed = seen[:-7], seen[-7:]  # the probe (and warm-up) read copy 0
+    assert untimed
+    assert all(u == timed[0] for u in untimed)
+    ks = [k for k, _ in timed]
+    vs = [v for _, v in timed]
+    assert len(set(ks[:n])) == n  # n distinct storages in turn
+    assert len(set(vs[:n])) == n
+    assert ks[n:] == ks[: 7 - n]  # then round again from copy 0
+    assert vs[n:] == vs[: 7 - n]

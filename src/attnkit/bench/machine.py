@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ __all__ = [
     "bf16_class",
     "cpu_features",
     "describe_features",
+    "last_level_cache_bytes",
     "machine",
     "measure_read_bandwidth",
 ]
@@ -70,6 +72,32 @@ def describe_features(features: list[str] | None) -> str:
     missing = [f for f in CPU_FLAGS if f not in features]
     have = " ".join(features) or "none of " + " ".join(CPU_FLAGS)
     return have + (f" (no {', '.join(missing)})" if missing and features else "")
+
+
+def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """The size of the CPU's largest cache in bytes (sysfs, ``index*/size`` of the highest
+    ``level``), or ``None`` where sysfs does not say.
+
+    >>> import tempfile, pathlib
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     for i, (level, size) in enumerate([(1, "32K"), (2, "1024K"), (3, "32768K")]):
+    ...         p = pathlib.Path(d, f"index{i}"); p.mkdir()
+    ...         _ = (p / "level").write_text(f"{level}\\n"); _ = (p / "size").write_text(size)
+    ...     last_level_cache_bytes(d) == 32 * 2**20
+    True
+    """
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    best: tuple[int, int] | None = None
+    for index in sorted(Path(root).glob("index*")):
+        try:
+            level = int((index / "level").read_text())
+            raw = (index / "size").read_text().strip()
+            size = int(raw[:-1]) * units[raw[-1]] if raw[-1] in units else int(raw)
+        except (OSError, ValueError, IndexError):
+            continue
+        if best is None or level > best[0] or (level == best[0] and size > best[1]):
+            best = (level, size)
+    return None if best is None else best[1]
 
 
 def measure_read_bandwidth(nbytes: int = READ_BYTES, reps: int = 7) -> float:

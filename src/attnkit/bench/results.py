@@ -48,6 +48,8 @@ class Row:
     entries: list[Entry] = field(default_factory=list)
     #: fp32 GEMM GFLOP/s timed in the same rounds as this row's peers (the fractions use it)
     gemm_gflops: float | None = None
+    #: copies of K/V the timed calls turned through (> 1: a decode row, read from memory)
+    kv_copies: int = 1
 
     @property
     def label(self) -> str:

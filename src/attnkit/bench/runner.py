@@ -254,6 +254,7 @@ def _measure_row(
         )
     if timed.get("gemm_gflops"):
         row.gemm_gflops = statistics.median(timed["gemm_gflops"])
+    row.kv_copies = int(timed.get("copies", 1))
     for name in todo:
         got = timed.get("peers", {}).get(name, {"error": timed.get("error", "no result")})
         e = _entry(name, got, row.flops, row.gemm_gflops or gemm_gflops)

@@ -11,6 +11,9 @@
   ``calls`` times back to back in each round (enough to fill ``min_call_ms``, at most
   :data:`MAX_CALLS`) and the round records their mean: a few-millisecond call is otherwise at
   the mercy of one time slice lost to another job.
+  A decode row (memory-bound) turns through copies of K/V, one per call
+  (:meth:`~attnkit.bench.workloads.Workload.copies`, sized to the last-level cache), so that no
+  call finds its K/V in the cache the previous call filled; ``copies`` in the result.
 * ``memory``: one peer in a process of its own: peak resident memory during one call above what
   the inputs take (``VmHWM`` from ``/proc/self/status``). A peer that compiles (flex) runs once
   first; the peak is then reset (``/proc/self/clear_refs``), so the compile is not counted.
@@ -25,11 +28,13 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from attnkit.backends.blocked import rowspan
+from attnkit.bench.machine import last_level_cache_bytes
 from attnkit.bench.peers import PEERS, step
 from attnkit.bench.workloads import get_workload
 
@@ -93,21 +98,26 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             return {"peak_mib": None, "inputs_mib": None}
         return {"peak_mib": (peak - base) / MiB, "inputs_mib": (base - before) / MiB}
     inputs = wl.inputs(L, dtype, grad=backward)
-    fns: dict[str, Callable[[], torch.Tensor]] = {}
+    n_copies = 1 if backward else wl.copies(L, dtype, last_level_cache_bytes())
+    sets = [inputs] + [
+        replace(inputs, k=inputs.k.clone(), v=inputs.v.clone()) for _ in range(n_copies - 1)
+    ]
+    fns: dict[str, list[Callable[[], torch.Tensor]]] = {}
+    turn = dict.fromkeys(job["peers"], 0)
     result: dict[str, Any] = {}
     min_call = float(job.get("min_call_ms", 0.0)) / 1e3
     calls: dict[str, int] = {}
     for name in job["peers"]:
         try:
-            fns[name] = PEERS[name].setup(wl, inputs)
-            params = _params(fns[name])
+            fns[name] = [PEERS[name].setup(wl, s) for s in sets]
+            params = _params(fns[name][0])
             t0 = time.perf_counter()
-            step(fns[name], inputs, backward, params)
+            step(fns[name][0], inputs, backward, params)
             first = time.perf_counter() - t0
             result[name] = {"first_call_s": first, "times": []}
             if first < PROBE_S or name in ("flex", "attnkit-flex"):  # flex compiled: warm up
                 t0 = time.perf_counter()
-                step(fns[name], inputs, backward, params)
+                step(fns[name][0], inputs, backward, params)
                 first = time.perf_counter() - t0
             calls[name] = 1 if first >= min_call else min(MAX_CALLS, math.ceil(min_call / first))
             result[name]["calls"] = calls[name]
@@ -123,13 +133,15 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             t0 = time.perf_counter()
             a @ b
             gemm.append(2.0 * n**3 / (time.perf_counter() - t0) / 1e9)
-        for name, fn in fns.items():
-            params = _params(fn)
+        for name, fn_list in fns.items():
+            params = _params(fn_list[0])
             t0 = time.perf_counter()
             for _ in range(calls[name]):
-                step(fn, inputs, backward, params)
+                c = turn[name] % n_copies
+                turn[name] += 1
+                step(fn_list[c], sets[c], backward, params)
             result[name]["times"].append((time.perf_counter() - t0) / calls[name])
-    return {"peers": result, "gemm_gflops": gemm}
+    return {"peers": result, "gemm_gflops": gemm, "copies": n_copies}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,7 +9,9 @@ flex, as the causal flag where torch has one, and as a dense mask for the peers 
 FLOPs count allowed pairs only (``4 * D`` per pair and head forward: ``q.k`` and ``p.v``; the
 backward is ``2.5x`` the forward: five matmuls to two), counted exactly from the block map, so a
 skipped block is never credited as work. Decode rows (``queries`` set) also count the K/V
-bytes a call must read (:meth:`Workload.kv_bytes`): a decode step is memory-bound.
+bytes a call must read (:meth:`Workload.kv_bytes`): a decode step is memory-bound, and its
+timed calls turn through copies of K/V (:meth:`Workload.copies`) so that each call reads them
+from memory, as a model's layers do, not from the cache the previous call filled.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ __all__ = [
 
 #: forward + backward FLOPs over forward FLOPs (flash attention: 2 matmuls, then 5)
 BACKWARD_FACTOR = 3.5
+#: a decode row's copies of K/V (:meth:`Workload.copies`): at most this many, this many bytes
+MAX_COPIES = 16
+MAX_COPY_BYTES = 1 << 30
+#: the last-level cache assumed where sysfs does not give its size
+UNKNOWN_CACHE = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -131,6 +138,31 @@ class Workload:
             E = self.H * self.D
             fwd += 4 * 2.0 * self.B * Lq * E * E  # q, k, v and output projections
         return fwd * (BACKWARD_FACTOR if backward else 1.0)
+
+    def copies(self, L: int, dtype: torch.dtype, cache_bytes: int | None) -> int:
+        """How many copies of K/V a timed run of a decode row turns through, so that each call
+        reads its K/V from memory rather than from the last-level cache (``cache_bytes``,
+        :data:`UNKNOWN_CACHE` where ``None``) the previous call left it in: one more than the
+        copies whose reads fill twice that cache, at most :data:`MAX_COPIES` and
+        :data:`MAX_COPY_BYTES` of K/V in all. 1 for every other row (compute-bound: the reuse of
+        caches there is the kernel's own).
+
+        >>> get_workload("decode-gqa").copies(4096, torch.float32, 32 * 2**20)
+        3
+        >>> get_workload("decode-gqa").copies(4096, torch.bfloat16, 32 * 2**20)
+        5
+        >>> get_workload("causal").copies(4096, torch.float32, 32 * 2**20)
+        1
+        """
+        if not self.queries:
+            return 1
+        S = self.sizes(L)[1]
+        size = torch.empty((), dtype=dtype).element_size()
+        whole = self.B * self.Hkv * S * self.D * 2 * size  # one copy's K and V
+        read = max(1, self.kv_bytes(L, dtype))
+        cache = UNKNOWN_CACHE if cache_bytes is None else cache_bytes
+        wanted = 1 + -(-2 * cache // read)
+        return max(1, min(wanted, MAX_COPIES, MAX_COPY_BYTES // max(1, whole)))
 
     def kv_bytes(self, L: int, dtype: torch.dtype) -> int:
         """The bytes of K and V a call must read at least: every key some query of its
