@@ -279,8 +279,8 @@ def test_nan_and_inf_follow_the_rule_without_a_separate_pass(
 
 def test_the_switch_turns_the_decode_kernel_off(monkeypatch: Any) -> None:
     monkeypatch.setenv("ATTNKIT_SPAN_KERNEL", "0")
-    monkeypatch.setattr(decode, "_tried", False)
-    monkeypatch.setattr(decode, "_module", None)
+    monkeypatch.setattr(decode._decode, "tried", False)
+    monkeypatch.setattr(decode._decode, "module", None)
     assert not decode.available()
     assert decode.status() == (
         "attnkit's decode kernel is off: ATTNKIT_SPAN_KERNEL=0 in the environment"

@@ -640,8 +640,8 @@ def test_explain_names_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     # switched off (as on a machine where it cannot be built): torch's kernel, and why
     monkeypatch.setenv(rowspan.ENV, "0")
-    monkeypatch.setattr(rowspan, "_tried", False)
-    monkeypatch.setattr(rowspan, "_module", None)
+    monkeypatch.setattr(rowspan._span, "tried", False)
+    monkeypatch.setattr(rowspan._span, "module", None)
     assert not rowspan.available()
     assert rowspan.status() == (
         "torch's fused kernel (attnkit's row-span kernel is off: ATTNKIT_SPAN_KERNEL=0 in the "

@@ -31,7 +31,6 @@ machine without AVX2, or without the prebuilt build and a compiler, runs without
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,28 +60,15 @@ NAME = builds.DECODE.name
 #: the most query rows per call the kernel serves (a decode step, or a few speculative tokens)
 MAX_L = 16
 
-_lock = threading.Lock()
-_module: Any = None
-_reason: str | None = None
-_tried = False
-build_seconds: float | None = None
+#: the kernel, loaded on first use (the row-span kernel's switch and CPU requirements)
+_decode = native.Lazy(builds.DECODE, native.DecodeKernel, rowspan._cpu_reason)
 
 
 def build() -> Any:
     """Load the kernel (the package's prebuilt build, else one compiled here:
     :func:`attnkit.backends.blocked.native.load`); returns it or ``None`` (the row-span
     kernel's switches and requirements: ``ATTNKIT_SPAN_KERNEL=0``, AVX2)."""
-    global _module, _reason, _tried, build_seconds
-    with _lock:
-        if _tried:
-            return _module
-        _tried = True
-        _reason = rowspan._cpu_reason()
-        if _reason is not None:
-            return None
-        _module, _reason = native.load(builds.DECODE, native.DecodeKernel)
-        build_seconds = None if _module is None else _module.seconds
-        return _module
+    return _decode.get()
 
 
 def available() -> bool:
@@ -93,8 +79,9 @@ def available() -> bool:
 def status() -> str:
     """One line: the kernel is in use, or why not (the row-span kernel's switch and
     requirements, :func:`attnkit.backends.blocked.rowspan.status`, are this kernel's too)."""
-    on = build() is not None
-    return "attnkit's AVX2 decode kernel" if on else f"attnkit's decode kernel is off: {_reason}"
+    if build() is not None:
+        return "attnkit's AVX2 decode kernel"
+    return f"attnkit's decode kernel is off: {_decode.reason}"
 
 
 def kernel() -> Any:
@@ -181,7 +168,7 @@ def _refusal(call: AttentionCall) -> str | None:
         return "an empty dimension: nothing for the kernel to do"
     if build() is None:
         return status()
-    if q.dtype == torch.float16 and "float16" not in _module.low_dtypes():
+    if q.dtype == torch.float16 and "float16" not in _decode.module.low_dtypes():
         return "it was built without F16C (this CPU has none), so it does not read float16"
     return None
 

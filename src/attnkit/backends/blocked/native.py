@@ -27,8 +27,10 @@ Where a kernel comes from (:func:`load`), in this order:
    instruction set, nor for ``ATTNKIT_SPAN_KERNEL=0``), and the blocked backend runs torch's
    kernels or its tiles.
 
-``ATTNKIT_KERNEL_SOURCE`` picks: ``auto`` (the default, as above), ``prebuilt`` (the prebuilt
-file or nothing: never compile) or ``compile`` (never the prebuilt file).
+Each build is loaded once, on first use (:class:`Lazy`: the row-span kernel's two builds and
+the decode kernel's). ``ATTNKIT_KERNEL_SOURCE`` picks: ``auto`` (the default, as above),
+``prebuilt`` (the prebuilt file or nothing: never compile) or ``compile`` (never the prebuilt
+file).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import threading
 import time
 import warnings
 from array import array
@@ -53,6 +56,7 @@ from attnkit.cpu import hardware_flags
 __all__ = [
     "ENV",
     "DecodeKernel",
+    "Lazy",
     "Library",
     "SpanKernel",
     "load",
@@ -160,6 +164,23 @@ def _check(ok: bool, message: str) -> None:
         raise RuntimeError(message)
 
 
+def _check_inputs(
+    kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor,
+    hi: torch.Tensor,
+) -> None:  # fmt: skip
+    """What a kernel's C side cannot see about q, k, v and the runs ``lo``, ``hi``: dims,
+    dtypes, devices (``RuntimeError`` naming ``kernel``). The messages are built only on a
+    refusal: the decode kernel runs this on every call of a few microseconds."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise RuntimeError(f"{kernel}: q, k, v must be 4-D (B, H, L, D)")
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise RuntimeError(f"{kernel}: q, k, v must be float32, bfloat16 or float16, all one dtype")
+    if not (q.is_cpu and k.is_cpu and v.is_cpu):
+        raise RuntimeError(f"{kernel}: q, k, v must be CPU tensors")
+    if lo.dtype != torch.long or hi.dtype != torch.long or lo.dim() != 2 or hi.shape != lo.shape:
+        raise RuntimeError(f"{kernel}: lo, hi must be int64 (1 or B, L)")
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -197,23 +218,8 @@ class SpanKernel(Library):
         ``keys_cols`` (but ``scale``, ``softcap``, ``d0``, which the caller puts in); checks
         what the C side cannot see."""
         q, k, v, lo, hi = (t.contiguous() for t in (q, k, v, lo, hi))
-        _check(
-            q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
-            "row-span kernel: q, k, v must be 4-D (B, H, L, D)",
-        )
-        dt = DTYPES.get(q.dtype, -1)
-        _check(
-            dt >= 0 and k.dtype == q.dtype and v.dtype == q.dtype,
-            "row-span kernel: q, k, v must be float32, bfloat16 or float16, all one dtype",
-        )
-        _check(
-            q.device.type == k.device.type == v.device.type == "cpu",
-            "row-span kernel: q, k, v must be CPU tensors",
-        )
-        _check(
-            lo.dtype == hi.dtype == torch.long and lo.dim() == 2 and lo.shape == hi.shape,
-            "row-span kernel: lo, hi must be contiguous int64 (1 or B, L)",
-        )
+        _check_inputs("row-span kernel", q, k, v, lo, hi)
+        dt = DTYPES[q.dtype]
         sl = None
         if slopes.numel() > 0:
             _check(
@@ -332,19 +338,14 @@ class DecodeKernel(Library):
         """``(out (B, H, L, Dv) in q's dtype, lse (B, H, L) float32, finite)``; k and v may be
         strided views with a contiguous last dimension. (Written for a decode step's few
         microseconds: one array of arguments, ``empty_like`` where out has q's shape.)"""
-        _decode_checks(q, k, v, lo, hi)
+        _check_inputs("decode", q, k, v, lo, hi)
         q, lo, hi = q.contiguous(), lo.contiguous(), hi.contiguous()
         qs, vs = q.shape, v.shape
         B, H, L = qs[0], qs[1], qs[2]
         same = vs[3] == qs[3]
         out = torch.empty_like(q) if same else torch.empty(B, H, L, vs[3], dtype=q.dtype)
         lse = torch.empty(B, H, L, dtype=torch.float32)
-        a = array(
-            "q",
-            (q.data_ptr(), k.data_ptr(), v.data_ptr(), lo.data_ptr(), hi.data_ptr(),
-             out.data_ptr(), lse.data_ptr(), DTYPES.get(q.dtype, -1), torch.get_num_threads(),
-             *lo.shape, *qs, *k.shape, *k.stride(), *vs, *v.stride()),
-        )  # fmt: skip
+        a = _decode_args(q, k, v, lo, hi, out.data_ptr(), lse)
         rc = self._lib.attnkit_decode_forward(a.buffer_info()[0], scale)
         if rc == 1:
             raise self.error()
@@ -366,29 +367,21 @@ class DecodeKernel(Library):
         output's allocation and the C call. It returns ``(out, finite)``: its ``lse`` goes to
         a scratch buffer of this binding that nobody reads. A call whose signature differs is
         not checked and reads out of bounds: bind again."""
-        _decode_checks(q, k, v, lo, hi)  # what the C side checks too, once
+        _check_inputs("decode", q, k, v, lo, hi)  # what the C side checks too, once
         qs, ks, vs = q.shape, k.shape, v.shape
         if not (ks[0] == vs[0] == qs[0] and ks[1] == vs[1] and ks[2] == vs[2] and ks[3] == qs[3]):
             raise RuntimeError("decode: shapes of q, k, v do not match")
         if ks[1] == 0 or qs[1] % ks[1] or k.stride(3) != 1 or v.stride(3) != 1:
             raise RuntimeError("decode: shapes of q, k, v do not match, or k, v strided rows")
         if lo.shape[1] != qs[2] or lo.shape[0] not in (1, qs[0]):
-            raise RuntimeError("decode: lo/hi must be int64 (1 or B, L)")
+            raise RuntimeError("decode: lo, hi must be int64 (1 or B, L)")
         lo, hi = lo.contiguous(), hi.contiguous()
         B, H, L = qs[0], qs[1], qs[2]
         scratch = torch.empty(B, H, L, dtype=torch.float32)
         dtype, same, Dv = q.dtype, vs[3] == qs[3], vs[3]
-        template = array(
-            "q",
-            (0, 0, 0, lo.data_ptr(), hi.data_ptr(), 0, scratch.data_ptr(), DTYPES[dtype], 1,
-             *lo.shape, *qs, *k.shape, *k.stride(), *vs, *v.stride()),
-        )  # fmt: skip
-        forward, threads, empty, empty_like = (
-            self._lib.attnkit_decode_forward,
-            torch.get_num_threads,
-            torch.empty,
-            torch.empty_like,
-        )
+        template = _decode_args(q, k, v, lo, hi, 0, scratch)  # slots 0-2, 5 and 8 set per call
+        forward, threads = self._lib.attnkit_decode_forward, torch.get_num_threads
+        empty, empty_like = torch.empty, torch.empty_like
         keep = (lo, hi, scratch)  # alive as long as the binding
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -407,20 +400,18 @@ class DecodeKernel(Library):
         return run
 
 
-def _decode_checks(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
-) -> None:
-    """What the decode kernel's C side cannot see: dims, dtypes, devices."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise RuntimeError("decode: q, k, v must be 4-d")
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise RuntimeError("decode: q, k, v must share a dtype")
-    if q.dtype not in DTYPES:
-        raise RuntimeError("decode: dtype not supported")
-    if not (q.is_cpu and k.is_cpu and v.is_cpu):
-        raise RuntimeError("decode: CPU tensors only")
-    if lo.dtype != torch.long or hi.dtype != torch.long or lo.dim() != 2 or hi.shape != lo.shape:
-        raise RuntimeError("decode: lo/hi must be int64 (1 or B, L)")
+def _decode_args(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+    out: int, lse: torch.Tensor,
+) -> array[int]:  # fmt: skip
+    """``attnkit_decode_forward``'s argument array: the addresses of q, k, v, lo, hi, out, lse
+    (slots 0-6), q's dtype code, the threads (8), the sizes of lo, q, k, v, the strides of k, v."""
+    return array(
+        "q",
+        (q.data_ptr(), k.data_ptr(), v.data_ptr(), lo.data_ptr(), hi.data_ptr(), out,
+         lse.data_ptr(), DTYPES[q.dtype], torch.get_num_threads(), *lo.shape, *q.shape,
+         *k.shape, *k.stride(), *v.shape, *v.stride()),
+    )  # fmt: skip
 
 
 def _open(
@@ -477,3 +468,31 @@ def _unavailable(build: builds.Build, why: str) -> tuple[None, str]:
         stacklevel=4,
     )
     return None, why
+
+
+class Lazy:
+    """A kernel build loaded on first use, once per process (behind a lock): ``refuse()`` says
+    why this process does not take it before a load is tried (a switch, a CPU without the
+    instruction set; ``None`` where it does), then :func:`load`. ``module`` is the library
+    (``None`` until loaded), ``reason`` why not (``None`` before :meth:`get` and where loaded),
+    ``tried`` whether :meth:`get` ran (a test that changes the environment sets it back to
+    ``False``, and ``module`` to ``None``, to load again)."""
+
+    def __init__(
+        self, build: builds.Build, kind: type[Library], refuse: Callable[[], str | None]
+    ) -> None:
+        self.build, self.kind, self.refuse = build, kind, refuse
+        self.lock = threading.Lock()
+        self.tried = False
+        self.module: Any = None
+        self.reason: str | None = None
+
+    def get(self) -> Any:
+        """The loaded library (loading it on the first call), or ``None``: see ``reason``."""
+        with self.lock:
+            if not self.tried:
+                self.tried = True
+                self.reason = self.refuse()
+                if self.reason is None:
+                    self.module, self.reason = load(self.build, self.kind)
+            return self.module
