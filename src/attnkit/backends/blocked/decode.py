@@ -85,12 +85,13 @@ def status() -> str:
 
 
 def kernel() -> Any:
-    """The loaded C++ module: ``decode_forward(q, k, v, lo, hi, scale) -> (out, lse, finite)``
+    """The loaded C++ module: ``decode_forward(q, k, v, runs, scale) -> (out, lse, finite)``
     (q ``(B, H, L, Dk)``, k ``(B, Hkv, S, Dk)``, v ``(B, Hkv, S, Dv)`` with a contiguous last
-    dimension, all float32 or all one of ``low_dtypes()``; ``lo``/``hi`` int64
-    ``(1 or B, L)`` local inclusive runs; out in q's dtype, ``lse (B, H, L)`` float32 natural
-    log, ``finite`` False where a query, a score of a key a row may see, or an output was not
-    finite). Call it only where :func:`plan` serves."""
+    dimension, all float32 or all one of ``low_dtypes()``; ``runs`` a :class:`DecodePlan`, or
+    any object with its ``lo``/``hi``: int64 ``(1 or B, L)`` local inclusive runs; out in q's
+    dtype, ``lse (B, H, L)`` float32 natural log, ``finite`` False where a query, a score of a
+    key a row may see, or an output was not finite), and ``bind(q, k, v, runs, scale)`` (the
+    same for repeated calls of one signature). Call it only where :func:`plan` serves."""
     module = build()
     if module is None:
         raise RuntimeError(f"the decode kernel is not loaded: {status()}")
@@ -218,9 +219,7 @@ def run(call: AttentionCall, p: DecodePlan) -> tuple[torch.Tensor, torch.Tensor,
     """``(out (B, H, L, Dv) in q's dtype, lse (B, H, L) float32, finite)`` of ``call`` by the
     kernel (``p`` must serve it); ``finite`` is False where something it read or wrote was
     not finite (see the module docstring)."""
-    assert p.lo is not None
-    assert p.hi is not None
-    out, lse, finite = kernel().decode_forward(call.q, call.k, call.v, p.lo, p.hi, call.scale)
+    out, lse, finite = kernel().decode_forward(call.q, call.k, call.v, p, call.scale)
     return out, lse, bool(finite)
 
 
@@ -229,10 +228,8 @@ def direct(
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]:
     """:func:`run` for any call with ``call``'s signature, given its q, k and v: the output,
     or ``None`` where the kernel saw NaN or inf (``p`` must serve ``call``)."""
-    assert p.lo is not None
-    assert p.hi is not None
     # the kernel's entry bound to this signature (its checks and arguments made once)
-    bound = kernel().bind(call.q, call.k, call.v, p.lo, p.hi, call.scale)
+    bound = kernel().bind(call.q, call.k, call.v, p, call.scale)
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
         out, finite = bound(q, k, v)

@@ -350,13 +350,15 @@ def plan(
 
 
 def kernel(isa: str = "avx2") -> Any:
-    """The loaded C++ module: ``span_forward(q, k, v, lo, hi, scale, softcap, slopes, d0) ->
-    (out, lse)`` and ``span_backward(q, k, v, out, dout, lse, lo, hi, scale, softcap, slopes,
-    d0, keys) -> (dq, dk, dv)``; ``softcap`` > 0 caps the scaled scores (``c tanh(s / c)``, 0:
-    none), a non-empty ``slopes`` ``(H,)`` adds ALiBi's ``-slope_h |i + d0 - j|`` and a
-    non-empty ``keys`` ``(1 or B, >= S + 8)`` each key's 0 or ``-inf``: q
-    ``(B, H, L, Dk)``, k ``(B, Hkv, S, Dk)``, v ``(B, Hkv, S, Dv)``, out ``(B, H, L, Dv)``, lse
-    ``(B, H, L)`` (natural log, float32), ``lo``/``hi`` int64 ``(1 or B, L)``; q, k, v, out,
+    """The loaded C++ module: ``span_forward(q, k, v, spans, scale, softcap) -> (out, lse)``
+    and ``span_backward(q, k, v, out, dout, lse, spans, scale, softcap) -> (dq, dk, dv)``;
+    ``spans`` a :class:`SpanPlan` (or any object with its ``lo``, ``hi``, ``slopes``, ``d0``,
+    ``keys``: :class:`attnkit.backends.blocked.native.Spans`); ``softcap`` > 0 caps the scaled
+    scores (``c tanh(s / c)``, 0: none), a non-empty ``slopes`` ``(H,)`` adds ALiBi's
+    ``-slope_h |i + d0 - j|`` and a non-empty ``keys`` ``(1 or B, >= S + 8)`` each key's 0 or
+    ``-inf``: q ``(B, H, L, Dk)``, k ``(B, Hkv, S, Dk)``, v ``(B, Hkv, S, Dv)``, out
+    ``(B, H, L, Dv)``, lse ``(B, H, L)`` (natural log, float32), ``lo``/``hi`` int64
+    ``(1 or B, L)``; q, k, v, out,
     dout, dq, dk, dv all float32, or all the dtype of q among ``low_dtypes()``
     (``["bfloat16", "float16"]``, without float16 where built without F16C). Call it only where
     :func:`plan` says the kernel serves; the C++ checks what its memory safety needs (shapes,
