@@ -27,7 +27,6 @@ from attnkit import masks
 from attnkit.backends import blocked
 from attnkit.backends.blocked import rowspan
 
-NO_MODS = (0.0, torch.empty(0), 0, torch.empty(0))
 SCALE = 0.125
 WINDOW = masks.causal() & masks.sliding_window(256)
 HOLES = torch.rand(1, 4096, generator=torch.Generator().manual_seed(0)) > 0.1
@@ -78,14 +77,15 @@ def plain_rows(base: Any, new: Any, reps: int) -> None:
         spans = masks.row_spans(spec, L, L)
         assert spans is not None
         lo, hi = spans
-        out, lse = new.span_forward(q, k, v, lo, hi, SCALE, *NO_MODS)
+        plan = rowspan.SpanPlan(lo, hi, name, None)  # no soft-cap, ALiBi or holes
+        out, lse = new.span_forward(q, k, v, plan, SCALE, 0.0)
         dout = torch.randn_like(out)
         if backward:
             before = partial(base.span_backward, q, k, v, out, dout, lse, lo, hi, SCALE)
-            after = partial(new.span_backward, q, k, v, out, dout, lse, lo, hi, SCALE, *NO_MODS)
+            after = partial(new.span_backward, q, k, v, out, dout, lse, plan, SCALE, 0.0)
         else:
             before = partial(base.span_forward, q, k, v, lo, hi, SCALE)
-            after = partial(new.span_forward, q, k, v, lo, hi, SCALE, *NO_MODS)
+            after = partial(new.span_forward, q, k, v, plan, SCALE, 0.0)
         row(name, {"before": before, "after": after}, reps)
 
 

@@ -181,6 +181,22 @@ def test_any_decode_call_equals_the_oracle(case: dict[str, Any]) -> None:
     _check(q, k, v, mask=spec)
 
 
+def test_the_kernel_refuses_a_plan_without_int64_runs() -> None:
+    """A plan that does not serve (no runs of keys) or runs that are not int64 ``(1 or B, L)``
+    are refused by name before the C side reads a pointer, by the call and by ``bind``."""
+    q, k, v = _inputs(1, 4, 2, 1, 64, 16, torch.float32, "buffer")
+    lo = torch.zeros(1, 1, dtype=torch.long)
+    bad = [
+        (decode.DecodePlan(None, None, "a mask tensor", "no runs"), "must be int64"),
+        (decode.DecodePlan(lo.int(), lo.int(), "runs", None), "must be int64"),
+        (decode.DecodePlan(lo, lo[0], "runs", None), "must be \\(1 or B, L\\), one shape"),
+    ]
+    for runs, message in bad:
+        for entry in (decode.kernel().decode_forward, decode.kernel().bind):
+            with pytest.raises(RuntimeError, match=f"decode: the plan's lo, hi {message}"):
+                entry(q, k, v, runs, 0.25)
+
+
 def test_the_kernel_on_any_runs_equals_the_oracle() -> None:
     """The C++ kernel on its own, with runs no spec makes (any run per row, empty ones)."""
     gen = torch.Generator().manual_seed(3)
@@ -188,7 +204,8 @@ def test_the_kernel_on_any_runs_equals_the_oracle() -> None:
         q, k, v = _inputs(B, H, Hkv, L, S, D, torch.float32, "buffer")
         lo = torch.randint(0, S, (B, L), generator=gen)
         hi = (lo + torch.randint(-3, S, (B, L), generator=gen)).clamp(max=S - 1)
-        out, lse, finite = decode.kernel().decode_forward(q, k, v, lo, hi, 0.3)
+        runs = decode.DecodePlan(lo, hi, "runs", None)
+        out, lse, finite = decode.kernel().decode_forward(q, k, v, runs, 0.3)
         j = torch.arange(S)
         allowed = (j >= lo[:, None, :, None]) & (j <= hi[:, None, :, None])
         want, _ = reference_attention(q, k, v, mask=allowed, scale=0.3)
@@ -279,8 +296,8 @@ def test_nan_and_inf_follow_the_rule_without_a_separate_pass(
 
 def test_the_switch_turns_the_decode_kernel_off(monkeypatch: Any) -> None:
     monkeypatch.setenv("ATTNKIT_SPAN_KERNEL", "0")
-    monkeypatch.setattr(decode, "_tried", False)
-    monkeypatch.setattr(decode, "_module", None)
+    monkeypatch.setattr(decode._decode, "tried", False)
+    monkeypatch.setattr(decode._decode, "module", None)
     assert not decode.available()
     assert decode.status() == (
         "attnkit's decode kernel is off: ATTNKIT_SPAN_KERNEL=0 in the environment"

@@ -146,11 +146,12 @@ def test_a_kernel_reports_a_refusal_as_an_error() -> None:
     q = torch.randn(1, 4, 1, 8)
     k = torch.randn(1, 3, 16, 8)  # 4 query heads over 3 key/value heads
     lo, hi = torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), 15)
+    runs = decode.DecodePlan(lo, hi, "runs", None)
     with pytest.raises(RuntimeError, match="decode: shapes of q, k, v do not match"):
-        kernel.decode_forward(q, k, k, lo, hi, 0.5)
+        kernel.decode_forward(q, k, k, runs, 0.5)
     kt = torch.randn(1, 2, 8, 16).transpose(2, 3)  # (1, 2, 16, 8), last dim strided
     with pytest.raises(RuntimeError, match="decode: k and v need a contiguous last dim"):
-        kernel.decode_forward(q, kt, kt.contiguous(), lo, hi, 0.5)
+        kernel.decode_forward(q, kt, kt.contiguous(), runs, 0.5)
 
 
 def test_a_bound_decode_call_gives_the_checked_calls_bits() -> None:
@@ -163,17 +164,18 @@ def test_a_bound_decode_call_gives_the_checked_calls_bits() -> None:
         k, v = cache[:, :, :33], cache[:, :, 5:38]  # strided views of a cache buffer
         lo = torch.tensor([[0, 0, 1], [3, 4, 5]])
         hi = torch.tensor([[30, 31, 32], [30, 31, 32]])
-        bound = kernel.bind(q, k, v, lo, hi, 0.3)
+        runs = decode.DecodePlan(lo, hi, "runs", None)
+        bound = kernel.bind(q, k, v, runs, 0.3)
         for _ in range(2):
             q2, k2, v2 = torch.randn_like(q), torch.randn_like(cache), torch.randn_like(cache)
             out, finite = bound(q2, k2[:, :, :33], v2[:, :, 5:38])
-            want, _, ok = kernel.decode_forward(q2, k2[:, :, :33], v2[:, :, 5:38], lo, hi, 0.3)
+            want, _, ok = kernel.decode_forward(q2, k2[:, :, :33], v2[:, :, 5:38], runs, 0.3)
             assert finite is ok is True
             assert torch.equal(out, want)
         q2[0, 0, 0, 0] = float("nan")
         assert bound(q2, k2[:, :, :33], v2[:, :, 5:38])[1] is False
     with pytest.raises(RuntimeError, match="decode: shapes of q, k, v do not match"):
-        kernel.bind(q[:, :5], k, v, lo, hi, 0.3)
+        kernel.bind(q[:, :5], k, v, runs, 0.3)
 
 
 NO_KERNEL = textwrap.dedent(

@@ -28,8 +28,13 @@ from oracle import reference_attention
 from strategies import span_specs, specs
 
 NINF = -math.inf
-#: the kernel's score modifiers, none: soft-cap 0, no ALiBi slopes, d0 0, no holes in the keys
-NO_MODS = (0.0, torch.empty(0), 0, torch.empty(0))
+
+
+def _spans(lo: torch.Tensor, hi: torch.Tensor, *mods: Any) -> rowspan.SpanPlan:
+    """The kernel's plan of the runs ``lo..hi``: with ``mods`` ``(slopes, d0, keys)``, else no
+    score modifiers (no ALiBi slopes, d0 0, no holes in the keys)."""
+    slopes, d0, keys = mods or (torch.empty(0), 0, torch.empty(0))
+    return rowspan.SpanPlan(lo, hi, "runs", None, slopes=slopes, d0=d0, keys=keys)
 
 
 def _allowed(lo: torch.Tensor, hi: torch.Tensor, S: int) -> torch.Tensor:
@@ -155,8 +160,8 @@ class _Case:
         return float(self.q.shape[-1]) ** -0.5
 
     def args(self) -> tuple[Any, ...]:
-        """``lo, hi, scale, *mods``: what follows the tensors in the kernel's calls."""
-        return (self.lo, self.hi, self.scale, *self.mods)
+        """``spans, scale, softcap``: what follows the tensors in the kernel's calls."""
+        return (_spans(self.lo, self.hi, *self.mods[1:]), self.scale, self.mods[0])
 
 
 @st.composite
@@ -287,9 +292,9 @@ def test_the_bf16_dot_product_build_refuses_what_the_avx2_one_refuses() -> None:
     q = torch.randn(1, 1, 4, 8)
     lo, hi = torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None]
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16, all one dtype"):
-        dot.span_forward(q.bfloat16(), q, q, lo, hi, 1.0, *NO_MODS)
+        dot.span_forward(q.bfloat16(), q, q, _spans(lo, hi), 1.0, 0.0)
     with pytest.raises(RuntimeError, match="non-decreasing along the rows"):
-        dot.span_forward(q.bfloat16(), q.bfloat16(), q.bfloat16(), lo, hi.flip(1), 1.0, *NO_MODS)
+        dot.span_forward(q.bfloat16(), q.bfloat16(), q.bfloat16(), _spans(lo, hi.flip(1)), 1.0, 0.0)
 
 
 def test_the_native_path_plans_bf16_for_the_dot_product_build_only() -> None:
@@ -319,10 +324,10 @@ def test_the_kernel_refuses_mixed_dtypes() -> None:
     q = torch.randn(1, 1, 4, 8)
     lo, hi = torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None]
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16, all one dtype"):
-        rowspan.kernel().span_forward(q.bfloat16(), q, q, lo, hi, 1.0, *NO_MODS)
-    out, lse = rowspan.kernel().span_forward(q, q, q, lo, hi, 1.0, *NO_MODS)
+        rowspan.kernel().span_forward(q.bfloat16(), q, q, _spans(lo, hi), 1.0, 0.0)
+    out, lse = rowspan.kernel().span_forward(q, q, q, _spans(lo, hi), 1.0, 0.0)
     with pytest.raises(RuntimeError, match="out, dout must be contiguous in q's dtype"):
-        rowspan.kernel().span_backward(q, q, q, out.bfloat16(), out, lse, lo, hi, 1.0, *NO_MODS)
+        rowspan.kernel().span_backward(q, q, q, out.bfloat16(), out, lse, _spans(lo, hi), 1.0, 0.0)
 
 
 def test_the_plan_reads_low_precision_only_for_a_caller_that_takes_it_back() -> None:
@@ -527,12 +532,31 @@ def test_non_contiguous_inputs_are_read_correctly() -> None:
     assert _lse_close(lse, _lse(q, k, allowed, 0.2))
 
 
+def test_the_kernel_refuses_a_plan_without_int64_runs() -> None:
+    """A plan that does not serve (no runs of keys) or runs that are not int64 ``(1 or B, L)``
+    are refused by name before the C side reads a pointer, forward and backward."""
+    q = torch.randn(1, 1, 4, 8)
+    lo = torch.zeros(1, 4, dtype=torch.long)
+    kernel = rowspan.kernel()
+    out, lse = kernel.span_forward(q, q, q, _spans(lo, lo), 1.0, 0.0)
+    bad = [
+        (rowspan.NOT_SPANS, "must be int64"),
+        (_spans(lo.int(), lo.int()), "must be int64"),
+        (_spans(lo, lo[0]), "must be \\(1 or B, L\\), one shape"),
+    ]
+    for spans, message in bad:
+        with pytest.raises(RuntimeError, match=f"row-span kernel: the plan's lo, hi {message}"):
+            kernel.span_forward(q, q, q, spans, 1.0, 0.0)
+        with pytest.raises(RuntimeError, match=f"row-span kernel: the plan's lo, hi {message}"):
+            kernel.span_backward(q, q, q, out, out, lse, spans, 1.0, 0.0)
+
+
 def test_the_kernel_refuses_runs_out_of_order() -> None:
     q = torch.randn(1, 1, 4, 8)
     lo = torch.tensor([[0, 2, 1, 3]])
     hi = torch.tensor([[0, 2, 2, 3]])
     with pytest.raises(RuntimeError, match="non-decreasing along the rows"):
-        rowspan.kernel().span_forward(q, q, q, lo, hi, 1.0, *NO_MODS)
+        rowspan.kernel().span_forward(q, q, q, _spans(lo, hi), 1.0, 0.0)
 
 
 @pytest.mark.parametrize(
@@ -640,8 +664,8 @@ def test_explain_names_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     # switched off (as on a machine where it cannot be built): torch's kernel, and why
     monkeypatch.setenv(rowspan.ENV, "0")
-    monkeypatch.setattr(rowspan, "_tried", False)
-    monkeypatch.setattr(rowspan, "_module", None)
+    monkeypatch.setattr(rowspan._span, "tried", False)
+    monkeypatch.setattr(rowspan._span, "module", None)
     assert not rowspan.available()
     assert rowspan.status() == (
         "torch's fused kernel (attnkit's row-span kernel is off: ATTNKIT_SPAN_KERNEL=0 in the "
@@ -731,8 +755,8 @@ def test_the_bf16_build_leaves_denormals_to_the_threads_as_it_found_them() -> No
     dot = _dot_kernel()
     q = torch.randn(1, 4, 512, 64).bfloat16()
     lo, hi = torch.zeros(1, 512, dtype=torch.long), torch.arange(512)[None]
-    out, lse = dot.span_forward(q, q, q, lo, hi, 0.125, *NO_MODS)
-    dot.span_backward(q, q, q, out, out, lse, lo, hi, 0.125, *NO_MODS)
+    out, lse = dot.span_forward(q, q, q, _spans(lo, hi), 0.125, 0.0)
+    dot.span_backward(q, q, q, out, out, lse, _spans(lo, hi), 0.125, 0.0)
     tiny = torch.full((1 << 20,), 1e-39)  # a float32 denormal, on every thread torch uses
     assert bool((tiny * 1.0 > 0).all())
     assert bool((tiny + tiny == 2e-39).all())

@@ -296,7 +296,7 @@ def test_fp32_upcast_calls_the_kernel_does_not_serve_still_convert(
     note = attnkit.explain(q, k, v, mask=spec).notes["blocked"]
     assert note.startswith("fp32-upcast path: the kernels run on float32 copies of q, k, v; ")
 
-    real = rowspan._module
+    real = rowspan._span.module
 
     class NoF16C:  # the module as built without -mf16c
         def __getattr__(self, name: str) -> Any:
@@ -305,7 +305,7 @@ def test_fp32_upcast_calls_the_kernel_does_not_serve_still_convert(
         def low_dtypes(self) -> list[str]:
             return ["bfloat16"]
 
-    monkeypatch.setattr(rowspan, "_module", NoF16C())
+    monkeypatch.setattr(rowspan._span, "module", NoF16C())
     conversions.clear()
     for leaf in (q, k, v):
         leaf.grad = None

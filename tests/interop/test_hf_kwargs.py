@@ -271,6 +271,33 @@ def test_cu_seq_lens_that_do_not_describe_the_row_are_refused(
     assert "DataCollatorWithFlattening" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("cu", "got"),
+    [
+        (torch.tensor([0.0, 9.0]), "cu_seq_lens_k (1-D: 2, ) dtype=torch.float32"),
+        (torch.tensor([0, 9], dtype=torch.complex64),
+         "cu_seq_lens_k (1-D: 2, ) dtype=torch.complex64"),
+        (torch.tensor([True, False]), "cu_seq_lens_k (1-D: 2, ) dtype=torch.bool"),
+        (torch.tensor([[0, 5, 9]]), "cu_seq_lens_k (2-D: 1, 3) dtype=torch.int64"),
+        (torch.tensor([9]), "cu_seq_lens_k (1-D: 1, ) dtype=torch.int64"),
+        ([0, 5, 9], "cu_seq_lens_k: list"),
+    ],
+)  # fmt: skip
+def test_cu_seq_lens_that_are_no_cumulative_lengths_are_shown_as_they_came(
+    cu: object, got: str
+) -> None:
+    """Not a 1-D integer tensor of two or more entries (a complex one too): refused before its
+    values are read, with its shape and dtype as every attnkit message writes them."""
+    q, k, v = (torch.randn(1, 4, T, 8) for _ in range(3))
+    varlen = {**_packed()[2], "cu_seq_lens_k": cu}
+    with pytest.raises(AttentionInputError) as info:
+        hfa.hf_attention(Layer(), q, k, v, None, **varlen)
+    assert info.value.argument == "cu_seq_lens_k"
+    assert info.value.got == got
+    assert "cu_seq_lens_k must be the cumulative key lengths" in str(info.value)
+    assert info.value.expected == "a 1-D integer tensor (documents + 1,) starting at 0"
+
+
 def test_cu_seq_lens_with_a_batch_of_rows_are_refused() -> None:
     q, k, v = (torch.randn(2, 4, T, 8) for _ in range(3))
     with pytest.raises(AttentionInputError) as info:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -225,6 +227,33 @@ def test_spec_for_another_batch_size_is_refused() -> None:
 def test_bad_spec_arguments(make, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises((ValueError, TypeError), match=message):
         make()
+
+
+@pytest.mark.parametrize(
+    ("make", "argument", "got"),
+    [
+        (lambda: masks.padding(torch.tensor([1.5, 2.0])), "lengths",
+         "lengths (1-D: 2, ) dtype=torch.float32"),
+        (lambda: masks.padding(torch.tensor([3]), q_lengths=torch.tensor([True])), "q_lengths",
+         "q_lengths (1-D: 1, ) dtype=torch.bool"),
+        (lambda: masks.document(torch.zeros(2, 4, dtype=torch.complex64)), "ids",
+         "ids (2-D: 2, 4) dtype=torch.complex64"),
+        (lambda: masks.document([0, 0, 1]), "ids", "ids: list"),
+        (lambda: masks.prefix_lm(torch.tensor([2.0])), "prefix_len",
+         "prefix_len (1-D: 1, ) dtype=torch.float32"),
+    ],
+)  # fmt: skip
+def test_a_spec_argument_that_is_no_integer_tensor_is_shown_as_it_came(
+    make: Any, argument: str, got: str
+) -> None:
+    """The ``got`` of every spec argument that must be an integer tensor: its shape and dtype
+    as every attnkit message writes them (:func:`attnkit.errors.tensor_got`), or its type."""
+    with pytest.raises(attnkit.AttentionInputError) as info:
+        make()
+    assert info.value.argument == argument
+    assert info.value.got == got
+    assert f"`{argument}` must be an integer tensor." in str(info.value)
+    assert f"torch.as_tensor({argument}, dtype=torch.long)" in str(info.value)
 
 
 def test_select_heads_renumbers_the_heads_of_a_head_dependent_spec() -> None:

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from attnkit.errors import AttentionInputError
+from attnkit.errors import AttentionInputError, is_int_tensor, tensor_got
 
 __all__ = [
     "KWARGS",
@@ -269,17 +269,12 @@ def _cu_error(module: nn.Module, name: str, problem: str, got: str, expected: st
 
 def _doc_ids(module: nn.Module, name: str, cu: object, n: int, what: str) -> torch.Tensor:
     """``(n,)`` each position's document index, from cumulative lengths ``cu`` ``(docs + 1,)``."""
-    if not (isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.numel() >= 2) or (
-        cu.is_floating_point() or cu.dtype == torch.bool
-    ):
-        got = f"{name}: {type(cu).__name__}"
-        if isinstance(cu, torch.Tensor):
-            got = f"{name} {tuple(cu.shape)} dtype={cu.dtype}"
+    if not (is_int_tensor(cu) and cu.dim() == 1 and cu.numel() >= 2):
         _cu_error(
             module,
             name,
             f"{name} must be the cumulative {what} lengths of the packed documents.",
-            got,
+            tensor_got(name, cu, None),
             "a 1-D integer tensor (documents + 1,) starting at 0",
         )
     assert isinstance(cu, torch.Tensor)

@@ -10,6 +10,7 @@ from collections.abc import Hashable
 
 import torch
 
+from attnkit.errors import is_int_tensor, tensor_got
 from attnkit.masks.base import spec_error
 from attnkit.masks.keys import tensor_key
 from attnkit.masks.runs import HIGH, LOW, Spans, cpu, document_runs, full, key_run
@@ -61,20 +62,12 @@ def values_str(t: torch.Tensor) -> str:
 
 
 def _int_tensor(call: str, argument: str, t: object, shapes: str) -> torch.Tensor:
-    if (
-        not isinstance(t, torch.Tensor)
-        or t.is_floating_point()
-        or t.is_complex()
-        or t.dtype == torch.bool
-    ):
-        got = f"{argument}: {type(t).__name__}"
-        if isinstance(t, torch.Tensor):
-            got = f"{argument} {tuple(t.shape)} dtype={t.dtype}"
+    if not is_int_tensor(t):
         spec_error(
             call,
             argument,
             f"`{argument}` must be an integer tensor.",
-            got=got,
+            got=tensor_got(argument, t, None),
             expected=f"an integer tensor of shape {shapes}",
             fix=f"torch.as_tensor({argument}, dtype=torch.long)",
         )

@@ -198,9 +198,9 @@ def forward_with_lse(
     p = plan or plan_blocks(q, k, v, mask, at)
     with torch.no_grad():
         sp = p.spans
-        if sp.serves and sp.lo is not None and sp.hi is not None:  # attnkit's row-span kernel
+        if sp.serves:  # attnkit's row-span kernel
             return rowspan.kernel(sp.isa).span_forward(  # type: ignore[no-any-return]
-                q, k, v, sp.lo, sp.hi, float(scale), p.softcap or 0.0, sp.slopes, sp.d0, sp.keys
+                q, k, v, sp, float(scale), p.softcap or 0.0
             )
         return tiles.forward(p.tiles(q, k, v), q, k, v, scale, p.softcap)
 
@@ -244,21 +244,9 @@ def backward_from_lse(
     with torch.no_grad():
         sp = p.spans
         same = q.dtype == out.dtype == dout.dtype == sp.dtype and lse.dtype == torch.float32
-        if sp.serves and sp.lo is not None and sp.hi is not None and same:
+        if sp.serves and same:
             return rowspan.kernel(sp.isa).span_backward(  # type: ignore[no-any-return]
-                q,
-                k,
-                v,
-                out,
-                dout,
-                lse,
-                sp.lo,
-                sp.hi,
-                float(scale),
-                p.softcap or 0.0,
-                sp.slopes,
-                sp.d0,
-                sp.keys,
+                q, k, v, out, dout, lse, sp, float(scale), p.softcap or 0.0
             )
         tile_plan = p.tiles(q, k, v, backward=True)
         return tiles.backward(tile_plan, (q, k, v, out, lse), dout, scale, p.softcap)

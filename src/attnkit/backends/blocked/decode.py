@@ -31,7 +31,6 @@ machine without AVX2, or without the prebuilt build and a compiler, runs without
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,28 +60,15 @@ NAME = builds.DECODE.name
 #: the most query rows per call the kernel serves (a decode step, or a few speculative tokens)
 MAX_L = 16
 
-_lock = threading.Lock()
-_module: Any = None
-_reason: str | None = None
-_tried = False
-build_seconds: float | None = None
+#: the kernel, loaded on first use (the row-span kernel's switch and CPU requirements)
+_decode = native.Lazy(builds.DECODE, native.DecodeKernel, rowspan._cpu_reason)
 
 
 def build() -> Any:
     """Load the kernel (the package's prebuilt build, else one compiled here:
     :func:`attnkit.backends.blocked.native.load`); returns it or ``None`` (the row-span
     kernel's switches and requirements: ``ATTNKIT_SPAN_KERNEL=0``, AVX2)."""
-    global _module, _reason, _tried, build_seconds
-    with _lock:
-        if _tried:
-            return _module
-        _tried = True
-        _reason = rowspan._cpu_reason()
-        if _reason is not None:
-            return None
-        _module, _reason = native.load(builds.DECODE, native.DecodeKernel)
-        build_seconds = None if _module is None else _module.seconds
-        return _module
+    return _decode.get()
 
 
 def available() -> bool:
@@ -93,17 +79,19 @@ def available() -> bool:
 def status() -> str:
     """One line: the kernel is in use, or why not (the row-span kernel's switch and
     requirements, :func:`attnkit.backends.blocked.rowspan.status`, are this kernel's too)."""
-    on = build() is not None
-    return "attnkit's AVX2 decode kernel" if on else f"attnkit's decode kernel is off: {_reason}"
+    if build() is not None:
+        return "attnkit's AVX2 decode kernel"
+    return f"attnkit's decode kernel is off: {_decode.reason}"
 
 
 def kernel() -> Any:
-    """The loaded C++ module: ``decode_forward(q, k, v, lo, hi, scale) -> (out, lse, finite)``
+    """The loaded C++ module: ``decode_forward(q, k, v, runs, scale) -> (out, lse, finite)``
     (q ``(B, H, L, Dk)``, k ``(B, Hkv, S, Dk)``, v ``(B, Hkv, S, Dv)`` with a contiguous last
-    dimension, all float32 or all one of ``low_dtypes()``; ``lo``/``hi`` int64
-    ``(1 or B, L)`` local inclusive runs; out in q's dtype, ``lse (B, H, L)`` float32 natural
-    log, ``finite`` False where a query, a score of a key a row may see, or an output was not
-    finite). Call it only where :func:`plan` serves."""
+    dimension, all float32 or all one of ``low_dtypes()``; ``runs`` a :class:`DecodePlan`, or
+    any object with its ``lo``/``hi``: int64 ``(1 or B, L)`` local inclusive runs; out in q's
+    dtype, ``lse (B, H, L)`` float32 natural log, ``finite`` False where a query, a score of a
+    key a row may see, or an output was not finite), and ``bind(q, k, v, runs, scale)`` (the
+    same for repeated calls of one signature). Call it only where :func:`plan` serves."""
     module = build()
     if module is None:
         raise RuntimeError(f"the decode kernel is not loaded: {status()}")
@@ -181,7 +169,7 @@ def _refusal(call: AttentionCall) -> str | None:
         return "an empty dimension: nothing for the kernel to do"
     if build() is None:
         return status()
-    if q.dtype == torch.float16 and "float16" not in _module.low_dtypes():
+    if q.dtype == torch.float16 and "float16" not in _decode.module.low_dtypes():
         return "it was built without F16C (this CPU has none), so it does not read float16"
     return None
 
@@ -231,9 +219,7 @@ def run(call: AttentionCall, p: DecodePlan) -> tuple[torch.Tensor, torch.Tensor,
     """``(out (B, H, L, Dv) in q's dtype, lse (B, H, L) float32, finite)`` of ``call`` by the
     kernel (``p`` must serve it); ``finite`` is False where something it read or wrote was
     not finite (see the module docstring)."""
-    assert p.lo is not None
-    assert p.hi is not None
-    out, lse, finite = kernel().decode_forward(call.q, call.k, call.v, p.lo, p.hi, call.scale)
+    out, lse, finite = kernel().decode_forward(call.q, call.k, call.v, p, call.scale)
     return out, lse, bool(finite)
 
 
@@ -242,10 +228,8 @@ def direct(
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]:
     """:func:`run` for any call with ``call``'s signature, given its q, k and v: the output,
     or ``None`` where the kernel saw NaN or inf (``p`` must serve ``call``)."""
-    assert p.lo is not None
-    assert p.hi is not None
     # the kernel's entry bound to this signature (its checks and arguments made once)
-    bound = kernel().bind(call.q, call.k, call.v, p.lo, p.hi, call.scale)
+    bound = kernel().bind(call.q, call.k, call.v, p, call.scale)
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
         out, finite = bound(q, k, v)

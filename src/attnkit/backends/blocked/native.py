@@ -27,8 +27,10 @@ Where a kernel comes from (:func:`load`), in this order:
    instruction set, nor for ``ATTNKIT_SPAN_KERNEL=0``), and the blocked backend runs torch's
    kernels or its tiles.
 
-``ATTNKIT_KERNEL_SOURCE`` picks: ``auto`` (the default, as above), ``prebuilt`` (the prebuilt
-file or nothing: never compile) or ``compile`` (never the prebuilt file).
+Each build is loaded once, on first use (:class:`Lazy`: the row-span kernel's two builds and
+the decode kernel's). ``ATTNKIT_KERNEL_SOURCE`` picks: ``auto`` (the default, as above),
+``prebuilt`` (the prebuilt file or nothing: never compile) or ``compile`` (never the prebuilt
+file).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import threading
 import time
 import warnings
 from array import array
@@ -43,7 +46,7 @@ from collections.abc import Callable
 from ctypes import c_double, c_int32, c_int64, c_void_p
 from functools import cache
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -53,8 +56,11 @@ from attnkit.cpu import hardware_flags
 __all__ = [
     "ENV",
     "DecodeKernel",
+    "Lazy",
     "Library",
+    "Runs",
     "SpanKernel",
+    "Spans",
     "load",
     "prebuilt",
 ]
@@ -160,6 +166,53 @@ def _check(ok: bool, message: str) -> None:
         raise RuntimeError(message)
 
 
+class Runs(Protocol):
+    """What the kernels read of a plan (:class:`~attnkit.backends.blocked.decode.DecodePlan`,
+    :class:`~attnkit.backends.blocked.rowspan.SpanPlan`): ``lo``, ``hi`` the runs of keys of
+    each query row, int64 ``(1 or B, L)``, local, inclusive (``None``: the plan does not
+    serve, and a kernel refuses it)."""
+
+    @property
+    def lo(self) -> torch.Tensor | None: ...
+
+    @property
+    def hi(self) -> torch.Tensor | None: ...
+
+
+class Spans(Runs, Protocol):
+    """:class:`Runs` with the row-span kernel's modifiers: ALiBi's ``slopes``, ``d0`` and the
+    key mask's ``keys`` (:class:`~attnkit.backends.blocked.rowspan.SpanPlan` says what)."""
+
+    @property
+    def slopes(self) -> torch.Tensor: ...
+
+    @property
+    def d0(self) -> int: ...
+
+    @property
+    def keys(self) -> torch.Tensor: ...
+
+
+def _checked(
+    kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Runs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``runs``' lo and hi, contiguous, after the checks a kernel's C side cannot make on q,
+    k, v and them: dims, dtypes, devices (``RuntimeError`` naming ``kernel``). The messages
+    are built only on a refusal: the decode kernel runs this on calls of a few microseconds."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise RuntimeError(f"{kernel}: q, k, v must be 4-D (B, H, L, D)")
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise RuntimeError(f"{kernel}: q, k, v must be float32, bfloat16 or float16, all one dtype")
+    if not (q.is_cpu and k.is_cpu and v.is_cpu):
+        raise RuntimeError(f"{kernel}: q, k, v must be CPU tensors")
+    lo, hi = runs.lo, runs.hi
+    if lo is None or hi is None or not (lo.dtype == hi.dtype == torch.long):
+        raise RuntimeError(f"{kernel}: the plan's lo, hi must be int64 (1 or B, L)")
+    if lo.dim() != 2 or hi.shape != lo.shape:
+        raise RuntimeError(f"{kernel}: the plan's lo, hi must be (1 or B, L), one shape")
+    return lo.contiguous(), hi.contiguous()
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -184,36 +237,14 @@ class SpanKernel(Library):
     }
 
     def _inputs(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lo: torch.Tensor,
-        hi: torch.Tensor,
-        slopes: torch.Tensor,
-        keys: torch.Tensor,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: Spans
     ) -> tuple[tuple[torch.Tensor, ...], int, list[Any]]:
-        """q, k, v, lo, hi made contiguous, the dtype code and the arguments from ``sizes`` to
-        ``keys_cols`` (but ``scale``, ``softcap``, ``d0``, which the caller puts in); checks
-        what the C side cannot see."""
-        q, k, v, lo, hi = (t.contiguous() for t in (q, k, v, lo, hi))
-        _check(
-            q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
-            "row-span kernel: q, k, v must be 4-D (B, H, L, D)",
-        )
-        dt = DTYPES.get(q.dtype, -1)
-        _check(
-            dt >= 0 and k.dtype == q.dtype and v.dtype == q.dtype,
-            "row-span kernel: q, k, v must be float32, bfloat16 or float16, all one dtype",
-        )
-        _check(
-            q.device.type == k.device.type == v.device.type == "cpu",
-            "row-span kernel: q, k, v must be CPU tensors",
-        )
-        _check(
-            lo.dtype == hi.dtype == torch.long and lo.dim() == 2 and lo.shape == hi.shape,
-            "row-span kernel: lo, hi must be contiguous int64 (1 or B, L)",
-        )
+        """q, k, v and the plan's lo, hi made contiguous, the dtype code and the arguments from
+        ``sizes`` to ``keys_cols`` (but ``scale``, ``softcap``, ``d0``, which the caller puts
+        in); checks what the C side cannot see."""
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        lo, hi = _checked("row-span kernel", q, k, v, spans)
+        dt, slopes, keys = DTYPES[q.dtype], spans.slopes, spans.keys
         sl = None
         if slopes.numel() > 0:
             _check(
@@ -239,24 +270,18 @@ class SpanKernel(Library):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        lo: torch.Tensor,
-        hi: torch.Tensor,
+        spans: Spans,
         scale: float,
         softcap: float,
-        slopes: torch.Tensor,
-        d0: int,
-        keys: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out (B, H, L, Dv) in q's dtype, lse (B, H, L) float32)``."""
-        (q, k, v, lo, hi), dt, (a, sl, nsl, ka, *_keep) = self._inputs(
-            q, k, v, lo, hi, slopes, keys
-        )
+        """``(out (B, H, L, Dv) in q's dtype, lse (B, H, L) float32)`` of the plan ``spans``."""
+        (q, k, v, *_), dt, (a, sl, nsl, ka, *_keep) = self._inputs(q, k, v, spans)
         B, H, L = q.shape[:3]
         out = torch.empty((B, H, L, v.shape[3]), dtype=q.dtype)
         lse = torch.empty((B, H, L), dtype=torch.float32)
         rc = self._lib.attnkit_span_forward(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), dt, a[0].buffer_info()[0], *a[1:],
-            float(scale), float(softcap), sl, nsl, int(d0), *ka,
+            float(scale), float(softcap), sl, nsl, int(spans.d0), *ka,
             out.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if rc:
@@ -271,20 +296,14 @@ class SpanKernel(Library):
         out: torch.Tensor,
         dout: torch.Tensor,
         lse: torch.Tensor,
-        lo: torch.Tensor,
-        hi: torch.Tensor,
+        spans: Spans,
         scale: float,
         softcap: float,
-        slopes: torch.Tensor,
-        d0: int,
-        keys: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)`` in q's dtype (dk, dv summed in float32 over each kv head's query
-        heads), given the final ``out`` and ``lse``."""
+        heads) of the plan ``spans``, given the final ``out`` and ``lse``."""
         out, dout, lse = out.contiguous(), dout.contiguous(), lse.contiguous()
-        (q, k, v, lo, hi), dt, (a, sl, nsl, ka, *_keep) = self._inputs(
-            q, k, v, lo, hi, slopes, keys
-        )
+        (q, k, v, *_), dt, (a, sl, nsl, ka, *_keep) = self._inputs(q, k, v, spans)
         _check(
             out.dtype == q.dtype and dout.dtype == q.dtype and lse.dtype == torch.float32,
             "row-span kernel: out, dout must be contiguous in q's dtype, lse float32",
@@ -304,7 +323,7 @@ class SpanKernel(Library):
         rc = self._lib.attnkit_span_backward(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(),
             lse.data_ptr(), dt, a[0].buffer_info()[0], *a[1:], float(scale), float(softcap),
-            sl, nsl, int(d0), *ka, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+            sl, nsl, int(spans.d0), *ka, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
             _ptr(dk_low), _ptr(dv_low), torch.get_num_threads(),
         )  # fmt: skip
         if rc:
@@ -321,43 +340,26 @@ class DecodeKernel(Library):
     FUNCTIONS: ClassVar[dict[str, list[Any]]] = {"attnkit_decode_forward": [_P, _F64]}
 
     def decode_forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lo: torch.Tensor,
-        hi: torch.Tensor,
-        scale: float,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Runs, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """``(out (B, H, L, Dv) in q's dtype, lse (B, H, L) float32, finite)``; k and v may be
         strided views with a contiguous last dimension. (Written for a decode step's few
         microseconds: one array of arguments, ``empty_like`` where out has q's shape.)"""
-        _decode_checks(q, k, v, lo, hi)
-        q, lo, hi = q.contiguous(), lo.contiguous(), hi.contiguous()
+        lo, hi = _checked("decode", q, k, v, runs)
+        q = q.contiguous()
         qs, vs = q.shape, v.shape
         B, H, L = qs[0], qs[1], qs[2]
         same = vs[3] == qs[3]
         out = torch.empty_like(q) if same else torch.empty(B, H, L, vs[3], dtype=q.dtype)
         lse = torch.empty(B, H, L, dtype=torch.float32)
-        a = array(
-            "q",
-            (q.data_ptr(), k.data_ptr(), v.data_ptr(), lo.data_ptr(), hi.data_ptr(),
-             out.data_ptr(), lse.data_ptr(), DTYPES.get(q.dtype, -1), torch.get_num_threads(),
-             *lo.shape, *qs, *k.shape, *k.stride(), *vs, *v.stride()),
-        )  # fmt: skip
+        a = _decode_args(q, k, v, lo, hi, out.data_ptr(), lse)
         rc = self._lib.attnkit_decode_forward(a.buffer_info()[0], scale)
         if rc == 1:
             raise self.error()
         return out, lse, rc == 0
 
     def bind(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lo: torch.Tensor,
-        hi: torch.Tensor,
-        scale: float,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Runs, scale: float
     ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, bool]]:
         """:meth:`decode_forward` for calls of ``q``, ``k``, ``v``'s signature (shapes, dtype,
         k's and v's strides; q any strides) with these runs and scale, for a caller that has
@@ -366,29 +368,20 @@ class DecodeKernel(Library):
         output's allocation and the C call. It returns ``(out, finite)``: its ``lse`` goes to
         a scratch buffer of this binding that nobody reads. A call whose signature differs is
         not checked and reads out of bounds: bind again."""
-        _decode_checks(q, k, v, lo, hi)  # what the C side checks too, once
+        lo, hi = _checked("decode", q, k, v, runs)  # what the C side checks too, once
         qs, ks, vs = q.shape, k.shape, v.shape
         if not (ks[0] == vs[0] == qs[0] and ks[1] == vs[1] and ks[2] == vs[2] and ks[3] == qs[3]):
             raise RuntimeError("decode: shapes of q, k, v do not match")
         if ks[1] == 0 or qs[1] % ks[1] or k.stride(3) != 1 or v.stride(3) != 1:
             raise RuntimeError("decode: shapes of q, k, v do not match, or k, v strided rows")
         if lo.shape[1] != qs[2] or lo.shape[0] not in (1, qs[0]):
-            raise RuntimeError("decode: lo/hi must be int64 (1 or B, L)")
-        lo, hi = lo.contiguous(), hi.contiguous()
+            raise RuntimeError("decode: the plan's lo, hi must be int64 (1 or B, L)")
         B, H, L = qs[0], qs[1], qs[2]
         scratch = torch.empty(B, H, L, dtype=torch.float32)
         dtype, same, Dv = q.dtype, vs[3] == qs[3], vs[3]
-        template = array(
-            "q",
-            (0, 0, 0, lo.data_ptr(), hi.data_ptr(), 0, scratch.data_ptr(), DTYPES[dtype], 1,
-             *lo.shape, *qs, *k.shape, *k.stride(), *vs, *v.stride()),
-        )  # fmt: skip
-        forward, threads, empty, empty_like = (
-            self._lib.attnkit_decode_forward,
-            torch.get_num_threads,
-            torch.empty,
-            torch.empty_like,
-        )
+        template = _decode_args(q, k, v, lo, hi, 0, scratch)  # slots 0-2, 5 and 8 set per call
+        forward, threads = self._lib.attnkit_decode_forward, torch.get_num_threads
+        empty, empty_like = torch.empty, torch.empty_like
         keep = (lo, hi, scratch)  # alive as long as the binding
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -407,20 +400,18 @@ class DecodeKernel(Library):
         return run
 
 
-def _decode_checks(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
-) -> None:
-    """What the decode kernel's C side cannot see: dims, dtypes, devices."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise RuntimeError("decode: q, k, v must be 4-d")
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise RuntimeError("decode: q, k, v must share a dtype")
-    if q.dtype not in DTYPES:
-        raise RuntimeError("decode: dtype not supported")
-    if not (q.is_cpu and k.is_cpu and v.is_cpu):
-        raise RuntimeError("decode: CPU tensors only")
-    if lo.dtype != torch.long or hi.dtype != torch.long or lo.dim() != 2 or hi.shape != lo.shape:
-        raise RuntimeError("decode: lo/hi must be int64 (1 or B, L)")
+def _decode_args(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+    out: int, lse: torch.Tensor,
+) -> array[int]:  # fmt: skip
+    """``attnkit_decode_forward``'s argument array: the addresses of q, k, v, lo, hi, out, lse
+    (slots 0-6), q's dtype code, the threads (8), the sizes of lo, q, k, v, the strides of k, v."""
+    return array(
+        "q",
+        (q.data_ptr(), k.data_ptr(), v.data_ptr(), lo.data_ptr(), hi.data_ptr(), out,
+         lse.data_ptr(), DTYPES[q.dtype], torch.get_num_threads(), *lo.shape, *q.shape,
+         *k.shape, *k.stride(), *v.shape, *v.stride()),
+    )  # fmt: skip
 
 
 def _open(
@@ -477,3 +468,31 @@ def _unavailable(build: builds.Build, why: str) -> tuple[None, str]:
         stacklevel=4,
     )
     return None, why
+
+
+class Lazy:
+    """A kernel build loaded on first use, once per process (behind a lock): ``refuse()`` says
+    why this process does not take it before a load is tried (a switch, a CPU without the
+    instruction set; ``None`` where it does), then :func:`load`. ``module`` is the library
+    (``None`` until loaded), ``reason`` why not (``None`` before :meth:`get` and where loaded),
+    ``tried`` whether :meth:`get` ran (a test that changes the environment sets it back to
+    ``False``, and ``module`` to ``None``, to load again)."""
+
+    def __init__(
+        self, build: builds.Build, kind: type[Library], refuse: Callable[[], str | None]
+    ) -> None:
+        self.build, self.kind, self.refuse = build, kind, refuse
+        self.lock = threading.Lock()
+        self.tried = False
+        self.module: Any = None
+        self.reason: str | None = None
+
+    def get(self) -> Any:
+        """The loaded library (loading it on the first call), or ``None``: see ``reason``."""
+        with self.lock:
+            if not self.tried:
+                self.tried = True
+                self.reason = self.refuse()
+                if self.reason is None:
+                    self.module, self.reason = load(self.build, self.kind)
+            return self.module

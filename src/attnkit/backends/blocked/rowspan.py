@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -106,16 +105,6 @@ DOT = "avx512-bf16"
 #: the /proc/cpuinfo flags that build needs (dot products, and AVX-512's masked loads/stores)
 DOT_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
-_lock = threading.Lock()
-_module: Any = None
-_reason: str | None = None  # why the kernel is unavailable (None: not tried yet, or loaded)
-_tried = False
-build_seconds: float | None = None
-_dot_module: Any = None
-_dot_reason: str | None = None
-_dot_tried = False
-dot_build_seconds: float | None = None
-
 
 def _cpu_reason() -> str | None:
     if os.environ.get(ENV, "1") == "0":
@@ -133,19 +122,20 @@ def _has_f16c() -> bool:
     return "f16c" in hardware_flags()
 
 
+def _no_dot_flags() -> str | None:
+    missing = [f for f in DOT_FLAGS if f not in hardware_flags()]
+    return f"this CPU has no {', '.join(missing)}" if missing else None
+
+
+#: the AVX2 build and the AVX512-BF16 one, each loaded on first use
+_span = native.Lazy(builds.ROW_SPAN, native.SpanKernel, _cpu_reason)
+_dot = native.Lazy(builds.ROW_SPAN_DOT, native.SpanKernel, _no_dot_flags)
+
+
 def build() -> Any:
     """Load the kernel (the package's prebuilt build, else one compiled here:
     :func:`attnkit.backends.blocked.native.load`); returns it or ``None``."""
-    global _module, _reason, _tried, build_seconds
-    with _lock:
-        if _tried:
-            return _module
-        _tried = True
-        _reason = _cpu_reason()
-        if _reason is None:
-            _module, _reason = native.load(builds.ROW_SPAN, native.SpanKernel)
-            build_seconds = None if _module is None else _module.seconds
-        return _module
+    return _span.get()
 
 
 def build_dot() -> Any:
@@ -153,20 +143,9 @@ def build_dot() -> Any:
     dS) with the CPU's bf16 dot products (``vdpbf16ps``), forward and backward; ``None`` where
     the CPU lacks :data:`DOT_FLAGS` or no build serves (:func:`dot_status` says why). Its
     float32 and float16 code is the AVX2 kernel's."""
-    global _dot_module, _dot_reason, _dot_tried, dot_build_seconds
     if build() is None:  # the same switches and requirements as the AVX2 build first
         return None
-    with _lock:
-        if _dot_tried:
-            return _dot_module
-        _dot_tried = True
-        missing = [f for f in DOT_FLAGS if f not in hardware_flags()]
-        if missing:
-            _dot_reason = f"this CPU has no {', '.join(missing)}"
-            return None
-        _dot_module, _dot_reason = native.load(builds.ROW_SPAN_DOT, native.SpanKernel)
-        dot_build_seconds = None if _dot_module is None else _dot_module.seconds
-        return _dot_module
+    return _dot.get()
 
 
 def available() -> bool:
@@ -178,7 +157,7 @@ def status() -> str:
     """One line: the kernel is in use, or why not."""
     if build() is not None:
         return "attnkit's AVX2 row-span kernel"
-    return f"torch's fused kernel (attnkit's row-span kernel is off: {_reason})"
+    return f"torch's fused kernel (attnkit's row-span kernel is off: {_span.reason})"
 
 
 def dot_status() -> str:
@@ -186,7 +165,7 @@ def dot_status() -> str:
     not."""
     if build_dot() is not None:
         return "attnkit's AVX512-BF16 row-span kernel (bf16 dot products)"
-    why = _dot_reason if build() is not None else status()
+    why = _dot.reason if build() is not None else status()
     return f"no AVX512-BF16 row-span kernel ({why})"
 
 
@@ -362,7 +341,7 @@ def plan(
     if low:
         p = dataclasses.replace(p, dtype=q.dtype)
         name = str(q.dtype).removeprefix("torch.")
-        if name not in _module.low_dtypes():
+        if name not in _span.module.low_dtypes():
             return p.refuse(
                 f"attnkit's row-span kernel was built without F16C (this CPU has none), so it "
                 f"does not read {name}"
@@ -371,24 +350,26 @@ def plan(
 
 
 def kernel(isa: str = "avx2") -> Any:
-    """The loaded C++ module: ``span_forward(q, k, v, lo, hi, scale, softcap, slopes, d0) ->
-    (out, lse)`` and ``span_backward(q, k, v, out, dout, lse, lo, hi, scale, softcap, slopes,
-    d0, keys) -> (dq, dk, dv)``; ``softcap`` > 0 caps the scaled scores (``c tanh(s / c)``, 0:
-    none), a non-empty ``slopes`` ``(H,)`` adds ALiBi's ``-slope_h |i + d0 - j|`` and a
-    non-empty ``keys`` ``(1 or B, >= S + 8)`` each key's 0 or ``-inf``: q
-    ``(B, H, L, Dk)``, k ``(B, Hkv, S, Dk)``, v ``(B, Hkv, S, Dv)``, out ``(B, H, L, Dv)``, lse
-    ``(B, H, L)`` (natural log, float32), ``lo``/``hi`` int64 ``(1 or B, L)``; q, k, v, out,
+    """The loaded C++ module: ``span_forward(q, k, v, spans, scale, softcap) -> (out, lse)``
+    and ``span_backward(q, k, v, out, dout, lse, spans, scale, softcap) -> (dq, dk, dv)``;
+    ``spans`` a :class:`SpanPlan` (or any object with its ``lo``, ``hi``, ``slopes``, ``d0``,
+    ``keys``: :class:`attnkit.backends.blocked.native.Spans`); ``softcap`` > 0 caps the scaled
+    scores (``c tanh(s / c)``, 0: none), a non-empty ``slopes`` ``(H,)`` adds ALiBi's
+    ``-slope_h |i + d0 - j|`` and a non-empty ``keys`` ``(1 or B, >= S + 8)`` each key's 0 or
+    ``-inf``: q ``(B, H, L, Dk)``, k ``(B, Hkv, S, Dk)``, v ``(B, Hkv, S, Dv)``, out
+    ``(B, H, L, Dv)``, lse ``(B, H, L)`` (natural log, float32), ``lo``/``hi`` int64
+    ``(1 or B, L)``; q, k, v, out,
     dout, dq, dk, dv all float32, or all the dtype of q among ``low_dtypes()``
     (``["bfloat16", "float16"]``, without float16 where built without F16C). Call it only where
     :func:`plan` says the kernel serves; the C++ checks what its memory safety needs (shapes,
     dtypes, spans in order). ``isa``: a plan's (:data:`DOT`: the AVX512-BF16 build)."""
     if isa == DOT:
-        if _dot_module is None:
+        if _dot.module is None:
             raise RuntimeError(f"the row-span kernel's bf16 build is not loaded: {dot_status()}")
-        return _dot_module
-    if _module is None:
+        return _dot.module
+    if _span.module is None:
         raise RuntimeError(f"the row-span kernel is not loaded: {status()}")
-    return _module
+    return _span.module
 
 
 def main() -> None:
