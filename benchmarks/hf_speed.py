@@ -389,7 +389,7 @@ def run(
 
 
 def verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 11's bars: each step's sdpa / attnkit time, and each step's peak memory."""
+    """The speed bars: each step's sdpa / attnkit time, and each step's peak memory."""
     out = []
     for step, bar in BARS.items():
         med = result["median_ms"][step]

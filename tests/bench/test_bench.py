@@ -340,7 +340,7 @@ def _masks_rows(window_bf16_ms: float, causal_bf16_ms: float) -> list[Row]:
 
 
 def test_masks_acceptance_reads_the_rows_and_the_cpu_class() -> None:
-    tag = "issue 14 (CPU without bf16 instructions)"
+    tag = "bf16 bars (CPU without bf16 instructions)"
     result = BenchResult(
         {"bf16_class": "no-bf16", "cpu_features": ["avx2", "fma"]},
         100.0,
@@ -348,22 +348,22 @@ def test_masks_acceptance_reads_the_rows_and_the_cpu_class() -> None:
         5,
     )
     verdicts = {c.what: c.passed for c in acceptance(result)}
-    assert verdicts["issue 14: causal L=4096 fp32: SDPA is_causal / auto"] is True  # 1.2x
-    assert verdicts["issue 14: 8 documents (uneven), L=16384 fwd: auto of GEMM"] is False
-    assert verdicts["issue 14: 8 documents (equal), L=16384 fwd: auto of GEMM"] is True
-    assert verdicts["issue 14: prefix-LM, L=4096 fwd: auto of GEMM"] is None  # not run
-    fwd_bwd = "issue 14: grouped-query 32/8 window 256, L=16384 fwd+bwd: auto of GEMM"
+    assert verdicts["masks: causal L=4096 fp32: SDPA is_causal / auto"] is True  # 1.2x
+    assert verdicts["masks: 8 documents (uneven), L=16384 fwd: auto of GEMM"] is False
+    assert verdicts["masks: 8 documents (equal), L=16384 fwd: auto of GEMM"] is True
+    assert verdicts["masks: prefix-LM, L=4096 fwd: auto of GEMM"] is None  # not run
+    fwd_bwd = "masks: grouped-query 32/8 window 256, L=16384 fwd+bwd: auto of GEMM"
     assert verdicts[fwd_bwd] is True
     assert verdicts[f"{tag}: window 256 bf16, L=4096 fwd: attnkit fp32 / bf16"] is True  # 0.95
     assert verdicts[f"{tag}: window 256 bf16, L=4096 fwd+bwd: attnkit fp32 / bf16"] is None
     assert verdicts[f"{tag}: causal bf16, L=4096 fwd: attnkit fp32 / bf16"] is False  # 0.8
     assert verdicts[f"{tag}: causal bf16, L=4096: SDPA bf16 / auto"] is True  # 1.2
     md = bench.to_markdown(result)
-    assert "bfloat16 bars: issue 14's for a CPU without bf16 instructions (this one: avx2 fma" in md
+    assert "bfloat16 bars for a CPU without bf16 instructions (this one: avx2 fma" in md
     # the same times on a CPU with AVX512-BF16: bf16 has to beat fp32 by 1.5x there
     result.machine = {"bf16_class": "bf16", "cpu_features": ["avx2", "avx512f", "avx512_bf16"]}
     verdicts = {c.what: c.passed for c in acceptance(result)}
-    tag = "issue 14 (CPU with bf16 instructions)"
+    tag = "bf16 bars (CPU with bf16 instructions)"
     assert verdicts[f"{tag}: window 256 bf16, L=4096 fwd: attnkit fp32 / bf16"] is False
     assert verdicts[f"{tag}: causal bf16, L=4096: SDPA bf16 / auto"] is False  # 1.2 < 1.5
     assert not any("without bf16" in what for what in verdicts)

@@ -1,4 +1,4 @@
-"""benchmarks/hf_speed.py (issue 11's speed program) on tiny lengths: it runs both
+"""benchmarks/hf_speed.py (the Hugging Face speed program) on tiny lengths: it runs both
 implementations on the same model, prints the table with every row and verdict, writes its JSON
 and its markdown between the markers, and refuses a markdown file it would clobber.
 

@@ -1,4 +1,4 @@
-"""bfloat16 and float16 on every CPU path of :mod:`attnkit.cpu` (issue 14): ``native``,
+"""bfloat16 and float16 on every CPU path of :mod:`attnkit.cpu`: ``native``,
 ``fp32-upcast``, ``torch``, forced by ``ATTNKIT_CPU_PATH``.
 
 Against the float64 oracle on the inputs rounded to the low dtype, with a relative tolerance:

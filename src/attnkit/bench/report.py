@@ -54,12 +54,12 @@ def bf16_note(result: BenchResult) -> str:
     cls = m.get("bf16_class", "unknown")
     if cls == "bf16":
         return (
-            f"bfloat16 bars: issue 14's for a CPU with AVX512-BF16 or AMX (this one: {flags}): "
+            f"bfloat16 bars for a CPU with AVX512-BF16 or AMX (this one: {flags}): "
             "bf16 causal window >= 1.5x attnkit fp32, bf16 causal >= 1.5x SDPA bf16."
         )
     which = "this one" if cls == "no-bf16" else "its flags were not read"
     return (
-        f"bfloat16 bars: issue 14's for a CPU without bf16 instructions ({which}: {flags}): "
+        f"bfloat16 bars for a CPU without bf16 instructions ({which}: {flags}): "
         "every bf16 row >= 0.9x attnkit fp32 on the same call, bf16 causal >= 1.15x SDPA bf16."
     )
 

@@ -201,20 +201,19 @@ window 65536 float32 fwd+bwd | window 256, L=65536 fwd+bwd runs: auto peak memor
 """)
 
 #: The ``masks`` group's criteria that do not depend on the CPU: every mask kind at a fraction
-#: of the GEMM (one kernel for every mask), and causal against SDPA's ``is_causal``. (Their
-#: labels name the issue that set them, as the recorded tables in docs/benchmarks.md do.)
+#: of the GEMM (one kernel for every mask), and causal against SDPA's ``is_causal``.
 _MASKS = _table("""
-causal 4096 float32 fwd | issue 14: causal L=4096 fp32: SDPA is_causal / auto | sdpa/attnkit \
+causal 4096 float32 fwd | masks: causal L=4096 fp32: SDPA is_causal / auto | sdpa/attnkit \
     | >= 1.15
-document 16384 float32 fwd | issue 14: 8 documents (uneven), L=16384 fwd: auto of GEMM | gemm \
+document 16384 float32 fwd | masks: 8 documents (uneven), L=16384 fwd: auto of GEMM | gemm \
     | >= 0.65
-document-equal 16384 float32 fwd | issue 14: 8 documents (equal), L=16384 fwd: auto of GEMM \
+document-equal 16384 float32 fwd | masks: 8 documents (equal), L=16384 fwd: auto of GEMM \
     | gemm | >= 0.65
-prefix 4096 float32 fwd | issue 14: prefix-LM, L=4096 fwd: auto of GEMM | gemm | >= 0.65
-padding 8192 float32 fwd | issue 14: 25% key padding, L=8192 fwd: auto of GEMM | gemm | >= 0.65
-gqa-window 16384 float32 fwd | issue 14: grouped-query 32/8 window 256, L=16384 fwd: auto of \
+prefix 4096 float32 fwd | masks: prefix-LM, L=4096 fwd: auto of GEMM | gemm | >= 0.65
+padding 8192 float32 fwd | masks: 25% key padding, L=8192 fwd: auto of GEMM | gemm | >= 0.65
+gqa-window 16384 float32 fwd | masks: grouped-query 32/8 window 256, L=16384 fwd: auto of \
     GEMM | gemm | >= 0.65
-gqa-window 16384 float32 fwd+bwd | issue 14: grouped-query 32/8 window 256, L=16384 fwd+bwd: \
+gqa-window 16384 float32 fwd+bwd | masks: grouped-query 32/8 window 256, L=16384 fwd+bwd: \
     auto of GEMM | gemm | >= 0.65
 """)
 
@@ -231,7 +230,7 @@ def _bf16_criteria(cpu: str) -> list[Criterion]:
     the same call, and causal 1.15x SDPA in bfloat16."""
     fp32 = "attnkit-fp32/attnkit"
     if cpu == "bf16":
-        tag = "issue 14 (CPU with bf16 instructions)"
+        tag = "bf16 bars (CPU with bf16 instructions)"
         return [
             (row, f"{tag}: window 256 bf16, L=4096 {row[3]}: attnkit fp32 / bf16", fp32, ">= 1.5")
             for row in _BF16_WINDOW
@@ -243,7 +242,7 @@ def _bf16_criteria(cpu: str) -> list[Criterion]:
                 ">= 1.5",
             )
         ]
-    tag = "issue 14 (CPU without bf16 instructions)"
+    tag = "bf16 bars (CPU without bf16 instructions)"
     return [
         (row, f"{tag}: {_NAMES[row[0]]} bf16, L=4096 {row[3]}: attnkit fp32 / bf16", fp32, ">= 0.9")
         for row in (*_BF16_WINDOW, _BF16_CAUSAL)
