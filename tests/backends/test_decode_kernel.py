@@ -107,6 +107,17 @@ def test_no_mask_and_causal_equal_the_oracle(
         _check(q, k, v, mask=masks.causal())
 
 
+@pytest.mark.parametrize(("Hkv", "S"), [(2, 300), (4, 2100)])
+@pytest.mark.parametrize("L", [1, 2])
+def test_float32_values_read_in_place_or_copied_equal_the_oracle(Hkv: int, S: int, L: int) -> None:
+    """float32 V rows are read in place where a call reads at most 4 MiB of K/V (a short cache:
+    2 x 2 x 300 x 128 x 4 bytes) and copied per block above it (4 x 2100 keys: 8.2 MiB), for
+    four rows per key/value head (L=1) and more (L=2: eight, always copied)."""
+    q, k, v = _inputs(1, 4 * Hkv, Hkv, L, S, 128, torch.float32, "buffer", seed=S)
+    _check(q, k, v)
+    _check(q, k, v, mask=masks.causal() & masks.sliding_window(S - 3))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [1, 5, 64, 1000, 5000])
 def test_sliding_windows_read_only_the_window_and_equal_the_oracle(

@@ -17,7 +17,8 @@
 //     acc) per row; the thread that finishes the last item of a (b, kv head) merges its rows by
 //     the log-sum-exp rule (no second parallel pass). A call with little to read (under
 //     DECODE_SERIAL_BYTES of K/V) runs on the calling thread: no thread start.
-//   * In an item, block by block of NB keys (DECODE_BLOCK_BYTES of K, 16 KiB): scores S = q K^T
+//   * In an item, block by block of NB keys (DECODE_BLOCK_BYTES of K, 64 KiB; at most 128 keys;
+//     the block's K and V stay in L2 between the passes): scores S = q K^T
 //     of every row over the block (q pre-scaled by scale * log2(e), so the softmax uses exp2;
 //     4 rows x 2 keys per micro-kernel, each K vector loaded once for the four rows), each
 //     row's online softmax step over its own keys of the block (vectorised degree-5 exp2
@@ -54,11 +55,14 @@ using namespace attnkit_elements;
 #define DECODE_INLINE inline __attribute__((always_inline))
 
 // the tuning knobs (bytes; -D at build time to measure others): the K bytes of one block (its
-// K and V rows stay in L1/L2 between the score and the value pass), how far ahead K and V rows
-// are prefetched (0: no software prefetch), and the K/V bytes under which a call runs on the
-// calling thread
+// K and V rows stay in L2 between the score and the value pass), how far ahead K and V rows
+// are prefetched (0: no software prefetch), the K/V bytes under which a call runs on the
+// calling thread, and those up to which P V reads float32 V rows in place (pv_in_place)
 #ifndef DECODE_BLOCK_BYTES
-#define DECODE_BLOCK_BYTES 16384
+#define DECODE_BLOCK_BYTES 65536
+#endif
+#ifndef DECODE_INPLACE_BYTES
+#define DECODE_INPLACE_BYTES (4 << 20)
 #endif
 #ifndef DECODE_PF_BYTES
 #define DECODE_PF_BYTES 8192
@@ -376,22 +380,25 @@ static void pv_rows_all(const float* s, int64_t ss, int64_t R, const int64_t* ra
   }
 }
 
-// whether P V reads a block's V rows in place (the score pass prefetches them): bfloat16 and
-// float16 ones where at most four rows read them (each element then converted once); else
-// (float32: contiguous float rows in L1 run P V faster than strided ones) the block's V rows
-// are converted or copied once into vbuf, prefetched as they are
+// whether P V reads a block's V rows in place (the score pass prefetches them) where at most
+// four rows read them: always for bfloat16 and float16 (each element then converted once);
+// for float32 where the call reads at most DECODE_INPLACE_BYTES of K/V (`bytes`), as a
+// model's decode step over a short cache does, whose K/V the caches hold (in place measured
+// 1.3-2x faster there). A longer float32 cache streams from memory, where copying each
+// block's V rows into vbuf (prefetched as they are copied) measured about 10% faster.
 template <Dt E>
-static inline bool pv_in_place(int64_t R) {
-  return E != Dt::F32 && R <= 4;
+static inline bool pv_in_place(int64_t R, int64_t bytes) {
+  return R <= 4 && (E != Dt::F32 || bytes <= DECODE_INPLACE_BYTES);
 }
 
 // P V of one block of nb keys (v0 its first V row, rows sv apart; `avail` keys of the item from
-// it on, the V rows pf keys ahead prefetched where it copies)
+// it on, the V rows pf keys ahead prefetched where it copies; in_place: pv_in_place's answer)
 template <Dt E>
 static void pv_block(const float* s, int64_t ss, int64_t R, const int64_t* ra, const int64_t* re,
                      const elem_t<E>* v0, int64_t sv, int64_t nb, int64_t Dv, float* acc,
-                     float* vbuf, const float** pp, float** op, int64_t pf, int64_t avail) {
-  if (pv_in_place<E>(R)) {
+                     float* vbuf, const float** pp, float** op, int64_t pf, int64_t avail,
+                     bool in_place) {
+  if (in_place) {
     pv_rows_all<E>(s, ss, R, ra, re, v0, sv, nb, Dv, acc, pp, op);
     return;
   }
@@ -433,17 +440,18 @@ struct Scratch {
 // over its keys [ra[r], re[r]) of them: in blocks of NB keys, the scores of the block, each
 // row's online softmax step, then P V of the block, so that K and V each stream once and a
 // block's K and V rows are hot between the passes; leaves max m, sum l (log2 units) and the
-// unnormalised output acc (R x Dv) of each row
+// unnormalised output acc (R x Dv) of each row; in_place: pv_in_place's answer for the call
 template <Dt E>
 static void run_item(const float* qg, int64_t R, int64_t Dk, int64_t Dv, const elem_t<E>* k0,
                      int64_t ks, const elem_t<E>* v0, int64_t vs, int64_t n, int64_t NB,
-                     Scratch& w, int64_t ss, float* acc, float* m, float* l, bool& bad) {
+                     Scratch& w, int64_t ss, float* acc, float* m, float* l, bool in_place,
+                     bool& bad) {
   const int64_t row_bytes = std::max(Dk, Dv) * static_cast<int64_t>(sizeof(elem_t<E>));
   const int64_t pf = DECODE_PF_BYTES == 0
                          ? n
                          : std::max<int64_t>(4, DECODE_PF_BYTES / std::max<int64_t>(1, row_bytes));
   // the score pass prefetches V rows only where P V reads them in place
-  const int64_t vbytes = pv_in_place<E>(R) ? Dv * static_cast<int64_t>(sizeof(elem_t<E>)) : 0;
+  const int64_t vbytes = in_place ? Dv * static_cast<int64_t>(sizeof(elem_t<E>)) : 0;
   std::fill(acc, acc + R * Dv, 0.0f);
   for (int64_t r = 0; r < R; ++r) {
     m[r] = -std::numeric_limits<float>::infinity();
@@ -464,7 +472,7 @@ static void run_item(const float* qg, int64_t R, int64_t Dk, int64_t Dv, const e
       if (w.be[r] > w.ba[r])
         softmax_block(w.sb + r * ss, w.ba[r], w.be[r], m[r], l[r], acc + r * Dv, Dv, bad);
     pv_block<E>(w.sb, ss, R, w.ba, w.be, v0 + j0 * vs, vs, nb, Dv, acc, w.vbuf, w.pp.data(),
-                w.ob.data(), pf, n - j0);
+                w.ob.data(), pf, n - j0, in_place);
   }
 }
 
@@ -602,6 +610,8 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
                                                       static_cast<int64_t>(sizeof(T)))) /
                8 * 8);
   const int64_t ss = NB + 8;
+  const int64_t bytes = total * Hkv * (Dk + Dv) * static_cast<int64_t>(sizeof(T));  // K/V read
+  const bool in_place = pv_in_place<E>(R, bytes);
   auto work = [&](int64_t, int64_t) {
     Scratch w(R, ss, NB, Dv);
     bool mybad = false;
@@ -619,14 +629,14 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
       const float* qg = qs.data() + ((it.b * H + it.hk * g) * L) * Dk;  // R rows, gi-major
       run_item<E>(qg, R, Dk, Dv, kp + it.b * kb + it.hk * kh + it.a * ks, ks,
                   vp + it.b * vb + it.hk * vh + it.a * vs, vs, it.e - it.a, NB, w, ss,
-                  pacc.get() + t * R * Dv, pm.data() + t * R, pl.data() + t * R, mybad);
+                  pacc.get() + t * R * Dv, pm.data() + t * R, pl.data() + t * R, in_place,
+                  mybad);
       const int64_t gi = it.b * Hkv + it.hk;  // the group's last item merges it
       if (left[gi].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(gi, w.o, mybad);
     }
     if (mybad) bad = true;
   };
   // little work (a short cache): one thread, no thread start
-  const int64_t bytes = total * Hkv * (Dk + Dv) * static_cast<int64_t>(sizeof(T));
   if (nth == 1 || nitems <= 1 || bytes < DECODE_SERIAL_BYTES)
     work(0, 1);
   else
