@@ -106,6 +106,10 @@ class OrtGqa(Peer):
             return "GroupQueryAttention is causal over a KV cache: decode rows only"
         return None
 
+    def __init__(self, name: str, description: str) -> None:
+        super().__init__(name, description)
+        self._sessions: dict[tuple[Any, ...], Any] = {}
+
     def setup(self, wl: Workload, inputs: Inputs) -> Fn:
         import numpy as np
         import onnxruntime as ort  # type: ignore[import-not-found, import-untyped, unused-ignore]
@@ -114,12 +118,19 @@ class OrtGqa(Peer):
         B, H, _, D = q.shape
         Hkv, S = k.shape[1], k.shape[2]
         window = wl.window if "window" in wl.name else 0
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = torch.get_num_threads()
-        opts.inter_op_num_threads = 1
-        sess = ort.InferenceSession(
-            _graph(H, Hkv, D, window, q.dtype), opts, providers=["CPUExecutionProvider"]
-        )
+        key = (H, Hkv, D, window, q.dtype, torch.get_num_threads())
+        sess = self._sessions.get(key)
+        if sess is None:  # one session for every copy of the inputs (its threads: one pool)
+            opts = ort.SessionOptions()
+            opts.intra_op_num_threads = torch.get_num_threads()
+            opts.inter_op_num_threads = 1
+            # its threads sleep when a run ends instead of spinning: spinning threads would
+            # take the cores from the peer timed next
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            sess = ort.InferenceSession(
+                _graph(H, Hkv, D, window, q.dtype), opts, providers=["CPUExecutionProvider"]
+            )
+            self._sessions[key] = sess
         lengths = _lengths(wl, S)
         last = (lengths - 1).view(B, 1, 1, 1).expand(B, Hkv, 1, D)
         # the new token: each sequence's last cached key and value, (B, 1, Hkv * D)
