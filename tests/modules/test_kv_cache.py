@@ -271,3 +271,47 @@ def test_a_mask_of_keys_alone_on_a_ragged_cache_equals_each_sequence_alone() -> 
                 x[b : b + 1], kv_cache=alone, mask=attnkit.masks.key_mask(keep[b : b + 1, : n + 1])
             ).output
             torch.testing.assert_close(got[b : b + 1], want, atol=1e-5, rtol=0)
+
+
+def _thp_mode() -> str | None:
+    """The kernel's transparent huge page setting (``always``, ``madvise``, ``never``)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else None
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of the mapping of this process that holds ``address``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(_thp_mode() in (None, "never"), reason="no transparent huge pages here")
+def test_large_cpu_buffers_ask_for_huge_pages() -> None:
+    """A buffer of 4 MiB or more is advised MADV_HUGEPAGE ("hg" in its mapping's VmFlags) on
+    its 2 MiB-aligned part, is zeros and caches what is written; a small one is zeros too."""
+    from attnkit.modules.kv_cache import HUGE_PAGE
+
+    cache = KVCache(1, 8, 4096, 128)  # 16 MiB each for k and v
+    for buf in (cache.k, cache.v):
+        assert not buf.any()
+        inner = -(-buf.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # inside the aligned part
+        assert "hg" in _vm_flags(inner)
+    k, v = cache.update(0, torch.ones(1, 8, 3, 128), torch.ones(1, 8, 3, 128))
+    assert k.shape == (1, 8, 3, 128)
+    assert bool(k.eq(1).all())
+    assert bool(v.eq(1).all())
+    small = KVCache(1, 2, 16, 8)
+    assert small.k.numel() * 4 < 2 * HUGE_PAGE
+    assert not small.k.any()

@@ -23,9 +23,20 @@ graph (writing past ``max_len``) are a ``RuntimeError`` with the same words; eag
 :class:`~attnkit.AttentionInputError` as the dynamic cache does. The modules refuse a user's
 ``mask`` with a static cache (:meth:`KVCache.mask_error`): over the whole buffer, an end-aligned
 rule would place the new queries at the buffer's end.
+
+**Memory pages.** A CPU buffer of 4 MiB or more asks Linux for transparent huge pages (2 MiB;
+``madvise(MADV_HUGEPAGE)`` on its 2 MiB-aligned part, before the zeros touch it): a decode step
+that reads a long cache from memory crosses a 4 KiB page every few keys, and each new page
+costs the TLB and the hardware prefetchers (docs/benchmarks.md measures it). It is advice:
+where the kernel's THP setting is ``never``, or off Linux, the buffer is an ordinary one.
 """
 
 from __future__ import annotations
+
+import ctypes
+import sys
+from collections.abc import Callable
+from functools import cache
 
 import torch
 from torch import nn
@@ -37,6 +48,39 @@ from attnkit.validate import can_read_values
 __all__ = ["KVCache"]
 
 WHERE = "attnkit.KVCache"
+#: a transparent huge page on x86-64 and arm64 (4 KiB granules), and Linux's MADV_HUGEPAGE
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+@cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's ``madvise`` (Linux), else ``None``."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _buffer(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None
+) -> torch.Tensor:
+    """Zeros of ``shape``: on a CPU, from 4 MiB on, huge pages asked for before the zeros are
+    written (the module docstring says why); a refusal leaves an ordinary buffer."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    madvise = _madvise()
+    nbytes = t.numel() * t.element_size()
+    if t.device.type == "cpu" and nbytes >= 2 * HUGE_PAGE and madvise is not None:
+        start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # the 2 MiB-aligned part
+        end = (t.data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE
+        if end > start:
+            madvise(start, end - start, _MADV_HUGEPAGE)  # advice: a refusal changes nothing
+    return t.zero_()
 
 
 class KVCache(nn.Module):
@@ -120,12 +164,8 @@ class KVCache(nn.Module):
             check_int(WHERE, name, value)
         B, Hkv, N = batch_size, num_kv_heads, max_len
         self.max_len = N
-        self.register_buffer(
-            "k", torch.zeros(B, Hkv, N, head_dim, dtype=dtype, device=device), persistent=False
-        )
-        self.register_buffer(
-            "v", torch.zeros(B, Hkv, N, Dv, dtype=dtype, device=device), persistent=False
-        )
+        self.register_buffer("k", _buffer((B, Hkv, N, head_dim), dtype, device), persistent=False)
+        self.register_buffer("v", _buffer((B, Hkv, N, Dv), dtype, device), persistent=False)
         self.register_buffer(
             "lengths", torch.zeros(B, dtype=torch.long, device=device), persistent=False
         )
