@@ -1,4 +1,4 @@
-// attnkit's C++ kernels' element types (row_span.cpp, decode.cpp; jit.load_or_why puts this
+// attnkit's C++ kernels' element types (row_span.cpp, decode.cpp; builds.source_text puts this
 // text before each): what q, k, v (and out, dout) are stored as, and their loads as float32.
 // bfloat16 -> float32 is a 16-bit shift; float16 -> float32 is F16C's vcvtph2ps (built with
 // -mf16c only where the CPU has it: float16 is not served otherwise).
@@ -6,9 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <string>
 #include <type_traits>
-#include <vector>
 
 namespace attnkit_elements {
 
@@ -98,15 +96,6 @@ static inline float hsum(__m256 v) {
   m = _mm_add_ps(m, _mm_movehl_ps(m, m));
   m = _mm_add_ss(m, _mm_movehdup_ps(m));
   return _mm_cvtss_f32(m);
-}
-
-// the dtypes q, k, v may have besides float32 (float16 only where built with F16C)
-static inline std::vector<std::string> low_dtypes() {
-#ifdef __F16C__
-  return {"bfloat16", "float16"};
-#else
-  return {"bfloat16"};
-#endif
 }
 
 }  // namespace attnkit_elements
