@@ -156,9 +156,7 @@ class Workload:
         """
         if not self.queries:
             return 1
-        S = self.sizes(L)[1]
-        size = torch.empty((), dtype=dtype).element_size()
-        whole = self.B * self.Hkv * S * self.D * 2 * size  # one copy's K and V
+        whole = self.B * self.Hkv * self.sizes(L)[1] * self.D * 2 * dtype.itemsize  # a copy's K, V
         read = max(1, self.kv_bytes(L, dtype))
         cache = UNKNOWN_CACHE if cache_bytes is None else cache_bytes
         wanted = 1 + -(-2 * cache // read)

@@ -27,7 +27,7 @@ rule would place the new queries at the buffer's end.
 **Memory pages.** A CPU buffer of 4 MiB or more asks Linux for transparent huge pages (2 MiB;
 ``madvise(MADV_HUGEPAGE)`` on its 2 MiB-aligned part, before the zeros touch it): a decode step
 that reads a long cache from memory crosses a 4 KiB page every few keys, and each new page
-costs the TLB and the hardware prefetchers (docs/benchmarks.md measures it). It is advice:
+costs the TLB and the hardware prefetchers (docs/benchmarks.md, "Decoding"). It is advice:
 where the kernel's THP setting is ``never``, or off Linux, the buffer is an ordinary one.
 """
 
@@ -74,10 +74,9 @@ def _buffer(
     written (the module docstring says why); a refusal leaves an ordinary buffer."""
     t = torch.empty(shape, dtype=dtype, device=device)
     madvise = _madvise()
-    nbytes = t.numel() * t.element_size()
-    if t.device.type == "cpu" and nbytes >= 2 * HUGE_PAGE and madvise is not None:
+    if t.device.type == "cpu" and t.nbytes >= 2 * HUGE_PAGE and madvise is not None:
         start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # the 2 MiB-aligned part
-        end = (t.data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE
+        end = (t.data_ptr() + t.nbytes) // HUGE_PAGE * HUGE_PAGE
         if end > start:
             madvise(start, end - start, _MADV_HUGEPAGE)  # advice: a refusal changes nothing
     return t.zero_()

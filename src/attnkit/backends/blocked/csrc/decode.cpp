@@ -383,9 +383,9 @@ static void pv_rows_all(const float* s, int64_t ss, int64_t R, const int64_t* ra
 // whether P V reads a block's V rows in place (the score pass prefetches them) where at most
 // four rows read them: always for bfloat16 and float16 (each element then converted once);
 // for float32 where the call reads at most DECODE_INPLACE_BYTES of K/V (`bytes`), as a
-// model's decode step over a short cache does, whose K/V the caches hold (in place measured
-// 1.3-2x faster there). A longer float32 cache streams from memory, where copying each
-// block's V rows into vbuf (prefetched as they are copied) measured about 10% faster.
+// model's decode step over a short cache does, whose K/V the caches hold; a longer float32
+// cache streams from memory, where copying each block's V rows into vbuf (prefetched as they
+// are copied) ran faster (docs/benchmarks.md, "Decoding")
 template <Dt E>
 static inline bool pv_in_place(int64_t R, int64_t bytes) {
   return R <= 4 && (E != Dt::F32 || bytes <= DECODE_INPLACE_BYTES);

@@ -1626,14 +1626,19 @@ struct Entry {
   std::vector<float> keep;
   Mods md;
   int64_t B, H, L, Dk, Hkv, S, Dv;
-  Entry(const int64_t* sizes, int32_t dtype, const int64_t* lo, const int64_t* hi,
-        int64_t lo_rows, int64_t lo_cols, double softcap, const double* slopes,
-        int64_t n_slopes, int64_t d0, const float* keys, int64_t keys_rows, int64_t keys_cols)
+  at::Tensor q, k, v;  // views of the caller's q (B, H, L, Dk), k (B, Hkv, S, Dk), v (.., Dv)
+  Entry(const void* qp, const void* kp, const void* vp, const int64_t* sizes, int32_t dtype,
+        const int64_t* lo, const int64_t* hi, int64_t lo_rows, int64_t lo_cols, double softcap,
+        const double* slopes, int64_t n_slopes, int64_t d0, const float* keys,
+        int64_t keys_rows, int64_t keys_cols)
       : sp(check_inputs(sizes, dtype, lo, hi, lo_rows, lo_cols)),
         keep(),
         md(check_mods(sizes, softcap, slopes, n_slopes, d0, keys, keys_rows, keys_cols, keep)),
         B(sizes[0]), H(sizes[1]), L(sizes[2]), Dk(sizes[3]),
-        Hkv(sizes[5]), S(sizes[6]), Dv(sizes[11]) {}
+        Hkv(sizes[5]), S(sizes[6]), Dv(sizes[11]),
+        q(at::view(const_cast<void*>(qp), {B, H, L, Dk})),
+        k(at::view(const_cast<void*>(kp), {B, Hkv, S, Dk})),
+        v(at::view(const_cast<void*>(vp), {B, Hkv, S, Dv})) {}
   Entry(const Entry&) = delete;
   Entry& operator=(const Entry&) = delete;
 };
@@ -1669,16 +1674,14 @@ int32_t attnkit_span_forward(const void* q, const void* k, const void* v, int32_
                              const float* keys, int64_t keys_rows, int64_t keys_cols, void* out,
                              float* lse, int64_t nthreads) {
   return attnkit_abi::guarded([&] {
-    const rowspan::Entry e(sizes, dtype, lo, hi, lo_rows, lo_cols, softcap, slopes, n_slopes, d0,
-                           keys, keys_rows, keys_cols);
+    const rowspan::Entry e(q, k, v, sizes, dtype, lo, hi, lo_rows, lo_cols, softcap, slopes,
+                           n_slopes, d0, keys, keys_rows, keys_cols);
     const rowspan::Spans& sp = e.sp;
     const rowspan::Mods& md = e.md;
-    const int64_t B = e.B, H = e.H, L = e.L, Dk = e.Dk, Hkv = e.Hkv, S = e.S, Dv = e.Dv;
+    const at::Tensor &tq = e.q, &tk = e.k, &tv = e.v;
+    const int64_t B = e.B, H = e.H, L = e.L, Dv = e.Dv;
     if (B * H * L <= 0) return;
     at::set_call_threads(nthreads);
-    const at::Tensor tq = at::view(const_cast<void*>(q), {B, H, L, Dk});
-    const at::Tensor tk = at::view(const_cast<void*>(k), {B, Hkv, S, Dk});
-    const at::Tensor tv = at::view(const_cast<void*>(v), {B, Hkv, S, Dv});
     at::Tensor to = at::view(out, {B, H, L, Dv});
     at::Tensor tl = at::view(lse, {B, H, L});
     using rowspan::Dt;
@@ -1711,10 +1714,11 @@ int32_t attnkit_span_backward(const void* q, const void* k, const void* v, const
                               float* dk, float* dv, void* dk_low, void* dv_low,
                               int64_t nthreads) {
   return attnkit_abi::guarded([&] {
-    const rowspan::Entry e(sizes, dtype, lo, hi, lo_rows, lo_cols, softcap, slopes, n_slopes, d0,
-                           keys, keys_rows, keys_cols);
+    const rowspan::Entry e(q, k, v, sizes, dtype, lo, hi, lo_rows, lo_cols, softcap, slopes,
+                           n_slopes, d0, keys, keys_rows, keys_cols);
     const rowspan::Spans& sp = e.sp;
     const rowspan::Mods& md = e.md;
+    const at::Tensor &tq = e.q, &tk = e.k, &tv = e.v;
     const int64_t B = e.B, H = e.H, L = e.L, Dk = e.Dk, Hkv = e.Hkv, S = e.S, Dv = e.Dv;
     const size_t esize = dtype == attnkit_abi::F32 ? 4 : 2;
     if (!(B * H * L > 0 && S > 0)) {  // nothing to sum: dq 0, dk and dv stay 0
@@ -1726,9 +1730,6 @@ int32_t attnkit_span_backward(const void* q, const void* k, const void* v, const
       return;
     }
     at::set_call_threads(nthreads);
-    const at::Tensor tq = at::view(const_cast<void*>(q), {B, H, L, Dk});
-    const at::Tensor tk = at::view(const_cast<void*>(k), {B, Hkv, S, Dk});
-    const at::Tensor tv = at::view(const_cast<void*>(v), {B, Hkv, S, Dv});
     const at::Tensor to = at::view(const_cast<void*>(out), {B, H, L, Dv});
     const at::Tensor tg = at::view(const_cast<void*>(dout), {B, H, L, Dv});
     const at::Tensor tl = at::view(const_cast<float*>(lse), {B, H, L});
