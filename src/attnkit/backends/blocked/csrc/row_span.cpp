@@ -1676,9 +1676,6 @@ int32_t attnkit_span_forward(const void* q, const void* k, const void* v, int32_
   return attnkit_abi::guarded([&] {
     const rowspan::Entry e(q, k, v, sizes, dtype, lo, hi, lo_rows, lo_cols, softcap, slopes,
                            n_slopes, d0, keys, keys_rows, keys_cols);
-    const rowspan::Spans& sp = e.sp;
-    const rowspan::Mods& md = e.md;
-    const at::Tensor &tq = e.q, &tk = e.k, &tv = e.v;
     const int64_t B = e.B, H = e.H, L = e.L, Dv = e.Dv;
     if (B * H * L <= 0) return;
     at::set_call_threads(nthreads);
@@ -1687,15 +1684,15 @@ int32_t attnkit_span_forward(const void* q, const void* k, const void* v, int32_
     using rowspan::Dt;
     switch (dtype) {
       case attnkit_abi::BF16:
-        rowspan::forward_impl<Dt::BF16>(tq, tk, tv, sp, scale, md, to, tl);
+        rowspan::forward_impl<Dt::BF16>(e.q, e.k, e.v, e.sp, scale, e.md, to, tl);
         break;
 #ifdef __F16C__
       case attnkit_abi::F16:
-        rowspan::forward_impl<Dt::F16>(tq, tk, tv, sp, scale, md, to, tl);
+        rowspan::forward_impl<Dt::F16>(e.q, e.k, e.v, e.sp, scale, e.md, to, tl);
         break;
 #endif
       default:
-        rowspan::forward_impl<Dt::F32>(tq, tk, tv, sp, scale, md, to, tl);
+        rowspan::forward_impl<Dt::F32>(e.q, e.k, e.v, e.sp, scale, e.md, to, tl);
         break;
     }
   });
@@ -1716,9 +1713,6 @@ int32_t attnkit_span_backward(const void* q, const void* k, const void* v, const
   return attnkit_abi::guarded([&] {
     const rowspan::Entry e(q, k, v, sizes, dtype, lo, hi, lo_rows, lo_cols, softcap, slopes,
                            n_slopes, d0, keys, keys_rows, keys_cols);
-    const rowspan::Spans& sp = e.sp;
-    const rowspan::Mods& md = e.md;
-    const at::Tensor &tq = e.q, &tk = e.k, &tv = e.v;
     const int64_t B = e.B, H = e.H, L = e.L, Dk = e.Dk, Hkv = e.Hkv, S = e.S, Dv = e.Dv;
     const size_t esize = dtype == attnkit_abi::F32 ? 4 : 2;
     if (!(B * H * L > 0 && S > 0)) {  // nothing to sum: dq 0, dk and dv stay 0
@@ -1740,16 +1734,16 @@ int32_t attnkit_span_backward(const void* q, const void* k, const void* v, const
     at::Tensor tvl = at::view(dv_low, {B, Hkv, S, Dv});
     using rowspan::Dt;
     if (dtype == attnkit_abi::BF16)
-      rowspan::backward_impl<Dt::BF16>(tq, tk, tv, to, tg, tl, sp, scale, md, tdq, tdk, tdv, tkl,
-                                       tvl);
+      rowspan::backward_impl<Dt::BF16>(e.q, e.k, e.v, to, tg, tl, e.sp, scale, e.md, tdq, tdk,
+                                       tdv, tkl, tvl);
 #ifdef __F16C__
     else if (dtype == attnkit_abi::F16)
-      rowspan::backward_impl<Dt::F16>(tq, tk, tv, to, tg, tl, sp, scale, md, tdq, tdk, tdv, tkl,
-                                      tvl);
+      rowspan::backward_impl<Dt::F16>(e.q, e.k, e.v, to, tg, tl, e.sp, scale, e.md, tdq, tdk,
+                                      tdv, tkl, tvl);
 #endif
     else
-      rowspan::backward_impl<Dt::F32>(tq, tk, tv, to, tg, tl, sp, scale, md, tdq, tdk, tdv, tkl,
-                                      tvl);
+      rowspan::backward_impl<Dt::F32>(e.q, e.k, e.v, to, tg, tl, e.sp, scale, e.md, tdq, tdk,
+                                      tdv, tkl, tvl);
   });
 }
 
