@@ -231,15 +231,20 @@ def run_cuda(
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     info = {"device": gpu, "torch": torch.__version__, "cuda": torch.version.cuda}
     result = BenchResult(info, measure_gemm(device, gemm_n), [], reps, device="cuda")
-    for i, (wl, L, dtype, mode) in enumerate(chosen):
-        if progress is not None:
-            progress(f"{wl} L={L} {dtype} {mode}", i, len(chosen))
-        result.rows.append(
-            run_row(
-                wl, L, dtype, mode,
-                peers=names, reps=reps, gemm_gflops=result.gemm_gflops, cap_gib=cap_gib,
-                device=device,
-            )
-        )  # fmt: skip
+    # the flex peer compiles flex_attention once per row (shape, dtype, grad, mask): past
+    # Dynamo's default of 8 compiles of one function it would run uncompiled, materialising the
+    # L x S scores; the limit is raised for this run, and a row past it fails instead
+    limits = {"recompile_limit": 256, "fail_on_recompile_limit_hit": True}
+    with torch._dynamo.config.patch(**limits):
+        for i, (wl, L, dtype, mode) in enumerate(chosen):
+            if progress is not None:
+                progress(f"{wl} L={L} {dtype} {mode}", i, len(chosen))
+            result.rows.append(
+                run_row(
+                    wl, L, dtype, mode,
+                    peers=names, reps=reps, gemm_gflops=result.gemm_gflops, cap_gib=cap_gib,
+                    device=device,
+                )
+            )  # fmt: skip
     result.seconds = time.perf_counter() - start
     return result
