@@ -13,6 +13,8 @@ on a GPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ from attnkit import masks
 from attnkit.backends import AUTO_ORDER, auto_order, choose, sdpa
 from attnkit.call import AttentionCall
 from calls import make_call
+from oracle import reference_attention, within_naive
 
 CUDA_ORDER = "flex > sdpa > blocked > math"
 
@@ -104,6 +107,16 @@ def test_the_same_spec_on_cpu_still_goes_to_blocked() -> None:
     assert "auto's rule: a mask spec and L x S >=" in str(e)
 
 
+@pytest.fixture
+def memory_limit() -> Iterator[Callable[[int], None]]:
+    """Sets attnkit's memory limit for one test (restored after it)."""
+    previous = attnkit.set_memory_limit(None)
+    try:
+        yield lambda nbytes: (attnkit.set_memory_limit(nbytes), None)[1]
+    finally:
+        attnkit.set_memory_limit(previous)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("L", [64, 512])
@@ -113,27 +126,101 @@ def test_grouped_query_on_cuda_never_goes_to_math(
     q, k, v = _qkv(L=L, H=32, Hkv=8, dtype=dtype)
     e = attnkit.explain(q, k, v, causal=causal)
     text = str(e)
+    assert e.chosen == "sdpa", text
     if dtype == torch.float32:  # torch's fused kernels take grouped-query heads in fp16/bf16 only
-        assert e.chosen == "flex", text
         assert (
-            "auto's rule: torch's fused SDPA kernels cannot serve this call (torch reports no "
-            "fused CUDA kernel for these arguments (grouped-query heads)); flex's compiled "
-            "kernel is the next fused path on CUDA"
+            "sdpa: K and V repeated from 8 to 32 heads: torch's fused kernels take grouped-query "
+            "heads only as flash and cuDNN do (fp16/bf16); its efficient kernel serves the "
+            "repeated call"
         ) in text
     else:
-        assert e.chosen == "sdpa", text
-        what = "the causal flag" if causal else "no mask"
-        assert f"flex: can serve, but its auto rule does not fire: {what}: torch's fused" in text
+        assert "torch runs its flash kernel for these arguments" in text
+        assert "repeated" not in text
+    what = "the causal flag" if causal else "no mask"
+    assert f"flex: can serve, but its auto rule does not fire: {what}: torch's fused" in text
 
 
-def test_grouped_query_with_a_mask_tensor_on_cuda_takes_blocked_not_math(on_cuda: None) -> None:
+@pytest.mark.parametrize("causal", [False, True])
+def test_grouped_query_float32_whose_repeated_kv_exceed_the_limit_goes_to_flex(
+    on_cuda: None, memory_limit: Callable[[int], None], causal: bool
+) -> None:
+    q, k, v = _qkv(H=32, Hkv=8, dtype=torch.float32)  # K and V repeated: 8 MiB
+    memory_limit(4 * 2**20)
+    e = attnkit.explain(q, k, v, causal=causal)
+    text = str(e)
+    assert e.chosen == "flex", text
+    assert (
+        "auto's rule: torch's fused SDPA kernels cannot serve this call (torch has no fused CUDA "
+        "kernel for these grouped-query heads, and K and V repeated to the 32 query heads "
+        "(0.00781 GiB (8,388,608 bytes)) would exceed attnkit's memory limit); flex's compiled "
+        "kernel is the next fused path on CUDA"
+    ) in text
+
+
+def test_grouped_query_with_a_mask_tensor_on_cuda_repeats_kv_or_takes_blocked(
+    on_cuda: None, memory_limit: Callable[[int], None]
+) -> None:
     q, k, v = _qkv(H=32, Hkv=8, dtype=torch.float32)
-    e = attnkit.explain(q, k, v, mask=torch.rand(512, 512) > 0.5)
+    mask = torch.rand(512, 512) > 0.5
+    e = attnkit.explain(q, k, v, mask=mask)
+    assert e.chosen == "sdpa", str(e)  # the memory-efficient kernel takes the mask
+    assert "K and V repeated from 8 to 32 heads" in str(e)
+    memory_limit(7 * 2**20)  # the repeated K and V (8 MiB) do not fit, blocked's 6 MiB do
+    e = attnkit.explain(q, k, v, mask=mask)
     assert e.chosen == "blocked", str(e)
     text = str(e)
     assert "torch matmuls on tiles on cuda (no fused kernel)" in text  # its CUDA description
     assert "flex: cannot serve: it takes mask specs" in text
-    assert "sdpa: cannot serve: torch reports no fused CUDA kernel" in text
+    assert "sdpa: cannot serve: torch has no fused CUDA kernel for these grouped-query" in text
+
+
+@pytest.mark.parametrize("mask", [None, "tensor"])
+def test_the_repeated_kv_run_matches_the_oracle_and_trains(on_cuda: None, mask: str | None) -> None:
+    """What sdpa runs for grouped-query float32 on CUDA (K and V repeated, no ``enable_gqa``),
+    run here on CPU tensors: the output and the gradients of q, k, v (Hkv heads: the repeat's
+    backward sums the groups) against the float64 oracle."""
+    g = torch.Generator().manual_seed(7)
+    q64 = torch.randn(2, 8, 40, 16, generator=g, dtype=torch.float64)
+    k64 = torch.randn(2, 2, 50, 16, generator=g, dtype=torch.float64)
+    v64 = torch.randn(2, 2, 50, 16, generator=g, dtype=torch.float64)
+    m = torch.rand(40, 50, generator=g) > 0.3 if mask else None
+    dout = torch.randn(2, 8, 40, 16, generator=g, dtype=torch.float64)
+    q, k, v = (t.float().requires_grad_(True) for t in (q64, k64, v64))
+    e = attnkit.explain(q, k, v, mask=m)
+    assert e.chosen == "sdpa", str(e)
+    assert "K and V repeated from 2 to 8 heads" in str(e)
+    out = attnkit.attention(q, k, v, mask=m)
+    grads = torch.autograd.grad(out, (q, k, v), dout.float())
+    ins = [t.requires_grad_(True) for t in (q64.clone(), k64.clone(), v64.clone())]
+    ref = reference_attention(*ins, mask=m)[0]
+    ref_grads = torch.autograd.grad(ref, ins, dout)
+    naive_ins = [t.float().requires_grad_(True) for t in (q64, k64, v64)]
+    naive = reference_attention(*naive_ins, mask=m, dtype=torch.float32)[0]
+    naive_grads = torch.autograd.grad(naive, naive_ins, dout.float())
+    within_naive(out, ref, naive)
+    for part, got, want, nv in zip("qkv", grads, ref_grads, naive_grads, strict=True):
+        assert got.shape == want.shape, part
+        within_naive(got, want, nv, grad=True, what=part)
+
+
+def test_a_grouped_query_call_no_kernel_serves_even_repeated_is_refused_by_sdpa(
+    on_cuda: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[bool] = []
+
+    def no_kernel(*args: object) -> str | None:
+        asked.append(bool(args[-1]))  # enable_gqa
+        return None
+
+    monkeypatch.setattr(sdpa, "cuda_fused_kernel", no_kernel)
+    q, k, v = _qkv(H=32, Hkv=8, dtype=torch.float32)
+    e = attnkit.explain(q, k, v, causal=True)
+    assert asked == [True, False]  # as given, then with K and V repeated
+    assert e.chosen == "flex", str(e)
+    assert (
+        "torch reports no fused CUDA kernel for these arguments (grouped-query heads, and none "
+        "with K and V repeated to the query heads)"
+    ) in str(e)
 
 
 def test_no_mask_and_causal_stay_on_sdpa_on_cuda(on_cuda: None) -> None:
@@ -206,10 +293,11 @@ def test_choosing_flex_for_a_large_spec_builds_no_mask(on_cuda: None) -> None:
 
 
 def test_flex_reads_sdpas_decision_and_nobody_asks_torch_twice(
-    on_cuda: None, monkeypatch: pytest.MonkeyPatch
+    on_cuda: None, monkeypatch: pytest.MonkeyPatch, memory_limit: Callable[[int], None]
 ) -> None:
     """flex's CUDA rule ("what sdpa cannot serve") reads the registered sdpa's decision for the
-    call; the dispatcher and explain reuse it, so torch's rules are asked once per call."""
+    call; the dispatcher and explain reuse it, so torch's rules are asked once per call (for a
+    grouped-query call: as given, then with K and V repeated)."""
     asked: list[str] = []
 
     def counted(*args: object) -> str | None:
@@ -217,14 +305,15 @@ def test_flex_reads_sdpas_decision_and_nobody_asks_torch_twice(
         return _h100_rules(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(sdpa, "cuda_fused_kernel", counted)
+    memory_limit(4 * 2**20)  # the repeated K and V (8 MiB) do not fit: sdpa refuses
     q, k, v = _qkv(H=32, Hkv=8, dtype=torch.float32)  # grouped float32: no fused SDPA kernel
     call = make_call(q, k, v, None, True, None, 0.0, where="test")
     choice = choose(call, "auto", "test")
     assert choice.name == "flex"
     assert list(choice.decisions) == ["flex"]  # sdpa was asked by flex's rule, for the call
     assert call._decisions["sdpa"].reason is not None
-    assert asked == ["cuda_fused_kernel"]
+    assert asked == ["cuda_fused_kernel"] * 2
     e = attnkit.explain(q, k, v, causal=True)
     assert e.chosen == "flex"
-    assert asked == ["cuda_fused_kernel"] * 2  # one more call, asked once
-    assert "torch reports no fused CUDA kernel" in str(e.verdicts["sdpa"])
+    assert asked == ["cuda_fused_kernel"] * 4  # one more call, asked once (twice: grouped)
+    assert "would exceed attnkit's memory limit" in str(e.verdicts["sdpa"])

@@ -101,3 +101,17 @@ def test_dense_and_causal_auto_take_the_fused_kernel() -> None:
     assert attnkit.explain(q, q, q, causal=True).chosen == "sdpa"
     kv = torch.randn(1, 2, 200, 64)
     assert attnkit.explain(q, kv, kv, causal=True).chosen == "sdpa"  # GQA, end-aligned
+
+
+def test_the_cuda_rule_asks_torch_which_kernel_it_would_run() -> None:
+    """``cuda_fused_kernel`` is torch's own selection (``torch._fused_sdp_choice``), so torch's
+    priority order and ``sdpa_kernel``'s settings hold. Shown on CPU tensors, where the same
+    selection answers with the CPU's kernels (flash, or only math)."""
+    from attnkit.backends.sdpa import cuda_fused_kernel
+
+    q = torch.randn(1, 4, 8, 16)
+    k = torch.randn(1, 2, 8, 16)
+    assert cuda_fused_kernel(q, k, k, None, 0.0, True, True) == "flash"
+    assert cuda_fused_kernel(q, q, q, None, 0.0, False, False) == "flash"
+    with sdpa_kernel([SDPBackend.MATH]):
+        assert cuda_fused_kernel(q, q, q, None, 0.0, False, False) is None

@@ -205,7 +205,8 @@ def _refusal(call: AttentionCall) -> str | None:
 def _rule(call: AttentionCall) -> tuple[bool, str] | None:
     """On CUDA (its only device in ``auto``'s order), ``auto`` takes flex for a mask spec (it
     visits only the spec's non-empty blocks) and for what torch's fused SDPA kernels cannot
-    serve (grouped-query heads in float32, ``Dv != Dk``, ...: it reads the ``sdpa`` backend's
+    serve (grouped-query heads in float32 whose repeated K and V exceed the memory limit,
+    ``Dv != Dk``, ...: it reads the ``sdpa`` backend's
     decision for the call, which the dispatcher then reuses), before ``blocked`` (torch matmuls
     on tiles there) and ``math``."""
     if call.device_type != "cuda":

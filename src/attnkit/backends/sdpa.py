@@ -5,7 +5,9 @@ never torch's own slow math path: its decision (:meth:`SdpaBackend.decide`) hold
 rules for choosing a fused kernel on this device, and a test pins them against torch itself
 (``sdpa_kernel`` with the math kernel excluded). On CUDA, torch's own rules decide
 (:func:`cuda_fused_kernel`).
-Grouped-query heads use torch's ``enable_gqa`` (no repeated K/V in the fused kernel).
+Grouped-query heads use torch's ``enable_gqa`` (no repeated K/V in the fused kernel); on CUDA,
+where torch's kernels refuse that (float32: only the memory-efficient kernel runs, and it has no
+``enable_gqa``), K and V are repeated to the query heads within attnkit's memory limit.
 On the CPU's ``fp32-upcast`` path (:mod:`attnkit.cpu`) a bfloat16/float16 call runs torch's
 float32 kernel on float32 copies of q, k, v (torch's bf16 backward on a CPU without bf16
 instructions is an order of magnitude slower); autograd keeps those copies for the backward,
@@ -25,13 +27,13 @@ import torch.nn.functional as F
 from attnkit.backends.base import Backend, Decision
 from attnkit.call import AttentionCall
 from attnkit.cpu import to_float32
-from attnkit.memory import exceeds
+from attnkit.memory import exceeds, format_bytes
 
 __all__ = ["SdpaBackend", "cuda_fused_kernel"]
 
 _FUSED_DTYPES = {
     "cpu": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
-    "cuda": (torch.float16, torch.bfloat16, torch.float32),  # cuda: see _cuda_refusal()
+    "cuda": (torch.float16, torch.bfloat16, torch.float32),  # cuda: see _cuda_plan()
 }
 
 
@@ -43,6 +45,8 @@ class _Plan(NamedTuple):
 
     is_causal: bool
     masked: bool
+    kernel: str | None = None  #: on CUDA: the fused kernel torch picks (explain's note)
+    repeat_kv: bool = False  #: on CUDA: K and V repeated to H heads (:func:`_repeated`)
 
     def mask(self, call: AttentionCall) -> torch.Tensor | None:
         """The mask torch is handed: ``None``, or the call's mask as one tensor."""
@@ -99,17 +103,47 @@ def _refusal(call: AttentionCall) -> str | None:
     return None
 
 
-def _cuda_refusal(call: AttentionCall, plan: _Plan, memory: tuple[int, str] | None) -> str | None:
-    """torch's own public rules on CUDA (not run on the CPU-only test machine). They read the
-    mask, so it is materialised here, not above the memory limit."""
+def _cuda_plan(call: AttentionCall, plan: _Plan, memory: tuple[int, str] | None) -> str | _Plan:
+    """torch's own rules on CUDA (:func:`cuda_fused_kernel`): why no fused kernel serves the
+    call, or the plan with the kernel torch picks. They read the mask, so it is materialised
+    here, not above the memory limit."""
     if memory is not None and exceeds(memory[0], call.q.device) is not None:
         return f"{memory[1]} would exceed attnkit's memory limit"
     q, k, v = call.q, call.k, call.v
     mask = plan.mask(call)
-    if cuda_fused_kernel(q, k, v, mask, call.dropout_p, plan.is_causal, call.grouped) is None:
-        what = " (grouped-query heads)" if call.grouped else ""
-        return f"torch reports no fused CUDA kernel for these arguments{what}"
-    return None
+    kernel = cuda_fused_kernel(q, k, v, mask, call.dropout_p, plan.is_causal, call.grouped)
+    if kernel is not None:
+        return plan._replace(kernel=kernel)
+    if call.grouped:
+        return _repeated(call, plan, mask)
+    return "torch reports no fused CUDA kernel for these arguments"
+
+
+def _repeated(call: AttentionCall, plan: _Plan, mask: torch.Tensor | None) -> str | _Plan:
+    """Grouped-query heads torch's fused kernels refuse (``enable_gqa`` is flash's and
+    cuDNN's, fp16/bf16 only): the plan that repeats K and V to the H query heads, where torch
+    runs a fused kernel for that call (the memory-efficient kernel in float32) and the copies fit
+    attnkit's memory limit; else why not. torch's rules are asked about a call of the same sizes
+    with Hkv query heads (they read the head counts only to compare them), so nothing is
+    copied to decide."""
+    d = call.dims
+    q = call.q.narrow(1, 0, d.Hkv)
+    if mask is not None and mask.dim() == 4 and mask.shape[1] == d.H:
+        mask = mask.narrow(1, 0, d.Hkv)
+    kernel = cuda_fused_kernel(q, call.k, call.v, mask, call.dropout_p, plan.is_causal, False)
+    if kernel is None:
+        return (
+            "torch reports no fused CUDA kernel for these arguments (grouped-query heads, "
+            "and none with K and V repeated to the query heads)"
+        )
+    nbytes = _repeat_memory(call)[0]
+    if exceeds(nbytes, call.q.device) is not None:
+        return (
+            "torch has no fused CUDA kernel for these grouped-query heads, and K and V repeated "
+            f"to the {d.H} query heads ({format_bytes(nbytes)}) would exceed attnkit's memory "
+            "limit"
+        )
+    return plan._replace(kernel=kernel, repeat_kv=True)
 
 
 def _note(call: AttentionCall, plan: _Plan) -> str | None:
@@ -122,7 +156,22 @@ def _note(call: AttentionCall, plan: _Plan) -> str | None:
         )
     if call.upcast:
         notes.append("runs torch's float32 fused kernel on float32 copies of q, k, v (fp32-upcast)")
+    if plan.repeat_kv:
+        d = call.dims
+        notes.append(
+            f"K and V repeated from {d.Hkv} to {d.H} heads: torch's fused kernels take "
+            f"grouped-query heads only as flash and cuDNN do (fp16/bf16); its {plan.kernel} "
+            "kernel serves the repeated call"
+        )
+    elif plan.kernel is not None:
+        notes.append(f"torch runs its {plan.kernel} kernel for these arguments")
     return "; ".join(notes) or None
+
+
+def _repeat_memory(call: AttentionCall) -> tuple[int, str]:
+    d = call.dims
+    nbytes = d.B * d.H * d.S * (d.Dk + d.Dv) * call.k.element_size()
+    return nbytes, f"K and V repeated to the {d.H} query heads"
 
 
 class SdpaBackend(Backend):
@@ -141,10 +190,11 @@ class SdpaBackend(Backend):
         plan = _plan(call)
         memory = _memory(call, plan)
         if call.device_type == "cuda":
-            reason = _cuda_refusal(call, plan, memory)
-            if reason is not None:
-                return Decision(self.name, reason)
-            memory = None  # the mask torch's rules read is materialised: nothing more to allocate
+            cuda = _cuda_plan(call, plan, memory)
+            if isinstance(cuda, str):
+                return Decision(self.name, cuda)
+            plan = cuda
+            memory = _repeat_memory(call) if plan.repeat_kv else None  # the mask is made
         note = _note(call, plan) if call.explaining else None
         return Decision(self.name, None, None, memory, plan, note)
 
@@ -161,6 +211,11 @@ class SdpaBackend(Backend):
                 q, k, v = q.float(), k.float(), v.float()
             if mask is not None and mask.is_floating_point():
                 mask = mask.float()  # torch wants a float mask in q's dtype
+        grouped = call.grouped
+        if plan.repeat_kv:  # torch's fused kernels refuse these grouped-query heads
+            groups = call.dims.H // call.dims.Hkv
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            grouped = False
         out = F.scaled_dot_product_attention(
             q,
             k,
@@ -169,7 +224,7 @@ class SdpaBackend(Backend):
             dropout_p=call.dropout_p,
             is_causal=plan.is_causal,
             scale=call.scale,
-            enable_gqa=call.grouped,
+            enable_gqa=grouped,
         )
         dtype = call.q.dtype
         return (out if out.dtype == dtype else out.to(dtype)), None
@@ -184,15 +239,16 @@ def cuda_fused_kernel(
     is_causal: bool,
     enable_gqa: bool,
 ) -> str | None:
-    """The fused CUDA kernel torch's own rules pick for these arguments (``"flash"``,
-    ``"efficient"``, ``"cudnn"``), or ``None`` when only its math path would serve them."""
-    params = torch.backends.cuda.SDPAParams(q, k, v, mask, dropout_p, is_causal, enable_gqa)
-    cuda = torch.backends.cuda
-    for name, can in (
-        ("flash", cuda.can_use_flash_attention),
-        ("efficient", cuda.can_use_efficient_attention),
-        ("cudnn", cuda.can_use_cudnn_attention),
-    ):
-        if can(params):
-            return name
-    return None
+    """The fused kernel torch picks for these arguments (``"flash"``, ``"efficient"``,
+    ``"cudnn"``), or ``None`` where only its math path would serve them. Asked of torch itself
+    (``torch._fused_sdp_choice``, the selection ``F.scaled_dot_product_attention`` runs), so
+    its priority order holds: on Hopper with a recent cuDNN, cuDNN comes before flash, which
+    the ``can_use_*`` checks taken one by one do not say; ``sdpa_kernel``'s settings too."""
+    try:
+        choice = torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, enable_gqa=enable_gqa)
+    except RuntimeError:  # every kernel switched off (sdpa_kernel without the math path)
+        return None
+    return _KERNELS.get(int(choice))
+
+
+_KERNELS = {1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}  #: SDPBackend's values
