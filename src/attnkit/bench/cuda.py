@@ -234,8 +234,7 @@ def run_cuda(
     # the flex peer compiles flex_attention once per row (shape, dtype, grad, mask): past
     # Dynamo's default of 8 compiles of one function it would run uncompiled, materialising the
     # L x S scores; the limit is raised for this run, and a row past it fails instead
-    limits = {"recompile_limit": 256, "fail_on_recompile_limit_hit": True}
-    with torch._dynamo.config.patch(**limits):
+    with torch._dynamo.config.patch(recompile_limit=256, fail_on_recompile_limit_hit=True):
         for i, (wl, L, dtype, mode) in enumerate(chosen):
             if progress is not None:
                 progress(f"{wl} L={L} {dtype} {mode}", i, len(chosen))
