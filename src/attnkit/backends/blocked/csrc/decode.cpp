@@ -55,16 +55,16 @@ using namespace attnkit_elements;
 #define DECODE_INLINE inline __attribute__((always_inline))
 
 // the tuning knobs (bytes; -D at build time to measure others): the K bytes of one block (its
-// K and V rows stay in L2 between the score and the value pass), and of one block of a call
-// in the streaming order (streams()) that reads more than DECODE_INPLACE_BYTES; the streaming
-// order itself (0: off, for measuring), how far ahead K and V rows are prefetched outside it
+// K and V rows stay in L2 between the score and the value pass), the keys of one block of a
+// call in the streaming order (streams()) that reads more than DECODE_INPLACE_BYTES; the
+// streaming order itself (0: off, for measuring), how far ahead K and V rows are prefetched outside it
 // (0: no software prefetch), the K/V bytes under which a call runs on the calling thread, and
 // those up to which P V reads float32 V rows in place (pv_in_place) outside the streaming order
 #ifndef DECODE_BLOCK_BYTES
 #define DECODE_BLOCK_BYTES 65536
 #endif
-#ifndef DECODE_STREAM_BLOCK_BYTES
-#define DECODE_STREAM_BLOCK_BYTES 16384
+#ifndef DECODE_STREAM_BLOCK_KEYS
+#define DECODE_STREAM_BLOCK_KEYS 32
 #endif
 #ifndef DECODE_STREAM
 #define DECODE_STREAM 1
@@ -487,12 +487,13 @@ struct Scratch {
 // row's online softmax step, then P V of the block, so that K and V each stream once and a
 // block's K and V rows are hot between the passes; leaves max m, sum l (log2 units) and the
 // unnormalised output acc (R x Dv) of each row; in_place: whether P V reads V in place
-// (pv_in_place's answer, or the streaming order's), stream: streams()'s answer for the call
+// (pv_in_place's answer, or the streaming order's), stream: streams()'s answer for the call,
+// after: in the streaming order, the K rows that the last block's P V pass prefetches
 template <Dt E>
 static void run_item(const float* qg, int64_t R, int64_t Dk, int64_t Dv, const elem_t<E>* k0,
                      int64_t ks, const elem_t<E>* v0, int64_t vs, int64_t n, int64_t NB,
                      Scratch& w, int64_t ss, float* acc, float* m, float* l, bool in_place,
-                     bool stream, bool& bad) {
+                     bool stream, const PfRange& after, bool& bad) {
   const int64_t esize = static_cast<int64_t>(sizeof(elem_t<E>));
   const int64_t row_bytes = std::max(Dk, Dv) * esize;
   const int64_t pf = DECODE_PF_BYTES == 0
@@ -507,9 +508,12 @@ static void run_item(const float* qg, int64_t R, int64_t Dk, int64_t Dv, const e
   }
   for (int64_t j0 = 0; j0 < n; j0 += NB) {
     const int64_t nb = std::min(NB, n - j0);
-    // the streaming order's prefetch of the next block's K rows (contiguous: ks == Dk)
-    const PfRange next_k{reinterpret_cast<const char*>(k0 + (j0 + nb) * ks),
-                         (std::min(NB, n - j0 - nb) * Dk * esize + 63) / 64, 0};
+    // the streaming order's prefetch of the next block's K rows (contiguous: ks == Dk), or,
+    // after the last block, the first of the thread's next item (`after`)
+    const PfRange next_k =
+        j0 + nb < n ? PfRange{reinterpret_cast<const char*>(k0 + (j0 + nb) * ks),
+                              (std::min(NB, n - j0 - nb) * Dk * esize + 63) / 64, 0}
+                    : after;
     bool any = false;
     for (int64_t r = 0; r < R; ++r) {
       w.ba[r] = std::max<int64_t>(w.ra[r] - j0, 0);
@@ -659,21 +663,30 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int64_t bytes = total * Hkv * (Dk + Dv) * static_cast<int64_t>(sizeof(T));  // K/V read
   const bool stream = streams<E>(R, Dk, Dv, ks, vs);
   const bool in_place = stream || pv_in_place<E>(R, bytes);
-  // from memory, the streaming order's blocks are shorter: each pass's prefetches then run
-  // ahead by less than a long block, and the next block's K arrives during a shorter P V
-  const int64_t block_bytes =
-      stream && bytes > DECODE_INPLACE_BYTES ? DECODE_STREAM_BLOCK_BYTES : DECODE_BLOCK_BYTES;
-  const int64_t NB = std::min<int64_t>(
-      128, std::max<int64_t>(8, block_bytes / (std::max<int64_t>({Dk, Dv, 1}) *
-                                               static_cast<int64_t>(sizeof(T)))) /
-               8 * 8);
+  // from memory, the streaming order's blocks are shorter (a number of keys: the same compute
+  // per block in every dtype): each pass's prefetches then run ahead by less than a long
+  // block, and the next block's K arrives during a shorter P V
+  const int64_t NB =
+      stream && bytes > DECODE_INPLACE_BYTES
+          ? DECODE_STREAM_BLOCK_KEYS
+          : std::min<int64_t>(128, std::max<int64_t>(8, DECODE_BLOCK_BYTES /
+                                                            (std::max<int64_t>({Dk, Dv, 1}) *
+                                                             static_cast<int64_t>(sizeof(T)))) /
+                                       8 * 8);
   const int64_t ss = NB + 8;
   auto work = [&](int64_t, int64_t) {
     Scratch w(R, ss, NB, Dv);
     bool mybad = false;
-    for (;;) {
-      const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
-      if (t >= nitems) break;
+    int64_t t = next.fetch_add(1, std::memory_order_relaxed);
+    while (t < nitems) {
+      // the thread's next item, taken now: the streaming order prefetches its first K rows
+      const int64_t tn = next.fetch_add(1, std::memory_order_relaxed);
+      PfRange after;
+      if (stream && tn < nitems) {
+        const Item& x = items[tn];
+        after.p = reinterpret_cast<const char*>(kp + x.b * kb + x.hk * kh + x.a * ks);
+        after.lines = (std::min(NB, x.e - x.a) * Dk * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+      }
       const Item it = items[t];
       for (int64_t r = 0; r < R; ++r) {  // row r's keys of the item, local
         const int64_t l = r % L;
@@ -686,9 +699,10 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
       run_item<E>(qg, R, Dk, Dv, kp + it.b * kb + it.hk * kh + it.a * ks, ks,
                   vp + it.b * vb + it.hk * vh + it.a * vs, vs, it.e - it.a, NB, w, ss,
                   pacc.get() + t * R * Dv, pm.data() + t * R, pl.data() + t * R, in_place,
-                  stream, mybad);
+                  stream, after, mybad);
       const int64_t gi = it.b * Hkv + it.hk;  // the group's last item merges it
       if (left[gi].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(gi, w.o, mybad);
+      t = tn;
     }
     if (mybad) bad = true;
   };
