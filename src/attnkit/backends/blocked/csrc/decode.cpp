@@ -25,8 +25,13 @@
 //     polynomial; the row's max, sum and output rescaled when its max grows), then acc += P V
 //     with keys innermost per tile of the output (a value a row may not see is never
 //     multiplied into it). So K and V each stream from memory once, in step, the block's K and
-//     V hot between the passes; K rows DECODE_PF_BYTES (8 KiB) ahead are prefetched by the
-//     score pass, V rows by the pass that reads them first.
+//     V hot between the passes. The streaming order (streams(): at most four rows per key/value
+//     head, contiguous K/V rows, as a KVCache buffer's): the score pass of a block prefetches
+//     the block's V rows and its P V pass the next block's K rows (after the item's last block,
+//     the first K rows of the thread's next item), so that reads are in flight while either
+//     pass computes; blocks of DECODE_STREAM_BLOCK_KEYS keys where the call reads from memory.
+//     Otherwise K rows DECODE_PF_BYTES (8 KiB) ahead are prefetched by the score pass, V rows
+//     by the pass that reads them first.
 //   * bfloat16 and float16 K/V/q are converted as they are loaded (bf16: 16-bit shift; fp16:
 //     vcvtph2ps); everything inside is float32; out comes back in q's dtype, lse in float32.
 //   * NaN/inf: the kernel reports whether any q it read, any score of a key a row may see, or
@@ -54,12 +59,13 @@ using namespace attnkit_elements;
 // the micro-kernels are inlined into their loops (GCC otherwise keeps some out of line)
 #define DECODE_INLINE inline __attribute__((always_inline))
 
-// the tuning knobs (bytes; -D at build time to measure others): the K bytes of one block (its
-// K and V rows stay in L2 between the score and the value pass), the keys of one block of a
-// call in the streaming order (streams()) that reads more than DECODE_INPLACE_BYTES; the
-// streaming order itself (0: off, for measuring), how far ahead K and V rows are prefetched outside it
-// (0: no software prefetch), the K/V bytes under which a call runs on the calling thread, and
-// those up to which P V reads float32 V rows in place (pv_in_place) outside the streaming order
+// the tuning knobs (bytes but one; -D at build time to measure others): the K bytes of one
+// block (its K and V rows stay in L2 between the score and the value pass), the keys of one
+// block of a call in the streaming order (streams()) that reads more than
+// DECODE_INPLACE_BYTES, the streaming order itself (0: off, for measuring), how far ahead K and
+// V rows are prefetched outside it (0: no software prefetch), the K/V bytes under which a call
+// runs on the calling thread, and those up to which P V reads float32 V rows in place
+// (pv_in_place) outside the streaming order
 #ifndef DECODE_BLOCK_BYTES
 #define DECODE_BLOCK_BYTES 65536
 #endif
@@ -96,6 +102,13 @@ struct PfRange {
   const char* p = nullptr;
   int64_t lines = 0, per = 0;
 };
+
+// the first `rows` rows at k (contiguous, `D` elements each) as a PfRange
+template <typename T>
+static inline PfRange rows_range(const T* k, int64_t rows, int64_t D) {
+  const int64_t bytes = rows * D * static_cast<int64_t>(sizeof(T));
+  return {reinterpret_cast<const char*>(k), (bytes + 63) / 64, 0};
+}
 
 // s[r * ss + kb] = q_r . k_kb for RB rows of q (float32, Dk apart) and KB keys
 template <Dt E, int RB, int KB>
@@ -511,9 +524,7 @@ static void run_item(const float* qg, int64_t R, int64_t Dk, int64_t Dv, const e
     // the streaming order's prefetch of the next block's K rows (contiguous: ks == Dk), or,
     // after the last block, the first of the thread's next item (`after`)
     const PfRange next_k =
-        j0 + nb < n ? PfRange{reinterpret_cast<const char*>(k0 + (j0 + nb) * ks),
-                              (std::min(NB, n - j0 - nb) * Dk * esize + 63) / 64, 0}
-                    : after;
+        j0 + nb < n ? rows_range(k0 + (j0 + nb) * ks, std::min(NB, n - j0 - nb), Dk) : after;
     bool any = false;
     for (int64_t r = 0; r < R; ++r) {
       w.ba[r] = std::max<int64_t>(w.ra[r] - j0, 0);
@@ -681,12 +692,10 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
     while (t < nitems) {
       // the thread's next item, taken now: the streaming order prefetches its first K rows
       const int64_t tn = next.fetch_add(1, std::memory_order_relaxed);
-      PfRange after;
-      if (stream && tn < nitems) {
-        const Item& x = items[tn];
-        after.p = reinterpret_cast<const char*>(kp + x.b * kb + x.hk * kh + x.a * ks);
-        after.lines = (std::min(NB, x.e - x.a) * Dk * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-      }
+      const Item* x = stream && tn < nitems ? &items[tn] : nullptr;
+      const PfRange after = x == nullptr ? PfRange{}
+                                         : rows_range(kp + x->b * kb + x->hk * kh + x->a * ks,
+                                                      std::min(NB, x->e - x->a), Dk);
       const Item it = items[t];
       for (int64_t r = 0; r < R; ++r) {  // row r's keys of the item, local
         const int64_t l = r % L;
