@@ -111,11 +111,30 @@ def test_no_mask_and_causal_equal_the_oracle(
 @pytest.mark.parametrize("L", [1, 2])
 def test_float32_values_read_in_place_or_copied_equal_the_oracle(Hkv: int, S: int, L: int) -> None:
     """float32 V rows are read in place where a call reads at most 4 MiB of K/V (a short cache:
-    2 x 2 x 300 x 128 x 4 bytes) and copied per block above it (4 x 2100 keys: 8.2 MiB), for
-    four rows per key/value head (L=1) and more (L=2: eight, always copied)."""
+    2 x 2 x 300 x 128 x 4 bytes) and copied per block above it (4 x 2100 keys: 8.2 MiB) for
+    more than four rows per key/value head (L=2: eight); four rows (L=1) over these contiguous
+    rows run in the streaming order (in place, shorter blocks above 4 MiB)."""
     q, k, v = _inputs(1, 4 * Hkv, Hkv, L, S, 128, torch.float32, "buffer", seed=S)
     _check(q, k, v)
     _check(q, k, v, mask=masks.causal() & masks.sliding_window(S - 3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("Hkv", "S", "D"), [(2, 300, 128), (4, 4200, 128), (2, 7001, 80)])
+@pytest.mark.parametrize(("g", "L"), [(4, 1), (1, 3)])
+def test_the_streaming_order_equals_the_oracle(
+    dtype: torch.dtype, Hkv: int, S: int, D: int, g: int, L: int
+) -> None:
+    """At most four rows per key/value head over contiguous K/V rows (a cache buffer's view)
+    run in the streaming order (each block's pass prefetching the other stream's rows): with
+    the long blocks of a short cache (2 x 300 keys) and the short blocks of one read from
+    memory (over 4 MiB of K/V in every dtype: 4 x 4200 x 128, 2 x 7001 x 80, whose rows are
+    not whole cache lines), key counts no block size divides, and windows whose rows start
+    inside a block and skip the blocks before it."""
+    q, k, v = _inputs(1, g * Hkv, Hkv, L, S, D, dtype, "buffer", seed=S + L)
+    _check(q, k, v)
+    _check(q, k, v, mask=masks.causal())
+    _check(q, k, v, mask=masks.causal() & masks.sliding_window(S // 3 + 5))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -25,8 +25,13 @@
 //     polynomial; the row's max, sum and output rescaled when its max grows), then acc += P V
 //     with keys innermost per tile of the output (a value a row may not see is never
 //     multiplied into it). So K and V each stream from memory once, in step, the block's K and
-//     V hot between the passes; K rows DECODE_PF_BYTES (8 KiB) ahead are prefetched by the
-//     score pass, V rows by the pass that reads them first.
+//     V hot between the passes. The streaming order (streams(): at most four rows per key/value
+//     head, contiguous K/V rows, as a KVCache buffer's): the score pass of a block prefetches
+//     the block's V rows and its P V pass the next block's K rows (after the item's last block,
+//     the first K rows of the thread's next item), so that reads are in flight while either
+//     pass computes; blocks of DECODE_STREAM_BLOCK_KEYS keys where the call reads from memory.
+//     Otherwise K rows DECODE_PF_BYTES (8 KiB) ahead are prefetched by the score pass, V rows
+//     by the pass that reads them first.
 //   * bfloat16 and float16 K/V/q are converted as they are loaded (bf16: 16-bit shift; fp16:
 //     vcvtph2ps); everything inside is float32; out comes back in q's dtype, lse in float32.
 //   * NaN/inf: the kernel reports whether any q it read, any score of a key a row may see, or
@@ -54,12 +59,21 @@ using namespace attnkit_elements;
 // the micro-kernels are inlined into their loops (GCC otherwise keeps some out of line)
 #define DECODE_INLINE inline __attribute__((always_inline))
 
-// the tuning knobs (bytes; -D at build time to measure others): the K bytes of one block (its
-// K and V rows stay in L2 between the score and the value pass), how far ahead K and V rows
-// are prefetched (0: no software prefetch), the K/V bytes under which a call runs on the
-// calling thread, and those up to which P V reads float32 V rows in place (pv_in_place)
+// the tuning knobs (bytes but one; -D at build time to measure others): the K bytes of one
+// block (its K and V rows stay in L2 between the score and the value pass), the keys of one
+// block of a call in the streaming order (streams()) that reads more than
+// DECODE_INPLACE_BYTES, the streaming order itself (0: off, for measuring), how far ahead K and
+// V rows are prefetched outside it (0: no software prefetch), the K/V bytes under which a call
+// runs on the calling thread, and those up to which P V reads float32 V rows in place
+// (pv_in_place) outside the streaming order
 #ifndef DECODE_BLOCK_BYTES
 #define DECODE_BLOCK_BYTES 65536
+#endif
+#ifndef DECODE_STREAM_BLOCK_KEYS
+#define DECODE_STREAM_BLOCK_KEYS 32
+#endif
+#ifndef DECODE_STREAM
+#define DECODE_STREAM 1
 #endif
 #ifndef DECODE_INPLACE_BYTES
 #define DECODE_INPLACE_BYTES (4 << 20)
@@ -80,6 +94,20 @@ static inline void prefetch_rows(const T* p, int64_t stride, int count, int64_t 
   for (int c = 0; c < count; ++c)
     for (int64_t b = 0; b < bytes; b += 64)
       _mm_prefetch(reinterpret_cast<const char*>(p + c * stride) + b, DECODE_PF_HINT);
+}
+
+// contiguous bytes that a pass over other rows prefetches, `per` cache lines with each key, in
+// address order (the streaming order, run_item): `lines` cache lines from p
+struct PfRange {
+  const char* p = nullptr;
+  int64_t lines = 0, per = 0;
+};
+
+// the first `rows` rows at k (contiguous, `D` elements each) as a PfRange
+template <typename T>
+static inline PfRange rows_range(const T* k, int64_t rows, int64_t D) {
+  const int64_t bytes = rows * D * static_cast<int64_t>(sizeof(T));
+  return {reinterpret_cast<const char*>(k), (bytes + 63) / 64, 0};
 }
 
 // s[r * ss + kb] = q_r . k_kb for RB rows of q (float32, Dk apart) and KB keys
@@ -169,12 +197,13 @@ static DECODE_INLINE void qk_4keys(const float* q, int64_t Dk, const elem_t<E>* 
 template <Dt E, int RB>
 static inline void qk_rows(const float* q, int64_t Dk, const elem_t<E>* k0, int64_t sk,
                            int64_t n, float* s, int64_t ss, int64_t ahead,
-                           int64_t dist, const elem_t<E>* v0, int64_t sv, int64_t vbytes) {
+                           int64_t dist, const elem_t<E>* v0, int64_t sv, int64_t vbytes,
+                           int64_t vn) {
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
     const elem_t<E>* pf = j + 4 <= ahead ? k0 + (j + dist) * sk : nullptr;
     qk_4keys<E, RB>(q, Dk, k0 + j * sk, sk, s + j, ss, pf);
-    if (pf != nullptr) prefetch_rows(v0 + (j + dist) * sv, sv, 4, vbytes);
+    if (j + 4 <= vn) prefetch_rows(v0 + j * sv, sv, 4, vbytes);
   }
   for (; j < n; ++j) {
     const elem_t<E>* kp[1] = {k0 + j * sk};
@@ -230,12 +259,12 @@ static DECODE_INLINE void qk_4x2(const float* q, int64_t Dk, const elem_t<E>* k0
 template <Dt E>
 static inline void qk_rows4(const float* q, int64_t Dk, const elem_t<E>* k0, int64_t sk,
                             int64_t n, float* s, int64_t ss, int64_t ahead, int64_t dist,
-                            const elem_t<E>* v0, int64_t sv, int64_t vbytes) {
+                            const elem_t<E>* v0, int64_t sv, int64_t vbytes, int64_t vn) {
   int64_t j = 0;
   for (; j + 2 <= n; j += 2) {
     const elem_t<E>* pf = j + 2 <= ahead ? k0 + (j + dist) * sk : nullptr;
     qk_4x2<E>(q, Dk, k0 + j * sk, sk, s + j, ss, pf);
-    if (pf != nullptr) prefetch_rows(v0 + (j + dist) * sv, sv, 2, vbytes);
+    if (j + 2 <= vn) prefetch_rows(v0 + j * sv, sv, 2, vbytes);
   }
   if (j < n) {
     const elem_t<E>* kp[1] = {k0 + j * sk};
@@ -245,22 +274,26 @@ static inline void qk_rows4(const float* q, int64_t Dk, const elem_t<E>* k0, int
 
 // scores of R rows against keys k0[0 .. n) (rows sk apart): s[r * ss + j], four rows at a time
 // (each K row read once per four rows); the first group prefetches the K and V rows (V: v0,
-// rows sv apart, vbytes each) `pf` keys ahead while ahead of them lie `avail` keys of the item
+// rows sv apart, vbytes each) `pf` keys ahead while ahead of them lie `avail` keys of the item,
+// or, streaming (run_item), this block's own V rows and no K row
 template <Dt E>
 static void qk_block(const float* q, int64_t R, int64_t Dk, const elem_t<E>* k0, int64_t sk,
                      int64_t n, float* s, int64_t ss, int64_t pf, int64_t avail,
-                     const elem_t<E>* v0, int64_t sv, int64_t vbytes) {
-  int64_t ahead = std::max<int64_t>(0, avail - pf);  // keys j < ahead have a row pf on
+                     const elem_t<E>* v0, int64_t sv, int64_t vbytes, bool stream) {
+  int64_t ahead = stream ? 0 : std::max<int64_t>(0, avail - pf);  // K rows pf on: j < ahead
+  int64_t vn = stream ? n : ahead;  // V rows prefetched: vp + j * sv, j < vn
+  const elem_t<E>* vp = stream ? v0 : v0 + pf * sv;
   int64_t r = 0;
   for (; r + 4 <= R; r += 4) {
-    qk_rows4<E>(q + r * Dk, Dk, k0, sk, n, s + r * ss, ss, ahead, pf, v0, sv, vbytes);
-    ahead = 0;
+    qk_rows4<E>(q + r * Dk, Dk, k0, sk, n, s + r * ss, ss, ahead, pf, vp, sv, vbytes, vn);
+    ahead = vn = 0;
   }
   for (; r + 2 <= R; r += 2) {
-    qk_rows<E, 2>(q + r * Dk, Dk, k0, sk, n, s + r * ss, ss, ahead, pf, v0, sv, vbytes);
-    ahead = 0;
+    qk_rows<E, 2>(q + r * Dk, Dk, k0, sk, n, s + r * ss, ss, ahead, pf, vp, sv, vbytes, vn);
+    ahead = vn = 0;
   }
-  if (r < R) qk_rows<E, 1>(q + r * Dk, Dk, k0, sk, n, s + r * ss, ss, ahead, pf, v0, sv, vbytes);
+  if (r < R)
+    qk_rows<E, 1>(q + r * Dk, Dk, k0, sk, n, s + r * ss, ss, ahead, pf, vp, sv, vbytes, vn);
 }
 
 // one block of a row's online softmax: s[a .. e) becomes 2^(s - m) for the row's running max m
@@ -316,16 +349,20 @@ static inline void softmax_block(float* s, int64_t a, int64_t e, float& m_io, fl
 }
 
 // o_r[d ..] += sum_j p_r[j] v_j[d ..] for RB rows over keys j < n of vb (rows sv apart, as
-// float32): the accumulators of NV vectors per row stay in registers across the keys
+// float32): the accumulators of NV vectors per row stay in registers across the keys; with each
+// key, the next pf.per of pf's lines prefetched
 template <Dt E, int RB, int NV>
 static DECODE_INLINE void pv_tile(const float* const* p, const elem_t<E>* vb, int64_t sv, int64_t n,
-                                  float* const* o, int64_t d) {
+                                  float* const* o, int64_t d, const PfRange& pf) {
   __m256 a[RB][NV];
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < NV; ++c) a[r][c] = _mm256_loadu_ps(o[r] + d + 8 * c);
   for (int64_t j = 0; j < n; ++j) {
     __m256 vv[NV];
     for (int c = 0; c < NV; ++c) vv[c] = load8<E>(vb + j * sv + d + 8 * c);
+    if (j * pf.per < pf.lines)
+      for (int64_t c = 0; c < pf.per; ++c)
+        _mm_prefetch(pf.p + 64 * (j * pf.per + c), DECODE_PF_HINT);
     for (int r = 0; r < RB; ++r) {
       const __m256 pb = _mm256_broadcast_ss(p[r] + j);
       for (int c = 0; c < NV; ++c) a[r][c] = _mm256_fmadd_ps(pb, vv[c], a[r][c]);
@@ -335,13 +372,21 @@ static DECODE_INLINE void pv_tile(const float* const* p, const elem_t<E>* vb, in
     for (int c = 0; c < NV; ++c) _mm256_storeu_ps(o[r] + d + 8 * c, a[r][c]);
 }
 
+// P V of RB rows over n keys, tile by tile of 8 NV columns; pf's lines spread over the tiles'
+// keys in address order (pf.per ignored: set here)
 template <Dt E, int RB>
 static DECODE_INLINE void pv_rows(const float* const* p, const elem_t<E>* vb, int64_t sv,
-                                  int64_t Dv, int64_t n, float* const* o) {
+                                  int64_t Dv, int64_t n, float* const* o, const PfRange& pf = {}) {
   constexpr int NV = RB == 1 ? 8 : RB == 2 ? 4 : 2;
+  const int64_t steps = Dv / (8 * NV) * n;  // key steps of the full tiles
+  PfRange part{pf.p, pf.lines, steps > 0 ? (pf.lines + steps - 1) / steps : 0};
   int64_t d = 0;
-  for (; d + 8 * NV <= Dv; d += 8 * NV) pv_tile<E, RB, NV>(p, vb, sv, n, o, d);
-  for (; d + 8 <= Dv; d += 8) pv_tile<E, RB, 1>(p, vb, sv, n, o, d);
+  for (; d + 8 * NV <= Dv; d += 8 * NV) {
+    pv_tile<E, RB, NV>(p, vb, sv, n, o, d, part);
+    part.p += 64 * part.per * n;  // the next tile's share
+    part.lines -= part.per * n;
+  }
+  for (; d + 8 <= Dv; d += 8) pv_tile<E, RB, 1>(p, vb, sv, n, o, d, PfRange{});
   for (; d < Dv; ++d)
     for (int r = 0; r < RB; ++r) {
       float t = o[r][d];
@@ -356,7 +401,8 @@ static DECODE_INLINE void pv_rows(const float* const* p, const elem_t<E>* vb, in
 template <Dt E>
 static void pv_rows_all(const float* s, int64_t ss, int64_t R, const int64_t* ra,
                         const int64_t* re, const elem_t<E>* vb, int64_t sv, int64_t nb,
-                        int64_t Dv, float* acc, const float** pp, float** op) {
+                        int64_t Dv, float* acc, const float** pp, float** op,
+                        const PfRange& pf = {}) {
   int64_t nf = 0;
   for (int64_t r = 0; r < R; ++r) {
     if (ra[r] <= 0 && re[r] >= nb) {
@@ -367,19 +413,32 @@ static void pv_rows_all(const float* s, int64_t ss, int64_t R, const int64_t* ra
       const int64_t a = ra[r];
       const float* pr = s + r * ss + a;
       float* o = acc + r * Dv;
-      pv_rows<E, 1>(&pr, vb + a * sv, sv, Dv, re[r] - a, &o);
+      pv_rows<E, 1>(&pr, vb + a * sv, sv, Dv, re[r] - a, &o, PfRange{});
     }
   }
   int64_t i = 0;
-  for (; i + 4 <= nf; i += 4) pv_rows<E, 4>(pp + i, vb, sv, Dv, nb, op + i);
+  for (; i + 4 <= nf; i += 4) pv_rows<E, 4>(pp + i, vb, sv, Dv, nb, op + i, pf);
   switch (nf - i) {
-    case 3: pv_rows<E, 3>(pp + i, vb, sv, Dv, nb, op + i); break;
-    case 2: pv_rows<E, 2>(pp + i, vb, sv, Dv, nb, op + i); break;
-    case 1: pv_rows<E, 1>(pp + i, vb, sv, Dv, nb, op + i); break;
+    case 3: pv_rows<E, 3>(pp + i, vb, sv, Dv, nb, op + i, pf); break;
+    case 2: pv_rows<E, 2>(pp + i, vb, sv, Dv, nb, op + i, pf); break;
+    case 1: pv_rows<E, 1>(pp + i, vb, sv, Dv, nb, op + i, pf); break;
     default: break;
   }
 }
 
+// whether a call runs in the streaming order: the score pass of a block prefetches the block's
+// own V rows and its P V pass the next block's K rows, each spread over the pass's keys in
+// address order, so that the memory has reads in flight while either pass computes (with the
+// K and V prefetches of one pass only, it sat idle through the other; docs/benchmarks.md,
+// "Decoding"); P V then reads V in place. Where at most four rows read each K/V row (the
+// micro-kernels' one group: the prefetches spread over one pass) and the rows are contiguous
+// (a block's K or V rows one run of bytes: a KVCache buffer's are)
+template <Dt E>
+static inline bool streams(int64_t R, int64_t Dk, int64_t Dv, int64_t ks, int64_t vs) {
+  return DECODE_STREAM != 0 && R <= 4 && ks == Dk && vs == Dv;
+}
+
+// outside the streaming order (streams()),
 // whether P V reads a block's V rows in place (the score pass prefetches them) where at most
 // four rows read them: always for bfloat16 and float16 (each element then converted once);
 // for float32 where the call reads at most DECODE_INPLACE_BYTES of K/V (`bytes`), as a
@@ -397,9 +456,9 @@ template <Dt E>
 static void pv_block(const float* s, int64_t ss, int64_t R, const int64_t* ra, const int64_t* re,
                      const elem_t<E>* v0, int64_t sv, int64_t nb, int64_t Dv, float* acc,
                      float* vbuf, const float** pp, float** op, int64_t pf, int64_t avail,
-                     bool in_place) {
+                     bool in_place, const PfRange& next_k) {
   if (in_place) {
-    pv_rows_all<E>(s, ss, R, ra, re, v0, sv, nb, Dv, acc, pp, op);
+    pv_rows_all<E>(s, ss, R, ra, re, v0, sv, nb, Dv, acc, pp, op, next_k);
     return;
   }
   const int64_t row_bytes = Dv * static_cast<int64_t>(sizeof(elem_t<E>));
@@ -440,18 +499,21 @@ struct Scratch {
 // over its keys [ra[r], re[r]) of them: in blocks of NB keys, the scores of the block, each
 // row's online softmax step, then P V of the block, so that K and V each stream once and a
 // block's K and V rows are hot between the passes; leaves max m, sum l (log2 units) and the
-// unnormalised output acc (R x Dv) of each row; in_place: pv_in_place's answer for the call
+// unnormalised output acc (R x Dv) of each row; in_place: whether P V reads V in place
+// (pv_in_place's answer, or the streaming order's), stream: streams()'s answer for the call,
+// after: in the streaming order, the K rows that the last block's P V pass prefetches
 template <Dt E>
 static void run_item(const float* qg, int64_t R, int64_t Dk, int64_t Dv, const elem_t<E>* k0,
                      int64_t ks, const elem_t<E>* v0, int64_t vs, int64_t n, int64_t NB,
                      Scratch& w, int64_t ss, float* acc, float* m, float* l, bool in_place,
-                     bool& bad) {
-  const int64_t row_bytes = std::max(Dk, Dv) * static_cast<int64_t>(sizeof(elem_t<E>));
+                     bool stream, const PfRange& after, bool& bad) {
+  const int64_t esize = static_cast<int64_t>(sizeof(elem_t<E>));
+  const int64_t row_bytes = std::max(Dk, Dv) * esize;
   const int64_t pf = DECODE_PF_BYTES == 0
                          ? n
                          : std::max<int64_t>(4, DECODE_PF_BYTES / std::max<int64_t>(1, row_bytes));
   // the score pass prefetches V rows only where P V reads them in place
-  const int64_t vbytes = in_place ? Dv * static_cast<int64_t>(sizeof(elem_t<E>)) : 0;
+  const int64_t vbytes = in_place ? Dv * esize : 0;
   std::fill(acc, acc + R * Dv, 0.0f);
   for (int64_t r = 0; r < R; ++r) {
     m[r] = -std::numeric_limits<float>::infinity();
@@ -459,6 +521,10 @@ static void run_item(const float* qg, int64_t R, int64_t Dk, int64_t Dv, const e
   }
   for (int64_t j0 = 0; j0 < n; j0 += NB) {
     const int64_t nb = std::min(NB, n - j0);
+    // the streaming order's prefetch of the next block's K rows (contiguous: ks == Dk), or,
+    // after the last block, the first of the thread's next item (`after`)
+    const PfRange next_k =
+        j0 + nb < n ? rows_range(k0 + (j0 + nb) * ks, std::min(NB, n - j0 - nb), Dk) : after;
     bool any = false;
     for (int64_t r = 0; r < R; ++r) {
       w.ba[r] = std::max<int64_t>(w.ra[r] - j0, 0);
@@ -467,12 +533,12 @@ static void run_item(const float* qg, int64_t R, int64_t Dk, int64_t Dv, const e
     }
     if (!any) continue;  // no row sees a key of this block
     qk_block<E>(qg, R, Dk, k0 + j0 * ks, ks, nb, w.sb, ss, pf, n - j0, v0 + j0 * vs, vs,
-                vbytes);
+                vbytes, stream);
     for (int64_t r = 0; r < R; ++r)
       if (w.be[r] > w.ba[r])
         softmax_block(w.sb + r * ss, w.ba[r], w.be[r], m[r], l[r], acc + r * Dv, Dv, bad);
     pv_block<E>(w.sb, ss, R, w.ba, w.be, v0 + j0 * vs, vs, nb, Dv, acc, w.vbuf, w.pp.data(),
-                w.ob.data(), pf, n - j0, in_place);
+                w.ob.data(), pf, n - j0, in_place, stream ? next_k : PfRange{});
   }
 }
 
@@ -605,19 +671,31 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
     if (mybad) bad = true;
   }
   std::atomic<int64_t> next{0};
-  const int64_t NB = std::min<int64_t>(
-      128, std::max<int64_t>(8, DECODE_BLOCK_BYTES / (std::max<int64_t>({Dk, Dv, 1}) *
-                                                      static_cast<int64_t>(sizeof(T)))) /
-               8 * 8);
-  const int64_t ss = NB + 8;
   const int64_t bytes = total * Hkv * (Dk + Dv) * static_cast<int64_t>(sizeof(T));  // K/V read
-  const bool in_place = pv_in_place<E>(R, bytes);
+  const bool stream = streams<E>(R, Dk, Dv, ks, vs);
+  const bool in_place = stream || pv_in_place<E>(R, bytes);
+  // from memory, the streaming order's blocks are shorter (a number of keys: the same compute
+  // per block in every dtype): each pass's prefetches then run ahead by less than a long
+  // block, and the next block's K arrives during a shorter P V
+  const int64_t NB =
+      stream && bytes > DECODE_INPLACE_BYTES
+          ? DECODE_STREAM_BLOCK_KEYS
+          : std::min<int64_t>(128, std::max<int64_t>(8, DECODE_BLOCK_BYTES /
+                                                            (std::max<int64_t>({Dk, Dv, 1}) *
+                                                             static_cast<int64_t>(sizeof(T)))) /
+                                       8 * 8);
+  const int64_t ss = NB + 8;
   auto work = [&](int64_t, int64_t) {
     Scratch w(R, ss, NB, Dv);
     bool mybad = false;
-    for (;;) {
-      const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
-      if (t >= nitems) break;
+    int64_t t = next.fetch_add(1, std::memory_order_relaxed);
+    while (t < nitems) {
+      // the thread's next item, taken now: the streaming order prefetches its first K rows
+      const int64_t tn = next.fetch_add(1, std::memory_order_relaxed);
+      const Item* x = stream && tn < nitems ? &items[tn] : nullptr;
+      const PfRange after = x == nullptr ? PfRange{}
+                                         : rows_range(kp + x->b * kb + x->hk * kh + x->a * ks,
+                                                      std::min(NB, x->e - x->a), Dk);
       const Item it = items[t];
       for (int64_t r = 0; r < R; ++r) {  // row r's keys of the item, local
         const int64_t l = r % L;
@@ -630,9 +708,10 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
       run_item<E>(qg, R, Dk, Dv, kp + it.b * kb + it.hk * kh + it.a * ks, ks,
                   vp + it.b * vb + it.hk * vh + it.a * vs, vs, it.e - it.a, NB, w, ss,
                   pacc.get() + t * R * Dv, pm.data() + t * R, pl.data() + t * R, in_place,
-                  mybad);
+                  stream, after, mybad);
       const int64_t gi = it.b * Hkv + it.hk;  // the group's last item merges it
       if (left[gi].fetch_sub(1, std::memory_order_acq_rel) == 1) merge(gi, w.o, mybad);
+      t = tn;
     }
     if (mybad) bad = true;
   };
