@@ -108,11 +108,11 @@ def test_the_same_spec_on_cpu_still_goes_to_blocked() -> None:
 
 
 @pytest.fixture
-def memory_limit() -> Iterator[Callable[[int], None]]:
-    """Sets attnkit's memory limit for one test (restored after it)."""
+def memory_limit() -> Iterator[Callable[[int], object]]:
+    """``attnkit.set_memory_limit`` for one test (the limit restored after it)."""
     previous = attnkit.set_memory_limit(None)
     try:
-        yield lambda nbytes: (attnkit.set_memory_limit(nbytes), None)[1]
+        yield attnkit.set_memory_limit
     finally:
         attnkit.set_memory_limit(previous)
 
@@ -142,7 +142,7 @@ def test_grouped_query_on_cuda_never_goes_to_math(
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_grouped_query_float32_whose_repeated_kv_exceed_the_limit_goes_to_flex(
-    on_cuda: None, memory_limit: Callable[[int], None], causal: bool
+    on_cuda: None, memory_limit: Callable[[int], object], causal: bool
 ) -> None:
     q, k, v = _qkv(H=32, Hkv=8, dtype=torch.float32)  # K and V repeated: 8 MiB
     memory_limit(4 * 2**20)
@@ -158,7 +158,7 @@ def test_grouped_query_float32_whose_repeated_kv_exceed_the_limit_goes_to_flex(
 
 
 def test_grouped_query_with_a_mask_tensor_on_cuda_repeats_kv_or_takes_blocked(
-    on_cuda: None, memory_limit: Callable[[int], None]
+    on_cuda: None, memory_limit: Callable[[int], object]
 ) -> None:
     q, k, v = _qkv(H=32, Hkv=8, dtype=torch.float32)
     mask = torch.rand(512, 512) > 0.5
@@ -293,7 +293,7 @@ def test_choosing_flex_for_a_large_spec_builds_no_mask(on_cuda: None) -> None:
 
 
 def test_flex_reads_sdpas_decision_and_nobody_asks_torch_twice(
-    on_cuda: None, monkeypatch: pytest.MonkeyPatch, memory_limit: Callable[[int], None]
+    on_cuda: None, monkeypatch: pytest.MonkeyPatch, memory_limit: Callable[[int], object]
 ) -> None:
     """flex's CUDA rule ("what sdpa cannot serve") reads the registered sdpa's decision for the
     call; the dispatcher and explain reuse it, so torch's rules are asked once per call (for a

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 from attnkit.backends.base import Backend, Decision
 from attnkit.call import AttentionCall
@@ -251,4 +252,10 @@ def cuda_fused_kernel(
     return _KERNELS.get(int(choice))
 
 
-_KERNELS = {1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}  #: SDPBackend's values
+#: torch's answer (an ``SDPBackend`` value) as the kernel's name; math and error: ``None``
+_KERNELS = {
+    SDPBackend.FLASH_ATTENTION.value: "flash",
+    SDPBackend.EFFICIENT_ATTENTION.value: "efficient",
+    SDPBackend.CUDNN_ATTENTION.value: "cudnn",
+    SDPBackend.OVERRIDEABLE.value: "overrideable",
+}

@@ -433,7 +433,6 @@ static void pv_rows_all(const float* s, int64_t ss, int64_t R, const int64_t* ra
 // "Decoding"); P V then reads V in place. Where at most four rows read each K/V row (the
 // micro-kernels' one group: the prefetches spread over one pass) and the rows are contiguous
 // (a block's K or V rows one run of bytes: a KVCache buffer's are)
-template <Dt E>
 static inline bool streams(int64_t R, int64_t Dk, int64_t Dv, int64_t ks, int64_t vs) {
   return DECODE_STREAM != 0 && R <= 4 && ks == Dk && vs == Dv;
 }
@@ -672,7 +671,7 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
   }
   std::atomic<int64_t> next{0};
   const int64_t bytes = total * Hkv * (Dk + Dv) * static_cast<int64_t>(sizeof(T));  // K/V read
-  const bool stream = streams<E>(R, Dk, Dv, ks, vs);
+  const bool stream = streams(R, Dk, Dv, ks, vs);
   const bool in_place = stream || pv_in_place<E>(R, bytes);
   // from memory, the streaming order's blocks are shorter (a number of keys: the same compute
   // per block in every dtype): each pass's prefetches then run ahead by less than a long
