@@ -26,8 +26,8 @@ from attnkit import cpu, masks
 from attnkit.backends import blocked
 from attnkit.backends.blocked import rowspan
 from attnkit.backends.blocked.tiles import merge
-from attnkit.masks import alibi, alibi_slopes, row_spans, split_alibi
 from attnkit.cpu import hardware_flags
+from attnkit.masks import alibi, alibi_slopes, row_spans, split_alibi
 from oracle import reference_attention, within_naive
 from span_builds import FP32_ISAS, expected_isa, fp32_kernel, has_avx512, running
 from strategies import span_specs, specs
@@ -112,7 +112,10 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
 
 def test_the_kernel_is_built_here() -> None:
     assert rowspan.available(), rowspan.status()
-    names = {"avx2": "attnkit's AVX2 row-span kernel", "avx512": "attnkit's AVX-512 row-span kernel"}
+    names = {
+        "avx2": "attnkit's AVX2 row-span kernel",
+        "avx512": "attnkit's AVX-512 row-span kernel",
+    }
     assert rowspan.status() == names[expected_isa()]
 
 
@@ -844,7 +847,9 @@ def test_each_build_trains_every_kind_of_run_at_model_head_dims(
             (naive * dout).sum().backward()
             within_naive(out, want, naive, what=(isa, dtype, what, "out"))
             for name, got, r, nv in zip("qkv", leaves, ref, low, strict=True):
-                assert got.grad is not None and r.grad is not None and nv.grad is not None
+                assert got.grad is not None
+                assert r.grad is not None
+                assert nv.grad is not None
                 assert got.grad.dtype == dtype
                 within_naive(got.grad, r.grad, nv.grad, grad=True, what=(isa, dtype, what, name))
 
@@ -881,7 +886,8 @@ def test_float32_runs_in_the_avx512_build_where_the_cpu_has_it_and_the_switch_ke
         seen.clear()
         assert rowspan.plan(spec, q, q, q).isa == isa
         low = rowspan.plan(spec, q.bfloat16(), q.bfloat16(), q.bfloat16(), in_dtype=True)
-        assert low.serves and low.isa == isa
+        assert low.serves
+        assert low.isa == isa
         module = real(isa)
         assert module.build.isa == isa
         assert module._lib.attnkit_span_avx512() == (1 if isa == rowspan.AVX512 else 0)

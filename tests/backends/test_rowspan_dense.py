@@ -181,6 +181,7 @@ def test_auto_keeps_sdpa_for_unmasked_calls_the_kernel_does_not_read() -> None:
     q, k, v = _big(rows, S)
     capped = attnkit.explain(q, k, v, softcap=30.0)  # a soft-cap: blocked's spec rule, kernel
     assert capped.chosen == "blocked"
-    assert f"soft-capped at 30: forward and backward run {rowspan.status()}" in (
-        capped.notes["blocked"]
+    assert (
+        f"soft-capped at 30: forward and backward run {rowspan.status()}"
+        in (capped.notes["blocked"])
     )
