@@ -78,17 +78,21 @@ from attnkit.masks import (
 
 __all__ = [
     "AVX512",
+    "AVX512_FLAGS",
     "DOT",
     "ISA_ENV",
     "SpanPlan",
     "available",
+    "avx512_status",
     "build",
     "build_avx512",
     "build_dot",
     "dot_status",
+    "isa_choice",
     "kernel",
     "main",
     "plan",
+    "running",
     "status",
 ]
 
