@@ -103,5 +103,6 @@ def test_the_row_span_kernel_loads_past_a_stale_lock_in_its_build_directory(
     run = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True
     )
-    assert run.stdout.split("\n")[:2] == ["attnkit's AVX2 row-span kernel", kernel.__file__]
+    assert run.stdout.split("\n")[1] == kernel.__file__
+    assert run.stdout.startswith("attnkit's A")  # AVX2 or AVX-512: status() names the build
     assert not (directory / jit.TORCH_LOCK).exists()

@@ -1,6 +1,9 @@
-"""attnkit's AVX2 row-span kernel (one run of keys per query row, CPU; float32, and bfloat16 /
+"""attnkit's row-span kernel (one run of keys per query row, CPU; float32, and bfloat16 /
 float16 read directly) against the float64 oracle, the spans :func:`attnkit.masks.row_spans`
 gives for each spec kind, and how the blocked backend hands the kernel the calls it serves.
+Each float32 build this CPU runs is tested (``span_builds``: the AVX2 one, and the AVX-512 one
+where the CPU has it), called directly and as the build ``attnkit.attention`` runs, and so is
+the choice between them.
 
 The kernel is built by ``make setup`` (``attnkit.backends.blocked.rowspan.main()``); these tests
 need it built: a machine without gcc or AVX2 fails them rather than skipping (the blocked
@@ -23,8 +26,10 @@ from attnkit import cpu, masks
 from attnkit.backends import blocked
 from attnkit.backends.blocked import rowspan
 from attnkit.backends.blocked.tiles import merge
+from attnkit.cpu import hardware_flags
 from attnkit.masks import alibi, alibi_slopes, row_spans, split_alibi
-from oracle import reference_attention
+from oracle import reference_attention, within_naive
+from span_builds import FP32_ISAS, expected_isa, fp32_kernel, has_avx512, running
 from strategies import span_specs, specs
 
 NINF = -math.inf
@@ -107,7 +112,11 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
 
 def test_the_kernel_is_built_here() -> None:
     assert rowspan.available(), rowspan.status()
-    assert rowspan.status() == "attnkit's AVX2 row-span kernel"
+    names = {
+        "avx2": "attnkit's AVX2 row-span kernel",
+        "avx512": "attnkit's AVX-512 row-span kernel",
+    }
+    assert rowspan.status() == names[expected_isa()]
 
 
 @st.composite
@@ -227,11 +236,19 @@ def _run(kernel: Any, case: _Case) -> tuple[torch.Tensor, torch.Tensor, Any]:
     return out, lse, kernel.span_backward(q, k, v, out, case.dout, lse, *case.args())
 
 
+#: head dims of the float32 builds' tests: the compiled-in 64 and 128, odd ones (the AVX2
+#: kernels' 8-column and scalar tails, the AVX-512 ones' masked tails and odd reductions), Dk
+#: != Dv
+FP32_DKS = (8, 20, 33, 64, 72, 128)
+FP32_DVS = (8, 24, 64, 80, 128)
+
+
+@pytest.mark.parametrize("isa", FP32_ISAS)
 @settings(max_examples=60, deadline=None)
-@given(case=_cases())
-def test_the_kernel_on_any_runs_equals_the_float64_oracle(case: _Case) -> None:
-    """float32: out within 1e-5, gradients within 1e-4, of the float64 oracle."""
-    _check_oracle(case, *_run(rowspan.kernel(), case), 1e-5, 1e-4)
+@given(case=_cases(dks=FP32_DKS, dvs=FP32_DVS))
+def test_the_kernel_on_any_runs_equals_the_float64_oracle(isa: str, case: _Case) -> None:
+    """float32, each build: out within 1e-5, gradients within 1e-4, of the float64 oracle."""
+    _check_oracle(case, *_run(fp32_kernel(isa), case), 1e-5, 1e-4)
 
 
 #: relative max error of the kernel on bfloat16/float16 inputs against the float64 oracle on the
@@ -241,23 +258,23 @@ def test_the_kernel_on_any_runs_equals_the_float64_oracle(case: _Case) -> None:
 RTOL = {torch.bfloat16: 2**-5, torch.float16: 2**-8}
 
 
+@pytest.mark.parametrize("isa", FP32_ISAS)
 @settings(max_examples=40, deadline=None)
 @given(dtype=st.sampled_from([torch.bfloat16, torch.float16]), data=st.data())
 def test_the_kernel_reads_bf16_and_fp16_directly_and_equals_the_float64_oracle(
-    dtype: torch.dtype, data: Any
+    isa: str, dtype: torch.dtype, data: Any
 ) -> None:
     """out, dq, dk, dv in the input dtype within RTOL of the oracle on the rounded inputs; lse
     float32 (computed in float32 from the rounded inputs: 1e-4 as for float32 inputs); rows
     with an empty run: out 0, dq 0, lse -inf. And the same numbers as the kernel on float32
     copies, rounded to the dtype (out, lse, dq exactly: their sums run in a fixed order)."""
-    case = data.draw(_cases(dtype))
-    out, lse, grads = _run(rowspan.kernel(), case)
+    kernel = fp32_kernel(isa)
+    case = data.draw(_cases(dtype, FP32_DKS, FP32_DVS))
+    out, lse, grads = _run(kernel, case)
     _check_oracle(case, out, lse, grads, RTOL[dtype], RTOL[dtype])
     f32 = [t.float() for t in (case.q, case.k, case.v)]
-    out32, lse32 = rowspan.kernel().span_forward(*f32, *case.args())
-    dq32 = rowspan.kernel().span_backward(*f32, out.float(), case.dout.float(), lse, *case.args())[
-        0
-    ]
+    out32, lse32 = kernel.span_forward(*f32, *case.args())
+    dq32 = kernel.span_backward(*f32, out.float(), case.dout.float(), lse, *case.args())[0]
     assert torch.equal(out, out32.to(dtype))
     assert torch.equal(lse, lse32)
     assert torch.equal(grads[0], dq32.to(dtype))
@@ -299,8 +316,8 @@ def test_the_bf16_dot_product_build_refuses_what_the_avx2_one_refuses() -> None:
 
 def test_the_native_path_plans_bf16_for_the_dot_product_build_only() -> None:
     """``dot=True`` (the native CPU path): bfloat16 to the AVX512-BF16 build where it runs,
-    float16 refused (torch's kernels take it as it is), and the AVX2 build's float32 code for
-    float32."""
+    float16 refused (torch's kernels take it as it is), and float32 to the float32 build that
+    runs here (the AVX-512 one where the CPU has it)."""
     spec = masks.causal() & masks.sliding_window(8)
     q = torch.randn(1, 2, 40, 16)
     half = rowspan.plan(spec, q.half(), q.half(), q.half(), in_dtype=True, dot=True)
@@ -310,7 +327,7 @@ def test_the_native_path_plans_bf16_for_the_dot_product_build_only() -> None:
     )
     f32 = rowspan.plan(spec, q, q, q, in_dtype=True, dot=True)
     assert f32.serves
-    assert f32.isa == "avx2"
+    assert f32.isa == expected_isa()
     bf = rowspan.plan(spec, q.bfloat16(), q.bfloat16(), q.bfloat16(), in_dtype=True, dot=True)
     if rowspan.build_dot() is None:
         assert bf.reason == f"{rowspan.dot_status()}: torch's kernels run on bfloat16 as it is"
@@ -356,6 +373,7 @@ def test_the_plan_reads_low_precision_only_for_a_caller_that_takes_it_back() -> 
     assert not blocked.plan_blocks(wide, wide, wide, spec, in_dtype=True).spans.serves
 
 
+@pytest.mark.parametrize("isa", FP32_ISAS)
 @settings(max_examples=60, deadline=None)
 @given(
     B=st.integers(1, 2),
@@ -363,15 +381,23 @@ def test_the_plan_reads_low_precision_only_for_a_caller_that_takes_it_back() -> 
     group=st.sampled_from([1, 2, 4]),
     L=st.integers(1, 120),
     S=st.integers(1, 140),
-    Dv=st.sampled_from([16, 24]),
+    Dv=st.sampled_from([16, 24, 80]),
     data=st.data(),
 )
 def test_every_interval_spec_runs_in_the_kernel_and_equals_the_oracle(
-    B: int, Hkv: int, group: int, L: int, S: int, Dv: int, data: Any
+    isa: str, B: int, Hkv: int, group: int, L: int, S: int, Dv: int, data: Any
 ) -> None:
-    """Every interval spec, ``&`` a key mask with holes or not, ``&`` ALiBi or not, soft-capped
-    or not, grouped-query heads, Dk != Dv: the kernel serves it, forward and backward, and
-    equals the float64 oracle."""
+    """Every interval spec (causal, windows, documents, prefix-LM, padding, ...), ``&`` a key
+    mask with holes or not, ``&`` ALiBi or not, soft-capped or not, grouped-query heads, Dk !=
+    Dv, in each float32 build as ``attnkit.attention`` runs it: the kernel serves it, forward and
+    backward, and equals the float64 oracle."""
+    with running(isa):
+        _check_interval_spec(isa, B, Hkv, group, L, S, Dv, data)
+
+
+def _check_interval_spec(
+    isa: str, B: int, Hkv: int, group: int, L: int, S: int, Dv: int, data: Any
+) -> None:
     H = Hkv * group
     spec = data.draw(span_specs(B, L, S))
     if data.draw(st.booleans()):  # a key mask with holes (padding in the middle, dropped keys)
@@ -387,6 +413,7 @@ def test_every_interval_spec_runs_in_the_kernel_and_equals_the_oracle(
     dout = torch.randn(B, H, L, Dv, generator=gen)
     plan = blocked.plan_blocks(q, k, v, spec, softcap=softcap)
     assert plan.spans.serves, (spec, plan.spans.reason)
+    assert plan.spans.isa == isa
     out, lse = blocked.forward_with_lse(q, k, v, mask=spec, scale=0.25, plan=plan)
     allowed = spec.to_dense(L, S, dtype=torch.float64)
     want, grads = _grads(q, k, v, allowed, 0.25, dout, softcap)
@@ -651,8 +678,9 @@ def test_explain_names_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     kv = torch.randn(1, 2, 256, 32)  # grouped-query heads, 4 per kv head
     spec = masks.causal() & masks.sliding_window(64)
     note = attnkit.explain(q, kv, kv, mask=spec).notes["blocked"]
+    name = {"avx2": "AVX2", "avx512": "AVX-512"}[expected_isa()]
     assert note == (
-        "causal sliding window 64: forward and backward run attnkit's AVX2 row-span kernel "
+        f"causal sliding window 64: forward and backward run attnkit's {name} row-span kernel "
         "(one pass each, no tiles); under torch.compile the same, as one custom op "
         "(attnkit::blocked_attention)"
     )
@@ -660,7 +688,7 @@ def test_explain_names_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     note = attnkit.explain(q, kv, kv, mask=docs).notes["blocked"]
     assert note.startswith(
         "row spans of document(<ids (1, 256)>) & causal(): forward and backward run attnkit's "
-        "AVX2 row-span kernel"
+        f"{name} row-span kernel"
     )
     # switched off (as on a machine where it cannot be built): torch's kernel, and why
     monkeypatch.setenv(rowspan.ENV, "0")
@@ -721,7 +749,7 @@ def test_alibi_is_split_from_its_rule_and_the_kernel_runs_both() -> None:
     q = torch.randn(1, 4, 64, 16)
     note = attnkit.explain(q, q, q, mask=alibi(4) & masks.causal(), backend="blocked")
     assert note.notes["blocked"].startswith(
-        "row spans of alibi(4) & causal(): forward and backward run attnkit's AVX2 row-span kernel"
+        f"row spans of alibi(4) & causal(): forward and backward run {rowspan.status()}"
     )
     wrong = blocked.plan_blocks(q, q, q, alibi(2) & masks.causal()).spans
     assert not wrong.serves
@@ -760,3 +788,125 @@ def test_the_bf16_build_leaves_denormals_to_the_threads_as_it_found_them() -> No
     tiny = torch.full((1 << 20,), 1e-39)  # a float32 denormal, on every thread torch uses
     assert bool((tiny * 1.0 > 0).all())
     assert bool((tiny + tiny == 2e-39).all())
+
+
+#: (mask, softcap) of the end-to-end cases below: causal, a window, documents, ALiBi, a
+#: soft-cap, holes in the keys, and no mask
+_E2E_IDS = torch.arange(203) // 70  # three documents, ragged
+
+
+def _e2e_specs() -> list[tuple[str, masks.MaskSpec | None, float | None]]:
+    holes = torch.rand(1, 203, generator=torch.Generator().manual_seed(5)) > 0.25
+    return [
+        ("none", None, None),
+        ("causal", masks.causal(), None),
+        ("window", masks.causal() & masks.sliding_window(50), None),
+        ("documents", masks.document(_E2E_IDS) & masks.causal(), None),
+        ("alibi", alibi(8) & masks.causal(), None),
+        ("softcap", masks.causal(), 5.0),
+        ("holes", masks.causal() & masks.key_mask(holes), None),
+    ]
+
+
+@pytest.mark.parametrize("isa", FP32_ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("Dk", "Dv", "Hkv"), [(64, 64, 8), (128, 128, 2), (80, 72, 4)])
+def test_each_build_trains_every_kind_of_run_at_model_head_dims(
+    isa: str, dtype: torch.dtype, Dk: int, Dv: int, Hkv: int
+) -> None:
+    """``attnkit.attention`` forward and backward in each float32 build (float32, and bfloat16 /
+    float16 read directly on the fp32-upcast path), L = 203 (not a multiple of 6, 16 or 48),
+    8 query heads on 8, 4 or 2 kv heads, head dims 64, 128 and 80 / 72 (tails; Dk != Dv): out,
+    dq, dk, dv within the tolerance rule of the float64 oracle (the naive run in ``dtype`` sets
+    the bound)."""
+    L = 203
+    if dtype != torch.float32 and cpu.path_for(torch.empty(1, dtype=dtype), "test") != (
+        "fp32-upcast"
+    ):
+        pytest.skip(f"this CPU's path for {dtype} is not fp32-upcast")
+    gen = torch.Generator().manual_seed(Dk + Dv + Hkv)
+    q = torch.randn(1, 8, L, Dk, generator=gen).to(dtype)
+    k = torch.randn(1, Hkv, L, Dk, generator=gen).to(dtype)
+    v = torch.randn(1, Hkv, L, Dv, generator=gen).to(dtype)
+    dout = torch.randn(1, 8, L, Dv, generator=gen).to(dtype)
+    with running(isa):
+        for what, spec, cap in _e2e_specs():
+            plan = blocked.plan_blocks(q, k, v, spec, softcap=cap, in_dtype=dtype != torch.float32)
+            assert plan.spans.serves, (what, plan.spans.reason)
+            assert plan.spans.isa == isa
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = attnkit.attention(*leaves, mask=spec, softcap=cap, backend="blocked")
+            assert out.dtype == dtype
+            (out * dout).sum().backward()
+            allowed = None if spec is None else spec.to_dense(L, L)
+            ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+            want, _ = reference_attention(*ref, mask=allowed, softcap=cap)
+            (want * dout.double()).sum().backward()
+            low = [t.detach().requires_grad_() for t in (q, k, v)]
+            naive, _ = reference_attention(*low, mask=allowed, softcap=cap, dtype=dtype)
+            (naive * dout).sum().backward()
+            within_naive(out, want, naive, what=(isa, dtype, what, "out"))
+            for name, got, r, nv in zip("qkv", leaves, ref, low, strict=True):
+                assert got.grad is not None
+                assert r.grad is not None
+                assert nv.grad is not None
+                assert got.grad.dtype == dtype
+                within_naive(got.grad, r.grad, nv.grad, grad=True, what=(isa, dtype, what, name))
+
+
+def test_float32_runs_in_the_avx512_build_where_the_cpu_has_it_and_the_switch_keeps_avx2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where the CPU has AVX-512 (F, DQ, BW, VL) the plans of float32 calls (and of bfloat16 /
+    float16 read directly) name the AVX-512 build, ``kernel(isa)`` is that build, status,
+    explain and ``make setup``'s line say so and ``attnkit.attention`` calls it; with
+    ``ATTNKIT_ROWSPAN_ISA=avx2`` all of that is the AVX2 build; another value is an error."""
+    if not rowspan.available():
+        pytest.skip(rowspan.status())
+    if not has_avx512():
+        missing = [f for f in rowspan.AVX512_FLAGS if f not in hardware_flags()]
+        pytest.skip(f"this CPU has no AVX-512 build to choose (no {', '.join(missing)})")
+    spec = masks.causal() & masks.sliding_window(8)
+    q = torch.randn(1, 4, 64, 16)
+    seen: list[str] = []
+    real = rowspan.kernel
+
+    def spy(isa: str = "avx2") -> Any:
+        seen.append(isa)
+        return real(isa)
+
+    monkeypatch.setattr(rowspan, "kernel", spy)
+    names = {"avx2": "AVX2", rowspan.AVX512: "AVX-512"}
+    for switch, isa in ((None, rowspan.AVX512), ("auto", rowspan.AVX512), ("avx2", "avx2")):
+        if switch is None:
+            monkeypatch.delenv(rowspan.ISA_ENV, raising=False)
+        else:
+            monkeypatch.setenv(rowspan.ISA_ENV, switch)
+        blocked.clear_plans()
+        seen.clear()
+        assert rowspan.plan(spec, q, q, q).isa == isa
+        low = rowspan.plan(spec, q.bfloat16(), q.bfloat16(), q.bfloat16(), in_dtype=True)
+        assert low.serves
+        assert low.isa == isa
+        module = real(isa)
+        assert module.build.isa == isa
+        assert module._lib.attnkit_span_avx512() == (1 if isa == rowspan.AVX512 else 0)
+        assert rowspan.running() is module
+        assert rowspan.status() == f"attnkit's {names[isa]} row-span kernel"
+        note = attnkit.explain(q, q, q, mask=spec, backend="blocked").notes["blocked"]
+        assert f"forward and backward run attnkit's {names[isa]} row-span kernel" in note
+        leaf = q.clone().requires_grad_()
+        attnkit.attention(leaf, q, q, mask=spec, backend="blocked").sum().backward()
+        assert seen == [isa, isa]  # the forward, then the backward
+        rowspan.main()
+        line = capsys.readouterr().out.splitlines()[0]
+        assert line.startswith(f"attnkit row-span kernel: attnkit's {names[isa]} row-span kernel")
+    assert rowspan.avx512_status() == (
+        "the AVX2 build runs float32 (no AVX-512 build: ATTNKIT_ROWSPAN_ISA=avx2 in the "
+        "environment)"
+    )
+    assert real(rowspan.AVX512).build.isa == rowspan.AVX512  # still there to call directly
+    monkeypatch.setenv(rowspan.ISA_ENV, "avx-512")
+    blocked.clear_plans()
+    with pytest.raises(ValueError, match="ATTNKIT_ROWSPAN_ISA='avx-512': expected one of auto"):
+        rowspan.plan(spec, q, q, q)

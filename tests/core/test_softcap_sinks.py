@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import AttentionInputError, masks
+from attnkit.backends.blocked import rowspan
 from attnkit.masks import MaskSpec
 from oracle import reference_attention
 from strategies import Sizes, qkv, specs
@@ -122,8 +123,7 @@ def test_auto_takes_blocked_for_long_soft_capped_calls_and_explain_says_so() -> 
     assert "no soft-cap" in str(e.verdicts["flex"]) or "soft-cap" in str(e.verdicts["flex"])
     window = attnkit.explain(q, q, q, mask=masks.causal() & masks.sliding_window(64), softcap=5.0)
     assert window.notes["blocked"].startswith(
-        "causal sliding window 64, soft-capped at 5: forward and backward run attnkit's AVX2 "
-        "row-span kernel"
+        f"causal sliding window 64, soft-capped at 5: forward and backward run {rowspan.status()}"
     )
     small = torch.randn(1, 2, 8, 16)
     assert attnkit.explain(small, small, small, sinks=torch.zeros(2)).chosen == "math"

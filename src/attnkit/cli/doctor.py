@@ -100,7 +100,7 @@ def _span_kernel() -> list[tuple[str, str]]:
     def where(module: Any) -> str:  # loaded: how long it took, which build, from where
         return "" if module is None else f" (loaded in {module.seconds:.1f} s; {module.describe()})"
 
-    line = rowspan.status() + where(rowspan.build())
+    line = rowspan.status() + where(rowspan.running())
     dot = rowspan.dot_status() + where(rowspan.build_dot())
     dec = decode.status() + where(decode.build())
     return [

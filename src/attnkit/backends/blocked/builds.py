@@ -67,18 +67,29 @@ class Build:
 ROW_SPAN = Build(
     "attnkit_row_span_avx2", "row_span.cpp", "avx2", (*_AVX2, "-mf16c"), (*_AVX2_CPU, "f16c")
 )
+_AVX512 = ("-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl")
+_AVX512_CPU = ("avx512f", "avx512dq", "avx512bw", "avx512vl")
+#: the float32 code in zmm registers (-DRS_AVX512): where the CPU has AVX-512 (F, DQ, BW, VL)
+ROW_SPAN_AVX512 = Build(
+    "attnkit_row_span_avx512",
+    "row_span.cpp",
+    "avx512",
+    (*_AVX2, "-mf16c", *_AVX512, "-DRS_AVX512"),
+    (*_AVX2_CPU, "f16c", *_AVX512_CPU),
+)
+#: bfloat16 dot products (-DRS_BF16DOT); its float32 code is the AVX-512 build's (-DRS_AVX512)
 ROW_SPAN_DOT = Build(
     "attnkit_row_span_avx512bf16",
     "row_span.cpp",
     "avx512-bf16",
-    (*_AVX2, "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-DRS_BF16DOT"),
-    (*_AVX2_CPU, "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+    (*_AVX2, "-mf16c", *_AVX512, "-mavx512bf16", "-DRS_AVX512", "-DRS_BF16DOT"),
+    (*_AVX2_CPU, "f16c", *_AVX512_CPU, "avx512_bf16"),
 )
 DECODE = Build(
     "attnkit_decode_avx2", "decode.cpp", "avx2", (*_AVX2, "-mf16c"), (*_AVX2_CPU, "f16c")
 )
 #: every build the wheel carries
-ALL = (ROW_SPAN, ROW_SPAN_DOT, DECODE)
+ALL = (ROW_SPAN, ROW_SPAN_AVX512, ROW_SPAN_DOT, DECODE)
 
 
 def source_text(csrc: str, root: Path = CSRC) -> str:

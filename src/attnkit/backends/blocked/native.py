@@ -27,7 +27,7 @@ Where a kernel comes from (:func:`load`), in this order:
    instruction set, nor for ``ATTNKIT_SPAN_KERNEL=0``), and the blocked backend runs torch's
    kernels or its tiles.
 
-Each build is loaded once, on first use (:class:`Lazy`: the row-span kernel's two builds and
+Each build is loaded once, on first use (:class:`Lazy`: the row-span kernel's three builds and
 the decode kernel's). ``ATTNKIT_KERNEL_SOURCE`` picks: ``auto`` (the default, as above),
 ``prebuilt`` (the prebuilt file or nothing: never compile) or ``compile`` (never the prebuilt
 file).

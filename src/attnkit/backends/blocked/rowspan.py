@@ -15,9 +15,9 @@ CPU flash kernel would serve such masks only as many tiles, where its small GEMM
 softmax reach about half of the machine's GEMM throughput. The kernel in ``csrc/row_span.cpp`` does
 them in one pass: per (batch, kv head) and chunk of query rows it packs ``K^T`` once into 16-key
 panels that move forward with the spans, shared by the ``g`` query heads of the group (grouped-query
-heads are never repeated), computes ``Q K^T`` and ``P V`` with register-blocked AVX2/FMA
-micro-kernels over the tiles the spans touch only, and an exact float32 softmax per row (``exp2``
-polynomial, relative error about 2.4e-7). The backward (``span_backward``) recomputes the scores
+heads are never repeated), computes ``Q K^T`` and ``P V`` with register-blocked FMA micro-kernels
+over the tiles the spans touch only, and an exact float32 softmax per row (``exp2`` polynomial,
+relative error about 2.4e-7). The backward (``span_backward``) recomputes the scores
 from the saved log-sum-exp over the same panels, writes dQ per row and sums dK, dV over the group's
 heads (each work item's sums are added to the result one stripe of keys at a time in the order the
 items are handed out, whatever order the threads finish them in: forward and backward give the same
@@ -33,7 +33,16 @@ bfloat16/float16 only for a caller that wants results in that dtype (``in_dtype=
 blocked backend on the ``fp32-upcast`` CPU path, :mod:`attnkit.cpu`), since
 :func:`~attnkit.backends.blocked.forward_with_lse` otherwise returns float32.
 
-The wheel carries it prebuilt (both builds, behind a plain C ABI that serves every torch version:
+Builds (:mod:`~attnkit.backends.blocked.builds`): the AVX2 one (AVX2 + FMA: every CPU the kernel
+runs on; where it does not load, the kernel is off), the AVX-512 one (``-DRS_AVX512``: the same
+kernel with its float32 micro-kernels, softmax and backward rows in 512-bit registers), which runs
+float32 (and bfloat16/float16 read as float32) in its place where ``/proc/cpuinfo`` has
+:data:`AVX512_FLAGS` (:func:`running`; ``ATTNKIT_ROWSPAN_ISA=avx2`` keeps the AVX2 one, to measure
+or test one against the other), and the AVX512-BF16 one (:func:`build_dot`) for bfloat16 on the
+``native`` CPU path. A plan's ``isa`` names the build that runs it; :func:`status`, explain and
+``attnkit doctor`` say which.
+
+The wheel carries it prebuilt (every build, behind a plain C ABI that serves every torch version:
 :mod:`attnkit.backends.blocked.native`); an install from source compiles it once (``pip install``
 / ``make setup``), and where no prebuilt build serves it is compiled on first use (a C++
 compiler, about 15 s; :mod:`attnkit.backends.blocked.jit`: one cached build per source, flags
@@ -68,15 +77,22 @@ from attnkit.masks import (
 )
 
 __all__ = [
+    "AVX512",
+    "AVX512_FLAGS",
     "DOT",
+    "ISA_ENV",
     "SpanPlan",
     "available",
+    "avx512_status",
     "build",
+    "build_avx512",
     "build_dot",
     "dot_status",
+    "isa_choice",
     "kernel",
     "main",
     "plan",
+    "running",
     "status",
 ]
 
@@ -100,7 +116,18 @@ NAME = builds.ROW_SPAN.name
 #: a plan's ``slopes`` where the spec has no ALiBi (and its ``keys`` where they have no holes)
 NO_SLOPES = torch.empty(0)
 
-#: the instruction set of the kernel's second build, for bfloat16 on the ``native`` CPU path
+#: the instruction set of the kernel's AVX-512 build (float32 code in zmm registers), which
+#: runs float32 (and bfloat16/float16 read directly) in place of the AVX2 build where the CPU
+#: has :data:`AVX512_FLAGS`
+AVX512 = builds.ROW_SPAN_AVX512.isa
+#: the /proc/cpuinfo flags the AVX-512 build needs
+AVX512_FLAGS = ("avx512f", "avx512dq", "avx512bw", "avx512vl")
+#: ``auto`` (the default: the AVX-512 build where the CPU has it, else the AVX2 one) or
+#: ``avx2`` (the AVX2 build everywhere: for measuring and testing one against the other)
+ISA_ENV = "ATTNKIT_ROWSPAN_ISA"
+ISAS = ("auto", "avx2")
+
+#: the instruction set of the kernel's bfloat16 build, for bfloat16 on the ``native`` CPU path
 DOT = "avx512-bf16"
 #: the /proc/cpuinfo flags that build needs (dot products, and AVX-512's masked loads/stores)
 DOT_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
@@ -122,27 +149,82 @@ def _has_f16c() -> bool:
     return "f16c" in hardware_flags()
 
 
+def _no_avx512_flags() -> str | None:
+    missing = [f for f in AVX512_FLAGS if f not in hardware_flags()]
+    return f"this CPU has no {', '.join(missing)}" if missing else None
+
+
+def isa_choice() -> str:
+    """``ATTNKIT_ROWSPAN_ISA`` (``auto`` where unset); ``ValueError`` naming the choices."""
+    raw = os.environ.get(ISA_ENV, "auto")
+    if raw not in ISAS:
+        raise ValueError(f"{ISA_ENV}={raw!r}: expected one of {', '.join(ISAS)}")
+    return raw
+
+
 def _no_dot_flags() -> str | None:
     missing = [f for f in DOT_FLAGS if f not in hardware_flags()]
     return f"this CPU has no {', '.join(missing)}" if missing else None
 
 
-#: the AVX2 build and the AVX512-BF16 one, each loaded on first use
+#: the AVX2 build, the AVX-512 one and the AVX512-BF16 one, each loaded on first use
 _span = native.Lazy(builds.ROW_SPAN, native.SpanKernel, _cpu_reason)
+_wide = native.Lazy(builds.ROW_SPAN_AVX512, native.SpanKernel, _no_avx512_flags)
 _dot = native.Lazy(builds.ROW_SPAN_DOT, native.SpanKernel, _no_dot_flags)
 
 
 def build() -> Any:
-    """Load the kernel (the package's prebuilt build, else one compiled here:
-    :func:`attnkit.backends.blocked.native.load`); returns it or ``None``."""
+    """Load the kernel's AVX2 build (the package's prebuilt build, else one compiled here:
+    :func:`attnkit.backends.blocked.native.load`); returns it or ``None``. Every CPU that runs
+    the kernel runs this build: where it does not load, the kernel is off."""
     return _span.get()
+
+
+def _no_avx512() -> str | None:
+    """Why float32 does not run in the AVX-512 build here (``None``: it does); the switch is
+    read on every call, the build loaded once."""
+    if build() is None:
+        return status()
+    if isa_choice() == "avx2":
+        return f"{ISA_ENV}=avx2 in the environment"
+    if _wide.get() is None:
+        return _wide.reason
+    return None
+
+
+def build_avx512() -> Any:
+    """The kernel's AVX-512 build (loaded on first use), where it runs float32 here: the CPU
+    has :data:`AVX512_FLAGS`, ``ATTNKIT_ROWSPAN_ISA`` is not ``avx2`` and a build serves;
+    else ``None`` (:func:`avx512_status` says why)."""
+    return _wide.module if _no_avx512() is None else None
+
+
+def running() -> Any:
+    """The build that runs float32 (and bfloat16/float16 read directly on the fp32-upcast
+    path): the AVX-512 one where it serves (:func:`build_avx512`), else the AVX2 one; ``None``
+    where the kernel is off."""
+    return build_avx512() or build()
+
+
+def _isa() -> str:
+    """The instruction set of :func:`running`'s build (a plan's ``isa``)."""
+    return AVX512 if build_avx512() is not None else "avx2"
+
+
+def avx512_status() -> str:
+    """One line: whether the AVX-512 build runs float32 here, or why not."""
+    why = _no_avx512()
+    if why is None:
+        return "the AVX-512 build runs float32 (and bfloat16/float16 read as float32)"
+    return f"the AVX2 build runs float32 (no AVX-512 build: {why})"
 
 
 def build_dot() -> Any:
     """Load the kernel's AVX512-BF16 build, which multiplies bfloat16 q, k, v, dout (and P,
     dS) with the CPU's bf16 dot products (``vdpbf16ps``), forward and backward; ``None`` where
     the CPU lacks :data:`DOT_FLAGS` or no build serves (:func:`dot_status` says why). Its
-    float32 and float16 code is the AVX2 kernel's."""
+    float32 and float16 code is the AVX-512 build's (``-DRS_AVX512``), but a plan sends only
+    bfloat16 on the native path to it: everything else runs in :func:`running`'s build."""
     if build() is None:  # the same switches and requirements as the AVX2 build first
         return None
     return _dot.get()
@@ -154,10 +236,12 @@ def available() -> bool:
 
 
 def status() -> str:
-    """One line: the kernel is in use, or why not."""
-    if build() is not None:
-        return "attnkit's AVX2 row-span kernel"
-    return f"torch's fused kernel (attnkit's row-span kernel is off: {_span.reason})"
+    """One line: the kernel is in use (naming the build that runs float32), or why not."""
+    if build() is None:
+        return f"torch's fused kernel (attnkit's row-span kernel is off: {_span.reason})"
+    if build_avx512() is not None:
+        return "attnkit's AVX-512 row-span kernel"
+    return "attnkit's AVX2 row-span kernel"
 
 
 def dot_status() -> str:
@@ -183,7 +267,9 @@ class SpanPlan:
     an empty tensor), added as ``-slope_h * |i + d0 - j|`` for local query row ``i`` and local
     key ``j``; ``keys`` the holes a key mask leaves inside the runs (float32 ``(B', S + 8)``, 0
     or ``-inf``; empty where there are none; :func:`attnkit.masks.key_holes`); ``isa`` the
-    build that runs it: ``"avx2"``, or :data:`DOT` (bfloat16 with the CPU's dot products).
+    build that runs it: ``"avx2"``, :data:`AVX512` (float32 code in zmm registers, where the
+    CPU has AVX-512: :func:`running`), or :data:`DOT` (bfloat16 with the CPU's dot
+    products).
     """
 
     lo: torch.Tensor | None
@@ -217,9 +303,10 @@ def describe(spec: MaskSpec | None) -> str:
 
 
 #: the runs of recent (spec, sizes, positions), keyed by the spec's cache key (each entry holds
-#: its spec, so that the tensors its key names stay alive): computing them took ~0.3 ms at
-#: L = 4096, a few percent of a window call in the kernel
-_RUNS: OrderedDict[Hashable, tuple[MaskSpec | None, SpanPlan]] = OrderedDict()
+#: its spec, so that the tensors its key names stay alive, and its plan per float32 build:
+#: ``isa`` -> plan): computing them took ~0.3 ms at L = 4096, a few percent of a window call in
+#: the kernel
+_RUNS: OrderedDict[Hashable, tuple[MaskSpec | None, dict[str, SpanPlan]]] = OrderedDict()
 RUNS_CACHE = 64
 
 
@@ -228,21 +315,33 @@ def clear_runs() -> None:
     _RUNS.clear()
 
 
-def _runs(spec: MaskSpec | None, L: int, S: int, q_start: int, k_start: int, off: int) -> SpanPlan:
+def _runs(
+    spec: MaskSpec | None,
+    L: int,
+    S: int,
+    q_start: int,
+    k_start: int,
+    off: int,
+    isa: str = "avx2",
+) -> SpanPlan:
     """The part of :func:`plan` that reads the mask only (runs, ALiBi's slopes, the holes), the
-    same for any q, k, v of these sizes: cached where the spec has a key (``None``, no mask:
-    every key of every row, one run ``0 ..= S - 1``)."""
+    same for any q, k, v of these sizes, its ``isa`` the float32 build's: cached where the spec
+    has a key (``None``, no mask: every key of every row, one run ``0 ..= S - 1``)."""
     skey = ("no mask",) if spec is None else spec.key()
     key: Hashable = (skey, L, S, q_start, k_start, off)
     if skey is not None and key in _RUNS:
         _RUNS.move_to_end(key)
-        return _RUNS[key][1]
-    p = _make_runs(spec, L, S, q_start, k_start, off)
-    if skey is not None:
-        _RUNS[key] = (spec, p)
-        while len(_RUNS) > RUNS_CACHE:
-            _RUNS.popitem(last=False)
-    return p
+        plans = _RUNS[key][1]
+    else:
+        plans = {"avx2": _make_runs(spec, L, S, q_start, k_start, off)}
+        if skey is not None:
+            _RUNS[key] = (spec, plans)
+            while len(_RUNS) > RUNS_CACHE:
+                _RUNS.popitem(last=False)
+    if isa not in plans:
+        base = plans["avx2"]
+        plans[isa] = base if base.lo is None else dataclasses.replace(base, isa=isa)
+    return plans[isa]
 
 
 #: the cache key of :func:`attnkit.masks.unmasked`, the spec that says "no mask": every key
@@ -311,7 +410,7 @@ def plan(
         return NOT_SPANS
     L, S = q.shape[2], k.shape[2]
     off = S - L if off is None else off
-    p = _runs(spec, L, S, q_start, k_start, off)
+    p = _runs(spec, L, S, q_start, k_start, off, _isa())
     if p.lo is None or p.reason is not None:
         return p
     if p.slopes.numel() not in (0, q.shape[1]):
@@ -341,12 +440,17 @@ def plan(
     if low:
         p = dataclasses.replace(p, dtype=q.dtype)
         name = str(q.dtype).removeprefix("torch.")
-        if name not in _span.module.low_dtypes():
+        if name not in _lazy(p.isa).module.low_dtypes():
             return p.refuse(
                 f"attnkit's row-span kernel was built without F16C (this CPU has none), so it "
                 f"does not read {name}"
             )
     return p
+
+
+def _lazy(isa: str) -> native.Lazy:
+    """The build of ``isa`` (a plan's)."""
+    return {AVX512: _wide, DOT: _dot}.get(isa, _span)
 
 
 def kernel(isa: str = "avx2") -> Any:
@@ -362,12 +466,19 @@ def kernel(isa: str = "avx2") -> Any:
     dout, dq, dk, dv all float32, or all the dtype of q among ``low_dtypes()``
     (``["bfloat16", "float16"]``, without float16 where built without F16C). Call it only where
     :func:`plan` says the kernel serves; the C++ checks what its memory safety needs (shapes,
-    dtypes, spans in order). ``isa``: a plan's (:data:`DOT`: the AVX512-BF16 build)."""
+    dtypes, spans in order). ``isa``: a plan's (``"avx2"``: the AVX2 build; :data:`AVX512`: the
+    AVX-512 build, loaded here where the CPU has it, whatever ``ATTNKIT_ROWSPAN_ISA`` says;
+    :data:`DOT`: the AVX512-BF16 build)."""
+    if isa == AVX512:
+        if build() is None or _wide.get() is None:
+            why = _wide.reason if build() is not None else status()
+            raise RuntimeError(f"the row-span kernel's AVX-512 build is not loaded: {why}")
+        return _wide.module
     if isa == DOT:
         if _dot.module is None:
             raise RuntimeError(f"the row-span kernel's bf16 build is not loaded: {dot_status()}")
         return _dot.module
-    if _span.module is None:
+    if build() is None:
         raise RuntimeError(f"the row-span kernel is not loaded: {status()}")
     return _span.module
 
@@ -375,7 +486,8 @@ def kernel(isa: str = "avx2") -> Any:
 def main() -> None:
     """Build ahead and say so (``make setup`` runs this)."""
     t0 = time.perf_counter()
-    print(f"attnkit row-span kernel: {status()} ({time.perf_counter() - t0:.1f} s)")
+    line = f"{status()}; {avx512_status()}" if build() is not None else status()
+    print(f"attnkit row-span kernel: {line} ({time.perf_counter() - t0:.1f} s)")
     t0 = time.perf_counter()
     line = dot_status()
     print(f"attnkit row-span kernel for bfloat16: {line} ({time.perf_counter() - t0:.1f} s)")

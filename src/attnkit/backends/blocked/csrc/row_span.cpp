@@ -1,6 +1,6 @@
 // attnkit's row-span kernel: exact attention where query row i attends the keys lo[i]..hi[i]
-// (inclusive, non-decreasing in i), forward and backward, CPU (AVX2 + FMA). q, k, v (and out,
-// dout) are float32, bfloat16 or float16 (float16 where built with F16C): low-precision
+// (inclusive, non-decreasing in i), forward and backward, CPU (AVX2 + FMA, or AVX-512). q, k, v
+// (and out, dout) are float32, bfloat16 or float16 (float16 where built with F16C): low-precision
 // elements are converted to float32 as the kernel packs panels and loads rows (bf16 -> fp32 is
 // a 16-bit shift, fp16 -> fp32 F16C's vcvtph2ps); everything inside is float32, lse is float32,
 // and out, dq, dk, dv come back in the input dtype (rounded to nearest even, as torch rounds).
@@ -11,10 +11,15 @@
 // k (B, Hkv, S, Dk), v (B, Hkv, S, Dv), H = g * Hkv; the g query heads of a group run
 // against one packed K^T panel.
 //
-// Two builds of this file (rowspan.py): the AVX2 one, and, where the CPU has AVX512-BF16, one
-// with -DRS_BF16DOT whose bfloat16 forward and backward multiply with vdpbf16ps (operands as
-// bf16 pairs; P and dS rounded to bf16 for their products, as GPU flash kernels do; sums,
-// softmax and lse in float32). Everything for float32/float16 is the AVX2 code.
+// Three builds of this file (builds.py, rowspan.py): the AVX2 one; where the CPU has AVX-512
+// (F, DQ, BW, VL), one with -DRS_AVX512 whose float32 hot paths (S = Q K^T, the products with
+// P, the softmax and the backward's rows without score modifiers) run in zmm registers, 16
+// lanes a vector (float32, and bfloat16/float16 converted to float32 as below); and, where the
+// CPU has AVX512-BF16, one with -DRS_BF16DOT (and RS_AVX512: its float32 code is the AVX-512
+// one) whose bfloat16 forward and backward multiply with vdpbf16ps (operands as bf16 pairs; P
+// and dS rounded to bf16 for their products, as GPU flash kernels do; sums, softmax and lse in
+// float32). The packing (K^T panels, converted rows) and the score modifiers are the AVX2 code
+// in every build.
 //
 // Structure (work item = (b, kv head, chunk of C <= 2048 query rows); threads pull items,
 // the most expensive first, from a shared counter):
@@ -27,10 +32,13 @@
 //     online softmax (running max / sum, rescale of O) across chunks.
 //   * S = Q K^T via a 6x16 register-blocked FMA micro-kernel (12 ymm accumulators); only
 //     tiles that intersect a tile's spans are computed, with a 6x8 kernel for half panels.
+//     AVX-512: a panel is one zmm per d; two panels at a time (6x32, 12 zmm accumulators), or
+//     one with the sum over d split in two (even / odd d); whole panels only.
 //   * Exact per-row softmax over the row's own span (vectorized degree-5 exp2 polynomial),
 //     P written in place over S, zeros at the ragged edges; a row with an empty span gets
 //     output 0 and lse -inf.
-//   * O += P V via a 6x16 micro-kernel over the key range of each 6-row tile (V in place).
+//   * O += P V via a 6x16 micro-kernel over the key range of each 6-row tile (V in place);
+//     AVX-512: 6 x 64 columns at a time (24 zmm accumulators), a tail of fewer with masks.
 //   * Backward from the saved lse over the same panels (K^T and V^T): dQ per row; dK, dV
 //     summed per item over the group's heads, then added per key stripe in the items' order
 //     (bitwise the same on every run with the same number of threads).
@@ -49,6 +57,11 @@
 #include <memory>
 #include <mutex>
 #include <vector>
+
+// the AVX512-BF16 build's float32 code is the AVX-512 one
+#if defined(RS_BF16DOT) && !defined(RS_AVX512)
+#define RS_AVX512
+#endif
 
 namespace rowspan {
 
@@ -366,6 +379,7 @@ static inline void ax_6xr(const float* p, int64_t ps, const float* x, int64_t xs
     }
 }
 
+#ifndef RS_AVX512  // (the AVX-512 build's is below)
 // o[6 x D] (row stride D) += A[6 x n] x[n x D] (row stride D), all column tiles.
 template <bool TRANS>
 static inline void ax_6xD(const float* p, int64_t ps, const float* x, int64_t D,
@@ -375,6 +389,226 @@ static inline void ax_6xD(const float* p, int64_t ps, const float* x, int64_t D,
   if (c + 8 <= D) { ax_6x8<TRANS>(p, ps, x + c, D, n, o + c, D); c += 8; }
   if (c < D) ax_6xr<TRANS>(p, ps, x + c, D, n, o + c, D, D - c);
 }
+#endif
+
+// ---------------------------------------------------------------------------
+// The AVX-512 float32 kernels (the build made with -DRS_AVX512, and the AVX512-BF16 build, whose
+// float32 code is this too): the same tiles as the AVX2 kernels above, 16 lanes a zmm. A 16-key
+// K^T panel is one zmm per row of D, so S = Q K^T runs two panels at a time (6 x 32: 12
+// accumulators, FMA-bound), or one panel with the reduction over D split in two (even / odd d)
+// to keep 12 sums in flight; no half panels (a zmm covers the panel whatever the run's edge
+// reaches). The products with P take up to 64 columns at a time (6 x 4 zmm), a tail of < 16
+// columns with masked loads and stores; the softmax and the backward's rows (without score
+// modifiers) 16 lanes at a time with masked tails.
+#ifdef RS_AVX512
+constexpr bool kWide = true;
+
+// s[6 x 16] (row stride ss) = q[6 x D] (row stride D) * kt[D x 16]
+template <int64_t DC>  // DC > 0: compile-time head dim
+static inline void qk_6x16z_t(const float* __restrict q, int64_t D_,
+                              const float* __restrict kt, float* __restrict s, int64_t ss) {
+  const int64_t D = DC > 0 ? DC : D_;
+  __m512 a[MR], b[MR];  // even and odd d
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r) { a[r] = _mm512_setzero_ps(); b[r] = _mm512_setzero_ps(); }
+  int64_t d = 0;
+#pragma GCC unroll 4
+  for (; d + 2 <= D; d += 2) {
+    const __m512 k0 = _mm512_load_ps(kt + d * NR);
+    const __m512 k1 = _mm512_load_ps(kt + (d + 1) * NR);
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      a[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + d]), k0, a[r]);
+      b[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + d + 1]), k1, b[r]);
+    }
+  }
+  if (d < D) {
+    const __m512 k0 = _mm512_load_ps(kt + d * NR);
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + d]), k0, a[r]);
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(s + r * ss, _mm512_add_ps(a[r], b[r]));
+}
+
+// s[6 x 32] = q[6 x D] * [kt | kt + NR D]: two consecutive panels, one broadcast of q for both
+template <int64_t DC>
+static inline void qk_6x32z_t(const float* __restrict q, int64_t D_,
+                              const float* __restrict kt, float* __restrict s, int64_t ss) {
+  const int64_t D = DC > 0 ? DC : D_;
+  const float* kt1 = kt + NR * D;
+  __m512 a[MR], b[MR];  // the first panel's keys, the second's
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r) { a[r] = _mm512_setzero_ps(); b[r] = _mm512_setzero_ps(); }
+#pragma GCC unroll 4
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 k0 = _mm512_load_ps(kt + d * NR);
+    const __m512 k1 = _mm512_load_ps(kt1 + d * NR);
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      const __m512 x = _mm512_set1_ps(q[r * D + d]);
+      a[r] = _mm512_fmadd_ps(x, k0, a[r]);
+      b[r] = _mm512_fmadd_ps(x, k1, b[r]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r) {
+    _mm512_storeu_ps(s + r * ss, a[r]);
+    _mm512_storeu_ps(s + r * ss + NR, b[r]);
+  }
+}
+
+// The scores of a 6-row tile whose keys run lo..hi against the panels from key j0 (panel: its
+// K^T) up to key jend (exclusive, at most j0 + 2 NR): both panels where the run reaches both,
+// else the one it reaches. Writes whole panels (16 columns each) at s.
+static inline void qk_pair(const float* q, int64_t D, const float* panel, int64_t j0,
+                           int64_t jend, int64_t lo, int64_t hi, float* s, int64_t ss) {
+  const bool p0 = j0 + NR - 1 >= lo && j0 <= hi;
+  const bool p1 = j0 + NR < jend && j0 + 2 * NR - 1 >= lo && j0 + NR <= hi;
+  if (p0 && p1) {
+    if (D == 64) qk_6x32z_t<64>(q, D, panel, s, ss);
+    else if (D == 128) qk_6x32z_t<128>(q, D, panel, s, ss);
+    else qk_6x32z_t<0>(q, D, panel, s, ss);
+    return;
+  }
+  if (!p0 && !p1) return;
+  const float* kt = p0 ? panel : panel + NR * D;
+  float* dst = p0 ? s : s + NR;
+  if (D == 64) qk_6x16z_t<64>(q, D, kt, dst, ss);
+  else if (D == 128) qk_6x16z_t<128>(q, D, kt, dst, ss);
+  else qk_6x16z_t<0>(q, D, kt, dst, ss);
+}
+
+// o[6 x 16 NC] (row stride os) += A[6 x n] x[n x 16 NC] (row stride xs), A as in ax_6x16; the
+// last zmm of a row takes only the lanes of `last` (a tail of < 16 columns)
+template <bool TRANS, int NC>
+static inline void ax_6xz(const float* __restrict p, int64_t ps, const float* __restrict x,
+                          int64_t xs, int64_t n, float* __restrict o, int64_t os,
+                          __mmask16 last) {
+  const int64_t si = TRANS ? 1 : ps, sj = TRANS ? ps : 1;
+  __m512 c[MR][NC];
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int k = 0; k < NC; ++k)
+      c[r][k] = _mm512_maskz_loadu_ps(k == NC - 1 ? last : __mmask16(0xFFFF), o + r * os + 16 * k);
+#pragma GCC unroll 2
+  for (int64_t j = 0; j < n; ++j) {
+    const float* a = p + j * sj;
+    __m512 xv[NC];
+#pragma GCC unroll 4
+    for (int k = 0; k < NC; ++k)
+      xv[k] = _mm512_maskz_loadu_ps(k == NC - 1 ? last : __mmask16(0xFFFF), x + j * xs + 16 * k);
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      const __m512 b = _mm512_set1_ps(a[r * si]);
+#pragma GCC unroll 4
+      for (int k = 0; k < NC; ++k) c[r][k] = _mm512_fmadd_ps(b, xv[k], c[r][k]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int k = 0; k < NC; ++k)
+      _mm512_mask_storeu_ps(o + r * os + 16 * k, k == NC - 1 ? last : __mmask16(0xFFFF),
+                            c[r][k]);
+}
+
+// o[6 x D] (row stride D) += A[6 x n] x[n x D] (row stride D), all column tiles: 64 columns at
+// a time, then the rest (up to 3 zmm, the last one masked)
+template <bool TRANS>
+static inline void ax_6xD(const float* p, int64_t ps, const float* x, int64_t D, int64_t n,
+                          float* o) {
+  int64_t c = 0;
+  for (; c + 64 <= D; c += 64) ax_6xz<TRANS, 4>(p, ps, x + c, D, n, o + c, D, 0xFFFF);
+  const int64_t rem = D - c;
+  if (rem == 0) return;
+  const __mmask16 last = rem % 16 ? __mmask16((1u << (rem % 16)) - 1) : __mmask16(0xFFFF);
+  switch ((rem + 15) / 16) {
+    case 1: ax_6xz<TRANS, 1>(p, ps, x + c, D, n, o + c, D, last); break;
+    case 2: ax_6xz<TRANS, 2>(p, ps, x + c, D, n, o + c, D, last); break;
+    case 3: ax_6xz<TRANS, 3>(p, ps, x + c, D, n, o + c, D, last); break;
+    default: ax_6xz<TRANS, 4>(p, ps, x + c, D, n, o + c, D, last); break;
+  }
+}
+
+// The softmax's two passes over a row, 16 lanes at a time (the AVX2 row_max / row_exp below,
+// widened): max of s[a..b]; s[a..b] = 2^(s[a..b] - m) in place (nothing past b), their sum
+// (exp2_ps's polynomial on f = x - round(x); 2^round(x) applied with vscalefps: the same
+// results as exp2_ps's exponent add, two instructions fewer)
+static inline __m512 exp2_ps512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
+  return _mm512_scalef_ps(p, n);
+}
+static inline float row_max16(const float* s, int64_t a, int64_t b) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 m = ninf;
+  int64_t j = a;
+  for (; j + 16 <= b + 1; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
+  if (j <= b) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (b + 1 - j)) - 1);
+    m = _mm512_max_ps(m, _mm512_mask_loadu_ps(ninf, k, s + j));
+  }
+  return _mm512_reduce_max_ps(m);
+}
+static inline float row_exp16(float* s, int64_t a, int64_t b, float m) {
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 acc = _mm512_setzero_ps();
+  int64_t j = a;
+  for (; j + 16 <= b + 1; j += 16) {
+    const __m512 e = exp2_ps512(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm));
+    _mm512_storeu_ps(s + j, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  if (j <= b) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (b + 1 - j)) - 1);
+    const __m512 e = exp2_ps512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), vm));
+    _mm512_mask_storeu_ps(s + j, k, e);
+    acc = _mm512_mask_add_ps(acc, k, acc, e);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// bwd_row (below) without score modifiers, 16 lanes at a time: s = P = 2^(s - m), d = dS =
+// scale * P * (d - D) over ja..jb, 0 in the lanes past jb; returns the first column past the
+// last one written (at most 15 past jb)
+static inline int64_t bwd_row16(float* s, float* d, int64_t ja, int64_t jb, float m, float D,
+                                float scale) {
+  const __m512 vm = _mm512_set1_ps(m), vD = _mm512_set1_ps(D), vs = _mm512_set1_ps(scale);
+  int64_t j = ja;
+  for (; j + 16 <= jb + 1; j += 16) {
+    const __m512 p = exp2_ps512(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm));
+    const __m512 dd = _mm512_sub_ps(_mm512_loadu_ps(d + j), vD);
+    const __m512 ds = _mm512_mul_ps(_mm512_mul_ps(p, vs), dd);
+    _mm512_storeu_ps(s + j, p);
+    _mm512_storeu_ps(d + j, ds);
+  }
+  if (j <= jb) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (jb + 1 - j)) - 1);
+    const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), vm);
+    const __m512 p = _mm512_maskz_mov_ps(k, exp2_ps512(x));
+    const __m512 dd = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, d + j), vD);
+    _mm512_storeu_ps(s + j, p);
+    _mm512_storeu_ps(d + j, _mm512_maskz_mul_ps(k, _mm512_mul_ps(p, vs), dd));
+    j += 16;
+  }
+  return j;
+}
+
+#else  // the AVX2 build: never called (kWide gates every use), declared for if constexpr
+constexpr bool kWide = false;
+static inline void qk_pair(const float*, int64_t, const float*, int64_t, int64_t, int64_t,
+                           int64_t, float*, int64_t) {}
+static inline float row_max16(const float*, int64_t, int64_t) { return 0.0f; }
+static inline float row_exp16(float*, int64_t, int64_t, float) { return 0.0f; }
+static inline int64_t bwd_row16(float*, float*, int64_t, int64_t, float, float, float) {
+  return 0;
+}
+#endif
 
 // ---------------------------------------------------------------------------
 // bfloat16 dot products (AVX512-BF16's vdpbf16ps: pairs of bf16 multiplied exactly and summed
@@ -536,71 +770,6 @@ static inline void q_pairs(const uint16_t* src, int64_t D, uint32_t* dst) {
   if (D & 1) dst[D / 2] = src[D - 1];
 }
 
-// The softmax's two passes over a row, 16 lanes at a time (the AVX2 row_max / row_exp below,
-// widened): max of s[a..b]; s[a..b] = 2^(s[a..b] - m) in place (nothing past b), their sum
-static inline __m512 exp2_ps512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
-  const __m512i ni = _mm512_cvtps_epi32(x);  // round to nearest
-  const __m512 f = _mm512_sub_ps(x, _mm512_cvtepi32_ps(ni));
-  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
-  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(ni, 23)));
-}
-static inline float row_max16(const float* s, int64_t a, int64_t b) {
-  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 m = ninf;
-  int64_t j = a;
-  for (; j + 16 <= b + 1; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
-  if (j <= b) {
-    const __mmask16 k = static_cast<__mmask16>((1u << (b + 1 - j)) - 1);
-    m = _mm512_max_ps(m, _mm512_mask_loadu_ps(ninf, k, s + j));
-  }
-  return _mm512_reduce_max_ps(m);
-}
-static inline float row_exp16(float* s, int64_t a, int64_t b, float m) {
-  const __m512 vm = _mm512_set1_ps(m);
-  __m512 acc = _mm512_setzero_ps();
-  int64_t j = a;
-  for (; j + 16 <= b + 1; j += 16) {
-    const __m512 e = exp2_ps512(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm));
-    _mm512_storeu_ps(s + j, e);
-    acc = _mm512_add_ps(acc, e);
-  }
-  if (j <= b) {
-    const __mmask16 k = static_cast<__mmask16>((1u << (b + 1 - j)) - 1);
-    const __m512 e = exp2_ps512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), vm));
-    _mm512_mask_storeu_ps(s + j, k, e);
-    acc = _mm512_mask_add_ps(acc, k, acc, e);
-  }
-  return _mm512_reduce_add_ps(acc);
-}
-
-// bwd_row (below) without score modifiers, 16 lanes at a time: s = P = 2^(s - m), d = dS =
-// scale * P * (d - D) over ja..jb, 0 in the lanes past jb; returns the first column past the
-// last one written (at most 15 past jb)
-static inline int64_t bwd_row16(float* s, float* d, int64_t ja, int64_t jb, float m, float D,
-                                float scale) {
-  const __m512 vm = _mm512_set1_ps(m), vD = _mm512_set1_ps(D), vs = _mm512_set1_ps(scale);
-  int64_t j = ja;
-  for (; j + 16 <= jb + 1; j += 16) {
-    const __m512 p = exp2_ps512(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm));
-    const __m512 dd = _mm512_sub_ps(_mm512_loadu_ps(d + j), vD);
-    const __m512 ds = _mm512_mul_ps(_mm512_mul_ps(p, vs), dd);
-    _mm512_storeu_ps(s + j, p);
-    _mm512_storeu_ps(d + j, ds);
-  }
-  if (j <= jb) {
-    const __mmask16 k = static_cast<__mmask16>((1u << (jb + 1 - j)) - 1);
-    const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), vm);
-    const __m512 p = _mm512_maskz_mov_ps(k, exp2_ps512(x));
-    const __m512 dd = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, d + j), vD);
-    _mm512_storeu_ps(s + j, p);
-    _mm512_storeu_ps(d + j, _mm512_maskz_mul_ps(k, _mm512_mul_ps(p, vs), dd));
-    j += 16;
-  }
-  return j;
-}
-
 // O[6 x Dvp] += P V for one tile over its keys A..B (inclusive, relative to the chunk): the
 // tile's float32 P rows (stride ss) become bf16 pairs over the even-aligned [A & ~1, B | 1]
 // (the column beside an odd end is set to 0 first), pb the pairs' rows (stride ss), v the V
@@ -666,11 +835,6 @@ static inline void qk_dot_tile(const uint32_t*, int64_t, const uint32_t*, int64_
 static inline void pv_dot_tile(float*, uint16_t*, int64_t, int64_t, int64_t, const uint32_t*,
                                int64_t, float*) {}
 static inline void q_pairs(const uint16_t*, int64_t, uint32_t*) {}
-static inline float row_max16(const float*, int64_t, int64_t) { return 0.0f; }
-static inline float row_exp16(float*, int64_t, int64_t, float) { return 0.0f; }
-static inline int64_t bwd_row16(float*, float*, int64_t, int64_t, float, float, float) {
-  return 0;
-}
 static inline void pack_k_pairs(const uint16_t*, int64_t, int64_t, int64_t, uint32_t*) {}
 static inline void pack_v_pairs(const uint16_t*, int64_t, int64_t, int64_t, int64_t,
                                 uint32_t*) {}
@@ -1036,6 +1200,15 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
         for (int64_t kc0 = (blo / NR) * NR; kc0 <= bhi; kc0 += KC) {
           const int64_t kc1 = std::min<int64_t>(kc0 + KC, bhi + 1);  // exclusive
           // ---- S = Q K^T on the tiles the spans touch
+          if constexpr (kWide && !DOT) {  // two panels at a time, 16 keys a zmm
+            for (int64_t j0 = kc0; j0 < kc1; j0 += 2 * NR) {
+              const float* panel = kt + (j0 - kbase) * Dk;
+              const int64_t jend = std::min<int64_t>(j0 + 2 * NR, kc1);
+              for (int64_t t = 0; t < ntile; ++t)
+                qk_pair(st.qs.p + t * MR * Dk, Dk, panel, j0, jend, tlo[t], thi[t],
+                        sb + t * MR * SS + (j0 - kc0), SS);
+            }
+          } else
           for (int64_t j0 = kc0; j0 < kc1; j0 += NR) {
             const float* panel = kt + (j0 - kbase) * Dk;
             for (int64_t t = 0; t < ntile; ++t) {
@@ -1074,7 +1247,7 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
                 });
               }
               const float cm =
-                  DOT ? row_max16(srow, a - kc0, bb - kc0) : row_max(srow, a - kc0, bb - kc0);
+                  kWide ? row_max16(srow, a - kc0, bb - kc0) : row_max(srow, a - kc0, bb - kc0);
               if (holes && cm == NINF) { zero_range(srow, A - kc0, Bt - kc0); continue; }
               const float mo = mrow[ri];
               const float mn = std::max(mo, cm);
@@ -1084,7 +1257,7 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
                 float* orow = st.ob.p + ri * OS;
                 for (int64_t d = 0; d < Dv; ++d) orow[d] *= alpha;
               }
-              const float sum = DOT ? row_exp16(srow, a - kc0, bb - kc0, mn)
+              const float sum = kWide ? row_exp16(srow, a - kc0, bb - kc0, mn)
                                     : row_exp(srow, a - kc0, bb - kc0, mn);
               lrow[ri] = lrow[ri] * alpha + sum;
               mrow[ri] = mn;
@@ -1403,6 +1576,19 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
           const int64_t kc1 = std::min<int64_t>(kc0 + KC, bhi + 1);  // exclusive
           const int64_t Z = std::min<int64_t>(SS, kc1 - kc0 + NR);  // columns kept clean
           // ---- S = Qs K^T, dP = dO V^T on the tiles the spans touch
+          if constexpr (kWide && !DOT) {  // two panels at a time, 16 keys a zmm
+            for (int64_t j0 = kc0; j0 < kc1; j0 += 2 * NR) {
+              const float* kpan = kt + (j0 - kbase) * Dk;
+              const float* vpan = vt + (j0 - kbase) * Dv;
+              const int64_t jend = std::min<int64_t>(j0 + 2 * NR, kc1);
+              for (int64_t t = 0; t < ntile; ++t) {
+                float* sdst = sb + t * MR * SS + (j0 - kc0);
+                float* ddst = db + t * MR * SS + (j0 - kc0);
+                qk_pair(st.qs.p + t * MR * Dk, Dk, kpan, j0, jend, tlo[t], thi[t], sdst, SS);
+                qk_pair(st.gb.p + t * MR * Dv, Dv, vpan, j0, jend, tlo[t], thi[t], ddst, SS);
+              }
+            }
+          } else
           for (int64_t j0 = kc0; j0 < kc1; j0 += NR) {
             const float* kpan = kt + (j0 - kbase) * Dk;
             const float* vpan = vt + (j0 - kbase) * Dv;
@@ -1459,7 +1645,7 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
             const float m = mrow[ri], D = drow[ri];
             const float* kb = md.keys_at(b, kc0);
             const int64_t j =
-                DOT && !md.any()
+                kWide && !md.any()
                     ? bwd_row16(srow, drw, ja, jb, m, D, fscale)
                     : with_mods(md, [&](auto C, auto Bi, auto K) {
                         return bwd_row<C, Bi, K>(srow, drw, ja, jb, m, D, fscale, md.cap, slope,
@@ -1661,6 +1847,10 @@ int32_t attnkit_low_dtypes() { return attnkit_abi::low_dtype_bits(); }
 
 // 1 for the AVX512-BF16 build (-DRS_BF16DOT), 0 for the AVX2 one
 int32_t attnkit_span_dot() { return rowspan::kDot ? 1 : 0; }
+
+// 1 where the float32 code is the AVX-512 one (-DRS_AVX512, and the AVX512-BF16 build), 0 for
+// the AVX2 build
+int32_t attnkit_span_avx512() { return rowspan::kWide ? 1 : 0; }
 
 // out (B, H, L, Dv) in q's dtype, lse (B, H, L) float32 of rows attending keys lo[i]..hi[i]
 // (lo, hi: int64 (lo_rows = 1 or B, lo_cols = L)). Scores are modified before the softmax:
