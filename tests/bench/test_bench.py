@@ -613,3 +613,23 @@ def test_a_fast_call_is_repeated_within_its_round_and_the_round_takes_the_mean(
         times = got[name]["times"]
         assert len(times) == 3  # one time a round: the mean of its calls
         assert all(peer.seconds <= t < peer.seconds + 0.5 for t in times)
+
+
+@pytest.mark.parametrize(
+    ("value", "bar", "passed", "shown"),
+    [
+        (0.4996, ">= 0.5", False, "0.4996"),  # three digits would print the bar beside FAIL
+        (0.50004, ">= 0.5", True, "0.50004"),
+        (0.5, ">= 0.5", True, "0.5"),
+        (0.766, ">= 0.65", True, "0.766"),
+        (3.512, ">= 4x", False, "3.51"),
+        (None, ">= 0.5", None, "-"),
+    ],
+)
+def test_a_measured_value_is_never_printed_as_its_bar_when_it_differs(
+    value: float | None, bar: str, passed: bool | None, shown: str
+) -> None:
+    from attnkit.bench.results import Check
+
+    check = Check("criterion", "row", value, bar, passed)
+    assert check.shown == shown

@@ -168,8 +168,7 @@ def print_table(result: BenchResult) -> None:
         checks.add_column(h)
     for c in ran:
         verdict = "not run" if c.passed is None else ("PASS" if c.passed else "FAIL")
-        value = "-" if c.value is None else f"{c.value:.3g}"
-        checks.add_row(c.what, value, c.bar, verdict)
+        checks.add_row(c.what, c.shown, c.bar, verdict)
     console.print(checks)
     if any("bfloat16" in c.row for c in ran):
         console.print(bf16_note(result))
@@ -218,8 +217,7 @@ def to_markdown(result: BenchResult) -> str:
     lines.append("|---|---|---|---|---|")
     for c in ran:
         verdict = "not run" if c.passed is None else ("PASS" if c.passed else "**FAIL**")
-        value = "-" if c.value is None else f"{c.value:.3g}"
-        lines.append(f"| {c.what} | {c.row} | {value} | {c.bar} | {verdict} |")
+        lines.append(f"| {c.what} | {c.row} | {c.shown} | {c.bar} | {verdict} |")
     return "\n".join(lines) + "\n"
 
 

@@ -9,6 +9,7 @@ Where each criterion comes from is in docs/benchmarks.md.
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -122,6 +123,28 @@ class Check:
     value: float | None
     bar: str
     passed: bool | None
+
+    @property
+    def shown(self) -> str:
+        """The value as the report prints it: three significant digits, more where three
+        would print the bar's own number (0.4996 against ``>= 0.5`` reads ``0.4996``, not a
+        ``0.5`` beside FAIL); ``-`` where not run.
+
+        >>> Check("x", "r", 0.4996, ">= 0.5", False).shown
+        '0.4996'
+        >>> Check("x", "r", 0.766, ">= 0.65", True).shown
+        '0.766'
+        """
+        if self.value is None:
+            return "-"
+        found = re.findall(r"[-+]?\d*\.?\d+(?:[eE][-+]?\d+)?", self.bar)
+        bar = float(found[-1]) if found else None
+        text = f"{self.value:.3g}"
+        for digits in range(4, 8):
+            if bar is None or float(text) != bar or self.value == bar:
+                break
+            text = f"{self.value:.{digits}g}"
+        return text
 
 
 def _find(result: BenchResult, workload: str, L: int, dtype: str, mode: str) -> Row | None:
