@@ -228,3 +228,112 @@ def test_explain_names_the_kernel_a_direct_run_calls() -> None:
     assert e.chosen == "blocked"
     assert "attnkit's AVX2 decode kernel" in e.notes["blocked"]
     assert not memo.DIRECT  # explain keeps nothing
+
+
+# --- SDPA's direct runs: calls torch gets as they are (no mask tensor, K/V not repeated) ----
+
+SDPA_CALLS: dict[str, Any] = {
+    "none": lambda: {},
+    "causal": lambda: {"causal": True},  # L == S: torch's is_causal
+    "unmasked spec": lambda: {"mask": masks.unmasked()},
+    "padding that pads nothing": lambda: {"mask": masks.padding(torch.tensor([24, 24]))},
+}
+
+
+def _sdpa_qkv(
+    H: int, Hkv: int, L: int = 24, seed: int = 0, dtype: torch.dtype = torch.float32,
+    views: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """An encoder layer's q, k, v: ``(2, H, L, 32)``; with ``views`` transposed views of
+    ``(B, L, heads, D)`` projections, as transformers' layers hand them over."""
+    if not views:
+        return _qkv(B=2, H=H, Hkv=Hkv, L=L, S=L, D=32, seed=seed, dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, L, H, 32, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(2, L, Hkv, 32, generator=g).to(dtype).transpose(1, 2)
+    return q, k, torch.randn(2, L, Hkv, 32, generator=g).to(dtype).transpose(1, 2)
+
+
+@pytest.mark.parametrize("views", [False, True])
+@pytest.mark.parametrize(("H", "Hkv"), [(4, 4), (6, 2)])
+@pytest.mark.parametrize("call", list(SDPA_CALLS))
+def test_a_repeated_sdpa_call_runs_directly_and_matches_the_oracle(
+    monkeypatch: pytest.MonkeyPatch, call: str, H: int, Hkv: int, views: bool
+) -> None:
+    """An encoder's or a short prefill's call (24 x 24: auto takes SDPA): the first call takes
+    the whole path and keeps torch's call; the second (new values) runs it without any check
+    or decision and gives the oracle's answer."""
+    kw = SDPA_CALLS[call]()
+    q, k, v = _sdpa_qkv(H, Hkv, views=views)
+    assert attnkit.explain(q, k, v, **kw).chosen == "sdpa"
+    first = attnkit.attention(q, k, v, **kw)
+    assert len(memo.DIRECT) == 1
+    dense = {"mask": kw["mask"].to_dense(24, 24)} if "mask" in kw else kw
+    _check(first, q, k, v, **dense)
+    _no_whole_path(monkeypatch)
+    q2, k2, v2 = _sdpa_qkv(H, Hkv, seed=1, views=views)
+    second = attnkit.attention(q2, k2, v2, **kw)
+    _check(second, q2, k2, v2, **dense)
+    assert second.shape == (2, H, 24, 32)
+
+
+@pytest.mark.parametrize(
+    ("kw", "why"),
+    [
+        ({"mask": masks.causal() & masks.sliding_window(4)}, "a mask tensor made for torch"),
+        ({"mask": masks.padding(torch.tensor([24, 10]))}, "a mask tensor made for torch"),
+        ({"causal": True, "dtype": torch.bfloat16}, "float32 copies"),
+    ],
+)
+def test_sdpa_calls_that_need_more_than_torch_take_the_whole_path(
+    kw: dict[str, Any], why: str
+) -> None:
+    """A materialised mask, or float32 copies on the fp32-upcast path: no direct run is kept
+    (each call makes them); the answers are the oracle's."""
+    kw = dict(kw)
+    dtype = kw.pop("dtype", torch.float32)
+    q, k, v = _sdpa_qkv(4, 2, dtype=dtype)
+    e = attnkit.explain(q, k, v, **kw)
+    assert e.chosen == "sdpa"
+    if dtype != torch.float32 and "fp32-upcast" not in str(e):
+        pytest.skip(f"{dtype} runs on the native CPU path here, as it is ({why} not made)")
+    for _ in range(2):
+        out = attnkit.attention(q, k, v, **kw)
+        assert not memo.DIRECT, why
+    dense = {"mask": kw["mask"].to_dense(24, 24)} if "mask" in kw else kw
+    _check(out, q, k, v, **dense)
+
+
+def test_nan_on_a_direct_sdpa_run_takes_the_whole_path() -> None:
+    """After torch's call is kept: NaN in one query row gives NaN in that row only; inf in a
+    value every row of its heads sees gives NaN in those heads' rows only (the exact rule)."""
+    q, k, v = _sdpa_qkv(6, 2)
+    attnkit.attention(q, k, v)
+    assert len(memo.DIRECT) == 1
+    q_bad = q.clone()
+    q_bad[1, 2, 5, 0] = math.nan
+    out = attnkit.attention(q_bad, k, v)
+    assert out[1, 2, 5].isnan().all()
+    rows = out.isnan().any(dim=-1)
+    assert int(rows.sum()) == 1
+    v_bad = v.clone()
+    v_bad[0, 1, 7, 3] = math.inf  # key/value head 1 serves query heads 3-5
+    out = attnkit.attention(q, k, v_bad)
+    assert out[0, 3:].isnan().all()
+    assert not out[0, :3].isnan().any()
+    assert not out[1].isnan().any()
+
+
+def test_an_unmasked_spec_is_an_unmasked_call_to_autos_rule() -> None:
+    """A spec that allows every pair of a non-causal call is what it is, no mask: auto gives it
+    to SDPA where it gives a call without a mask to SDPA (here 128 x 128, under the row-span
+    kernel's unmasked sizes), not to blocked as a mask spec to skip blocks of."""
+    q, k, v = _sdpa_qkv(4, 4, L=128)
+    for kw in ({"mask": masks.unmasked()}, {"mask": masks.padding(torch.tensor([128, 128]))}):
+        e = attnkit.explain(q, k, v, **kw)
+        assert e.chosen == attnkit.explain(q, k, v).chosen == "sdpa"
+        fires, words = e.rules["blocked"]
+        assert not fires
+        assert "allows every pair) call is 128 x 128" in words
+    narrower = attnkit.explain(q, k, v, mask=masks.padding(torch.tensor([128, 100])))
+    assert narrower.chosen == "blocked"  # a real mask spec of 128 x 128 pairs

@@ -32,11 +32,12 @@ This is the one description of the path of a call; the other modules point here.
    earlier one (sizes, strides, dtype, device, flags, the mask spec's key) takes the decision
    that call took, kept in a bounded cache (:mod:`attnkit.backends.memo`): a decode step asks
    no backend again, at any layer; its checks (step 1) and the memory limit still run. One
-   step further, where the backend offers it (:meth:`Backend.direct`: the decode kernel), a
-   decode call whose signature (sizes, dtypes, strides, flags, the spec's key) equals an
-   earlier one's runs that call's kernel on its tensors and nothing else: the checks of step 1
-   read only the signature, so they would pass again, and the kernel reports NaN or inf, for
-   which the call takes the whole path.
+   step further, where the backend offers it (:meth:`Backend.direct`: the decode kernel, and
+   SDPA on q, k, v as they are without a mask tensor), an eager CPU call without gradients
+   whose signature (sizes, dtypes, strides, flags, the spec's key) equals an earlier one's
+   runs that call's kernel on its tensors and nothing else: the checks of step 1 read only
+   the signature, so they would pass again, and NaN or inf (the decode kernel reports it;
+   SDPA's direct run sums q, k and v first) sends the call down the whole path.
 3. :meth:`Choice.run` runs the decision under the contract every backend runs under:
    ``backend.run(call, decision.plan)``, where
 

@@ -44,7 +44,11 @@ nothing else. That skips the checks too, which is exact: every check of
 a signature that passed them passes them again. The values are still read: the function
 returns ``None`` where the kernel saw NaN or inf, and the call then takes the whole path (the
 non-finite rule, :mod:`attnkit.backends.nonfinite`). Only a backend that offers such a function
-is kept (the blocked backend's decode kernel); :func:`clear` empties both caches.
+is kept: the blocked backend's decode kernel (it checks the values itself), and SDPA where
+torch gets q, k and v as they are and no mask tensor (no mask, causal, a spec that allows every
+pair: an encoder's layers, a short prefill), after one sum of each of q, k and v; a call that
+needs a materialised mask, repeated K/V or float32 copies takes the whole path every time.
+:func:`clear` empties both caches.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ import torch
 
 from attnkit.call import AttentionCall
 
-__all__ = ["NonFinite", "reporting", "sees_keys", "serve"]
+__all__ = ["NonFinite", "all_finite", "reporting", "sees_keys", "serve"]
 
 #: (query row, bad key) pairs evaluated at once when finding the rows that see a bad key
 _CHUNK_PAIRS = 1 << 20
@@ -167,14 +167,20 @@ def _checked(call: AttentionCall) -> bool:
 
 
 def _all_finite(call: AttentionCall) -> bool:
+    return all_finite(call.q, call.k, call.v)
+
+
+def all_finite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """One sum of each of q, k, v (float32 and float64 in their dtype, bfloat16/float16 in
     float32), each read as a Python float: finite means every entry is (a sum of finite
     numbers that overflows sends the call down the exact path, which finds nothing). The three
     numbers are added in Python (float64: no overflow), not as tensors: on a decode step's
-    small tensors each tensor operation costs more than the sum itself."""
-    total = _sum(call.q) + _sum(call.k)
-    if call.v is not call.k:
-        total += _sum(call.v)
+    small tensors each tensor operation costs more than the sum itself. :func:`serve`'s check,
+    and that of a backend's direct run (:meth:`attnkit.backends.Backend.direct`) that does
+    not check its inputs itself."""
+    total = _sum(q) + _sum(k)
+    if v is not k:
+        total += _sum(v)
     return math.isfinite(total)
 
 

@@ -19,12 +19,14 @@ Dk query/key head dim, Dv value head dim.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
+from attnkit.backends import nonfinite
 from attnkit.backends.base import Backend, Decision
 from attnkit.call import AttentionCall
 from attnkit.cpu import to_float32
@@ -229,6 +231,36 @@ class SdpaBackend(Backend):
         )
         dtype = call.q.dtype
         return (out if out.dtype == dtype else out.to(dtype)), None
+
+    def direct(
+        self, call: AttentionCall, plan: _Plan | None = None
+    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None] | None:
+        """Where torch gets q, k and v as they are and no mask tensor (no mask, a causal call,
+        a spec that allows every pair: the layers of an encoder or a short prefill), a later
+        call with the same signature (:func:`attnkit.backends.memo.direct_key`) runs
+        ``F.scaled_dot_product_attention`` with this plan's arguments directly, after the
+        non-finite check (:func:`attnkit.backends.nonfinite.all_finite`; ``None`` where an
+        input is not finite, and the whole path applies the rule). A materialised mask, K/V
+        repeated, or float32 copies (``fp32-upcast``) take the whole path every time."""
+        plan = _plan(call) if plan is None else plan
+        if plan.masked or plan.repeat_kv or call.upcast or call.device_type != "cpu":
+            return None
+        return _direct(plan, call.scale, call.grouped)
+
+
+def _direct(
+    plan: _Plan, scale: float | None, grouped: bool
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]:
+    """The run of :meth:`SdpaBackend.direct`: the non-finite check, then torch's call."""
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+        if not nonfinite.all_finite(q, k, v):
+            return None  # the whole path: the non-finite rule (attnkit.backends.nonfinite)
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=plan.is_causal, scale=scale, enable_gqa=grouped
+        )
+
+    return run
 
 
 def cuda_fused_kernel(

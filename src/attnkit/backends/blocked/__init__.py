@@ -209,12 +209,24 @@ def _dense_size(call: AttentionCall) -> bool:
     return L >= rowspan.DENSE_MIN_ROWS and least <= L * S
 
 
+def _no_mask(call: AttentionCall, compiling: bool) -> bool:
+    """No mask, or a spec that allows every pair of this non-causal call (``unmasked()``,
+    padding that pads nothing: :meth:`~attnkit.masks.MaskSpec.allows_all`): auto's rule
+    takes it as the unmasked call it is, not as a mask spec to skip blocks of."""
+    spec = call.mask
+    if spec is None:
+        return True
+    if spec.from_tensor or call.causal or compiling:
+        return False
+    return spec.allows_all(call.dims.L, call.dims.S)
+
+
 def _kernel_sized(call: AttentionCall, compiling: bool) -> bool:
     """A plain causal or an unmasked CPU call large enough for auto's rule to ask whether the
     row-span kernel runs it (not while torch.compile traces, where SDPA keeps them)."""
     if compiling or call.softcap is not None or call.sinks is not None:
         return False
-    if call.mask is None:
+    if _no_mask(call, compiling):
         return _dense_size(call)
     return call.dims.L * call.dims.S >= rowspan.CAUSAL_MIN_PAIRS and call.causal
 
@@ -272,11 +284,14 @@ def _rule(call: AttentionCall, kernel_plan: BlockPlan | None) -> tuple[bool, str
     sized = plan is not None and _kernel_sized(call, compiling)  # (not a small decode plan)
     if sized and plan is not None and plan.spans.serves:
         return True, _kernel_rule(call, plan)
-    if not extras and (spec is None or spec.from_tensor or call.causal):
+    unmasked = _no_mask(call, compiling)
+    if not extras and (unmasked or call.causal or (spec is not None and spec.from_tensor)):
         why, kind = "", "plain causal" if call.causal else "unmasked"
+        if unmasked and spec is not None:
+            kind = f"unmasked ({spec!r} allows every pair)"
         if sized and plan is not None:  # big enough, but the kernel does not run it
             why = f"; this {L} x {S} call is {kind}, but {plan.spans.reason}"
-        elif (call.causal or spec is None) and not compiling:  # too small
+        elif (call.causal or unmasked) and not compiling:  # too small
             train = " in training" if spec is None and call.needs_grad else ""
             why = f"; this {kind.removeprefix('plain ')} call is {L} x {S}{train}"
         return False, (
