@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from attnkit import masks
 from attnkit.backends.blocked import rowspan
+from attnkit.bench.runner import measure_gemm
 from attnkit.cpu import hardware_flags
 
 #: name -> (H, Hkv, L, D, mask kind, window, backward)
@@ -82,17 +83,6 @@ def _calls(row: str) -> tuple[dict[str, Callable[[], Any]], float]:
     return calls, flops
 
 
-def _gemm_rate(reps: int) -> float:
-    a, b = torch.randn(4096, 4096), torch.randn(4096, 4096)
-    a @ b
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t0)
-    return 2 * 4096**3 / statistics.median(times) / 1e9
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=5)
@@ -110,7 +100,7 @@ def main() -> None:
         f"CPU: {model}; {', '.join(avx512)}; torch {torch.__version__} capability "
         f"{torch.backends.cpu.get_cpu_capability()}; {args.threads} threads"
     )
-    print(f"fp32 GEMM 4096^3 before: {_gemm_rate(args.reps):.0f} GFLOP/s")
+    print(f"fp32 GEMM 4096^3 before: {measure_gemm(reps=args.reps):.0f} GFLOP/s")
     print(
         "| row | AVX2 build ms | AVX-512 build ms | SDPA ms | AVX-512 / AVX2 | SDPA / AVX-512 "
         "| AVX-512 GFLOP/s |"
@@ -134,7 +124,7 @@ def main() -> None:
             f"| {flops / a5 / 1e6:.0f} |",
             flush=True,
         )
-    print(f"fp32 GEMM 4096^3 after: {_gemm_rate(args.reps):.0f} GFLOP/s")
+    print(f"fp32 GEMM 4096^3 after: {measure_gemm(reps=args.reps):.0f} GFLOP/s")
 
 
 if __name__ == "__main__":
