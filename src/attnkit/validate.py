@@ -341,11 +341,13 @@ def warn_if_inverted_causal(
     convention (bool True = may attend, or float added); ``argument`` and ``convention`` say
     what the caller passed (a module's ``attn_mask`` keeps torch's meaning). It is checked only
     when the whole diagonal is blocked, so the usual masks cost one pass over the diagonal.
-    A spec, ``None``, or a tensor whose values cannot be read (:func:`can_read_values`) gets
-    no warning.
+    A spec, ``None``, a tensor whose values cannot be read (:func:`can_read_values`), or one
+    that is neither bool nor floating (not a mask: the caller's checks say so) gets no warning.
     """
     mask = allowed_mask
     if not isinstance(mask, torch.Tensor):
+        return
+    if mask.dtype != torch.bool and not mask.is_floating_point():
         return
     if not (mask.dim() >= 2 and mask.shape[-2] == mask.shape[-1] > 1) or not can_read_values(mask):
         return

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
@@ -401,3 +402,19 @@ def test_module_bad_inputs_end_in_attnkit_error(call: ModuleCall) -> None:
         assert not y.isnan().any()
         if out.weights is not None:
             assert not out.weights.isnan().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.int64, torch.uint8])
+def test_a_square_mask_of_no_mask_dtype_on_a_module_is_refused_not_crashed(
+    dtype: torch.dtype,
+) -> None:
+    """The inverted-causal warning reads a square mask's diagonal before the module's checks
+    run: a complex or integer mask must reach those checks (found by hypothesis: a complex
+    2 x 2 mask crashed in ``mask > -inf``)."""
+    m = attnkit.MultiHeadAttention(4, 1, kdim=1, vdim=1)
+    x, k, v = torch.randn(2, 2, 4), torch.randn(2, 2, 1), torch.randn(2, 2, 1)
+    with pytest.raises(AttentionInputError) as info:
+        m(x, k, v, mask=torch.ones(2, 2, dtype=dtype))
+    text = str(info.value)
+    assert "`mask` has dtype" in text
+    assert str(dtype) in text
