@@ -209,16 +209,15 @@ def _dense_size(call: AttentionCall) -> bool:
     return L >= rowspan.DENSE_MIN_ROWS and least <= L * S
 
 
-def _no_mask(call: AttentionCall, compiling: bool) -> bool:
+def _no_mask(call: AttentionCall) -> bool:
     """No mask, or a spec that allows every pair of this non-causal call (``unmasked()``,
-    padding that pads nothing: :meth:`~attnkit.masks.MaskSpec.allows_all`): auto's rule
-    takes it as the unmasked call it is, not as a mask spec to skip blocks of."""
+    padding that pads nothing: :meth:`~attnkit.masks.MaskSpec.allows_all`, never while
+    ``torch.compile`` traces): auto's rule takes it as the unmasked call it is, not as a mask
+    spec to skip blocks of."""
     spec = call.mask
     if spec is None:
         return True
-    if spec.from_tensor or call.causal or compiling:
-        return False
-    return spec.allows_all(call.dims.L, call.dims.S)
+    return not spec.from_tensor and not call.causal and spec.allows_all(call.dims.L, call.dims.S)
 
 
 def _kernel_sized(call: AttentionCall, compiling: bool) -> bool:
@@ -226,7 +225,7 @@ def _kernel_sized(call: AttentionCall, compiling: bool) -> bool:
     row-span kernel runs it (not while torch.compile traces, where SDPA keeps them)."""
     if compiling or call.softcap is not None or call.sinks is not None:
         return False
-    if _no_mask(call, compiling):
+    if _no_mask(call):
         return _dense_size(call)
     return call.dims.L * call.dims.S >= rowspan.CAUSAL_MIN_PAIRS and call.causal
 
@@ -284,7 +283,7 @@ def _rule(call: AttentionCall, kernel_plan: BlockPlan | None) -> tuple[bool, str
     sized = plan is not None and _kernel_sized(call, compiling)  # (not a small decode plan)
     if sized and plan is not None and plan.spans.serves:
         return True, _kernel_rule(call, plan)
-    unmasked = _no_mask(call, compiling)
+    unmasked = _no_mask(call)
     if not extras and (unmasked or call.causal or (spec is not None and spec.from_tensor)):
         why, kind = "", "plain causal" if call.causal else "unmasked"
         if unmasked and spec is not None:

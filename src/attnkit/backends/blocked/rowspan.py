@@ -302,11 +302,10 @@ def describe(spec: MaskSpec | None) -> str:
     return f"causal sliding window {w}" if w is not None else f"row spans of {spec!r}"
 
 
-#: the runs of recent (spec, sizes, positions), keyed by the spec's cache key (each entry holds
-#: its spec, so that the tensors its key names stay alive, and its plan per float32 build:
-#: ``isa`` -> plan): computing them took ~0.3 ms at L = 4096, a few percent of a window call in
-#: the kernel
-_RUNS: OrderedDict[Hashable, tuple[MaskSpec | None, dict[str, SpanPlan]]] = OrderedDict()
+#: the runs of recent (spec, sizes, positions, float32 build), keyed by the spec's cache key
+#: (each entry holds its spec, so that the tensors its key names stay alive): computing them
+#: took ~0.3 ms at L = 4096, a few percent of a window call in the kernel
+_RUNS: OrderedDict[Hashable, tuple[MaskSpec | None, SpanPlan]] = OrderedDict()
 RUNS_CACHE = 64
 
 
@@ -315,33 +314,25 @@ def clear_runs() -> None:
     _RUNS.clear()
 
 
-def _runs(
-    spec: MaskSpec | None,
-    L: int,
-    S: int,
-    q_start: int,
-    k_start: int,
-    off: int,
-    isa: str = "avx2",
-) -> SpanPlan:
+def _runs(spec: MaskSpec | None, L: int, S: int, q_start: int, k_start: int, off: int) -> SpanPlan:
     """The part of :func:`plan` that reads the mask only (runs, ALiBi's slopes, the holes), the
-    same for any q, k, v of these sizes, its ``isa`` the float32 build's: cached where the spec
-    has a key (``None``, no mask: every key of every row, one run ``0 ..= S - 1``)."""
+    same for any q, k, v of these sizes, its ``isa`` the build float32 runs in here (:func:`_isa`):
+    cached where the spec has a key (``None``, no mask: every key of every row, one run
+    ``0 ..= S - 1``)."""
+    isa = _isa()
     skey = ("no mask",) if spec is None else spec.key()
-    key: Hashable = (skey, L, S, q_start, k_start, off)
+    key: Hashable = (skey, L, S, q_start, k_start, off, isa)
     if skey is not None and key in _RUNS:
         _RUNS.move_to_end(key)
-        plans = _RUNS[key][1]
-    else:
-        plans = {"avx2": _make_runs(spec, L, S, q_start, k_start, off)}
-        if skey is not None:
-            _RUNS[key] = (spec, plans)
-            while len(_RUNS) > RUNS_CACHE:
-                _RUNS.popitem(last=False)
-    if isa not in plans:
-        base = plans["avx2"]
-        plans[isa] = base if base.lo is None else dataclasses.replace(base, isa=isa)
-    return plans[isa]
+        return _RUNS[key][1]
+    p = _make_runs(spec, L, S, q_start, k_start, off)
+    if p.lo is not None:
+        p = dataclasses.replace(p, isa=isa)
+    if skey is not None:
+        _RUNS[key] = (spec, p)
+        while len(_RUNS) > RUNS_CACHE:
+            _RUNS.popitem(last=False)
+    return p
 
 
 #: the cache key of :func:`attnkit.masks.unmasked`, the spec that says "no mask": every key
@@ -410,7 +401,7 @@ def plan(
         return NOT_SPANS
     L, S = q.shape[2], k.shape[2]
     off = S - L if off is None else off
-    p = _runs(spec, L, S, q_start, k_start, off, _isa())
+    p = _runs(spec, L, S, q_start, k_start, off)
     if p.lo is None or p.reason is not None:
         return p
     if p.slopes.numel() not in (0, q.shape[1]):
