@@ -63,6 +63,7 @@ class BuildKernels(build_ext):
         super().finalize_options()
         if self.parallel is None:
             self.parallel = len(self.extensions) or None  # one compiler per kernel
+        self.built: set[str] = set()  # the builds compiled in this run, for the manifest
 
     def get_ext_filename(self, fullname: str) -> str:
         return os.path.join(*fullname.split(".")) + ".so"
@@ -85,6 +86,8 @@ class BuildKernels(build_ext):
         if run.returncode != 0:
             out.unlink(missing_ok=True)
             self.warn(f"attnkit kernel {build.name} not built: the compiler failed")
+            return
+        self.built.add(build.name)
 
     def copy_extensions_to_source(self) -> None:
         """An editable install's copy of the kernels into the source tree (``_kernels`` is
@@ -103,6 +106,11 @@ class BuildKernels(build_ext):
         entries = {}
         for ext in self.extensions:
             build = BY_NAME[ext.name.rsplit(".", 1)[1]]
+            if build.name not in self.built:
+                # an older file of this build (an editable install's copy) is not this
+                # source's: removed, so that neither the manifest nor the loader takes it
+                (folder / f"{build.name}.so").unlink(missing_ok=True)
+                continue
             if (folder / f"{build.name}.so").exists():
                 entries[build.name] = {
                     "file": f"{build.name}.so",

@@ -26,14 +26,16 @@
 //   * K^T is packed incrementally (8x8 AVX transposes) into panels of 16 keys ([D][16])
 //     aligned to absolute key index; spans only move forward, so each key is packed once
 //     per work item and reused by every query block and every head of the group.
-//   * Query block of MB=48 rows (8 micro-tiles of 6 rows), pre-scaled by scale*log2(e) so
-//     the softmax uses exp2.
+//   * Query block of MB=48 rows (8 micro-tiles of 6 rows; 96 rows in the AVX-512 float32
+//     forward, so each K panel and V row it reads serves twice the rows), pre-scaled by
+//     scale*log2(e) so the softmax uses exp2.
 //   * Keys processed in chunks of KC <= 512 (one chunk when the block's span is narrow);
 //     online softmax (running max / sum, rescale of O) across chunks.
 //   * S = Q K^T via a 6x16 register-blocked FMA micro-kernel (12 ymm accumulators); only
 //     tiles that intersect a tile's spans are computed, with a 6x8 kernel for half panels.
-//     AVX-512: a panel is one zmm per d; two panels at a time (6x32, 12 zmm accumulators), or
-//     one with the sum over d split in two (even / odd d); whole panels only.
+//     AVX-512: a panel is one zmm per d; four panels at a time (6x64, 24 zmm accumulators)
+//     where the tile's spans cover the 64 keys, else two (6x32, 12 accumulators), or one with
+//     the sum over d split in two (even / odd d); whole panels only.
 //   * Exact per-row softmax over the row's own span (vectorized degree-5 exp2 polynomial),
 //     P written in place over S, zeros at the ragged edges; a row with an empty span gets
 //     output 0 and lse -inf.
@@ -115,6 +117,7 @@ static inline void store_row(const float* src, elem_t<E>* dst, int64_t n, float 
 constexpr int MR = 6;    // rows of a micro tile
 constexpr int NR = 16;   // keys per packed K^T panel; output cols per PV tile
 constexpr int MB = 48;   // query rows per block (multiple of MR)
+constexpr int MBW = 96;  // the AVX-512 float32 forward's: K panels and V rows read half as often
 
 static const int32_t kMaskTbl[16] = {-1, -1, -1, -1, -1, -1, -1, -1,
                                      0,  0,  0,  0,  0,  0,  0,  0};
@@ -458,6 +461,34 @@ static inline void qk_6x32z_t(const float* __restrict q, int64_t D_,
   }
 }
 
+// s[6 x 64] = q[6 x D] * four consecutive panels (24 accumulators)
+template <int64_t DC>
+static inline void qk_6x64z_t(const float* __restrict q, int64_t D_,
+                              const float* __restrict kt, float* __restrict s, int64_t ss) {
+  const int64_t D = DC > 0 ? DC : D_;
+  __m512 a[MR][4];
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+  for (int64_t d = 0; d < D; ++d) {
+    __m512 k[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) k[c] = _mm512_load_ps(kt + c * NR * D + d * NR);
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      const __m512 x = _mm512_set1_ps(q[r * D + d]);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) a[r][c] = _mm512_fmadd_ps(x, k[c], a[r][c]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * ss + c * NR, a[r][c]);
+}
+
 // The scores of a 6-row tile whose keys run lo..hi against the panels from key j0 (panel: its
 // K^T) up to key jend (exclusive, at most j0 + 2 NR): both panels where the run reaches both,
 // else the one it reaches. Writes whole panels (16 columns each) at s.
@@ -533,44 +564,63 @@ static inline void ax_6xD(const float* p, int64_t ps, const float* x, int64_t D,
 }
 
 // The softmax's two passes over a row, 16 lanes at a time (the AVX2 row_max / row_exp below,
-// widened): max of s[a..b]; s[a..b] = 2^(s[a..b] - m) in place (nothing past b), their sum
-// (exp2_ps's polynomial on f = x - round(x); 2^round(x) applied with vscalefps: the same
-// results as exp2_ps's exponent add, two instructions fewer)
+// widened): max of s[a..b]; s[a..b] = 2^(s[a..b] - m) in place (nothing past b), their sum.
+// Four (max) and two (sum) independent accumulators, so neither pass waits on one chain of
+// dependent max / add instructions. 2^x (x clamped at -125 as exp2_ps does): vreduceps gives
+// f = x - floor(x) in [0, 1) in one instruction, a degree-5 minimax polynomial of 2^f on
+// [0, 1) (rel. error ~1.6e-7 in float32), vscalefps multiplies by 2^floor(x): 3 instructions
+// fewer than round, subtract and an exponent add.
+static constexpr float kExp2Poly01[6] = {0.0018775727367028594f, 0.008989344350993633f,
+                                         0.05582631751894951f,   0.24015361070632935f,
+                                         0.6931530833244324f,    0.9999999403953552f};
 static inline __m512 exp2_ps512(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
-  return _mm512_scalef_ps(p, n);
+  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_set1_ps(kExp2Poly01[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly01[i]));
+  return _mm512_scalef_ps(p, x);
 }
 static inline float row_max16(const float* s, int64_t a, int64_t b) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 m = ninf;
+  __m512 m0 = ninf, m1 = ninf, m2 = ninf, m3 = ninf;
   int64_t j = a;
-  for (; j + 16 <= b + 1; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
+  for (; j + 64 <= b + 1; j += 64) {
+    m0 = _mm512_max_ps(m0, _mm512_loadu_ps(s + j));
+    m1 = _mm512_max_ps(m1, _mm512_loadu_ps(s + j + 16));
+    m2 = _mm512_max_ps(m2, _mm512_loadu_ps(s + j + 32));
+    m3 = _mm512_max_ps(m3, _mm512_loadu_ps(s + j + 48));
+  }
+  for (; j + 16 <= b + 1; j += 16) m0 = _mm512_max_ps(m0, _mm512_loadu_ps(s + j));
   if (j <= b) {
     const __mmask16 k = static_cast<__mmask16>((1u << (b + 1 - j)) - 1);
-    m = _mm512_max_ps(m, _mm512_mask_loadu_ps(ninf, k, s + j));
+    m1 = _mm512_max_ps(m1, _mm512_mask_loadu_ps(ninf, k, s + j));
   }
-  return _mm512_reduce_max_ps(m);
+  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
 }
 static inline float row_exp16(float* s, int64_t a, int64_t b, float m) {
   const __m512 vm = _mm512_set1_ps(m);
-  __m512 acc = _mm512_setzero_ps();
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   int64_t j = a;
+  for (; j + 32 <= b + 1; j += 32) {
+    const __m512 e0 = exp2_ps512(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm));
+    const __m512 e1 = exp2_ps512(_mm512_sub_ps(_mm512_loadu_ps(s + j + 16), vm));
+    _mm512_storeu_ps(s + j, e0);
+    _mm512_storeu_ps(s + j + 16, e1);
+    acc0 = _mm512_add_ps(acc0, e0);
+    acc1 = _mm512_add_ps(acc1, e1);
+  }
   for (; j + 16 <= b + 1; j += 16) {
     const __m512 e = exp2_ps512(_mm512_sub_ps(_mm512_loadu_ps(s + j), vm));
     _mm512_storeu_ps(s + j, e);
-    acc = _mm512_add_ps(acc, e);
+    acc0 = _mm512_add_ps(acc0, e);
   }
   if (j <= b) {
     const __mmask16 k = static_cast<__mmask16>((1u << (b + 1 - j)) - 1);
     const __m512 e = exp2_ps512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), vm));
     _mm512_mask_storeu_ps(s + j, k, e);
-    acc = _mm512_mask_add_ps(acc, k, acc, e);
+    acc1 = _mm512_mask_add_ps(acc1, k, acc1, e);
   }
-  return _mm512_reduce_add_ps(acc);
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
 // bwd_row (below) without score modifiers, 16 lanes at a time: s = P = 2^(s - m), d = dS =
@@ -603,6 +653,8 @@ static inline int64_t bwd_row16(float* s, float* d, int64_t ja, int64_t jb, floa
 constexpr bool kWide = false;
 static inline void qk_pair(const float*, int64_t, const float*, int64_t, int64_t, int64_t,
                            int64_t, float*, int64_t) {}
+template <int64_t DC>
+static inline void qk_6x64z_t(const float*, int64_t, const float*, float*, int64_t) {}
 static inline float row_max16(const float*, int64_t, int64_t) { return 0.0f; }
 static inline float row_exp16(float*, int64_t, int64_t, float) { return 0.0f; }
 static inline int64_t bwd_row16(float*, float*, int64_t, int64_t, float, float, float) {
@@ -1009,13 +1061,13 @@ struct Work {
 };
 
 static Work plan_work(int64_t B, int64_t Hkv, int64_t L, const Spans& sp, int64_t nth,
-                      int64_t maxkc) {
+                      int64_t maxkc, int64_t mb = MB) {
   Work w;
   const int64_t BK = B * Hkv;
   const int64_t target = std::max<int64_t>(1, (8 * nth + BK - 1) / BK);
   int64_t C = (L + target - 1) / target;
   C = std::min<int64_t>(C, 2048);
-  C = round_up(std::max<int64_t>(C, MB), MB);
+  C = round_up(std::max<int64_t>(C, mb), mb);
   w.C = C;
   w.nch = (L + C - 1) / C;
   w.nitems = BK * w.nch;
@@ -1023,8 +1075,8 @@ static Work plan_work(int64_t B, int64_t Hkv, int64_t L, const Spans& sp, int64_
   int64_t maxw = NR;
   std::vector<double> cost(static_cast<size_t>(nb * w.nch), 0.0);
   for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t i0 = 0; i0 < L; i0 += MB) {
-      const int64_t i1 = std::min<int64_t>(L, i0 + MB) - 1;
+    for (int64_t i0 = 0; i0 < L; i0 += mb) {
+      const int64_t i1 = std::min<int64_t>(L, i0 + mb) - 1;
       const int64_t blo = sp.l(b, i0), bhi = sp.h(b, i1);
       if (blo <= bhi) {
         maxw = std::max<int64_t>(maxw, bhi + 1 - (blo / NR) * NR);
@@ -1080,9 +1132,9 @@ static void run_items(const Work& w, int64_t nth, bool flush, Init init, Fn fn) 
 struct FwdState {
   GrowBuf kt, vb;  // vb: float32 V rows (low-precision inputs only), or V pairs (dot)
   AlignedBuf qs, sb, ob, zrow, pb;  // pb: P as bf16 pairs (dot)
-  FwdState(int64_t Dk, int64_t Dv, int64_t SS, bool dot)
-      : qs(MB * Dk), sb(MB * SS + NR), ob(MB * Dv), zrow(std::max(Dk, Dv)),
-        pb(dot ? MB * SS / 2 + NR : 1) {}
+  FwdState(int64_t mb, int64_t Dk, int64_t Dv, int64_t SS, bool dot)
+      : qs(mb * Dk), sb(mb * SS + NR), ob(mb * Dv), zrow(std::max(Dk, Dv)),
+        pb(dot ? mb * SS / 2 + NR : 1) {}
 };
 
 template <Dt E>
@@ -1095,15 +1147,16 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int64_t Hkv = k.size(1), S = k.size(2), Dv = v.size(3);
   const int64_t g = H / Hkv;
   const int64_t nth = std::max<int64_t>(1, at::get_num_threads());
-  const Work w = plan_work(B, Hkv, L, sp, nth, RS_MAXKC_FWD);
+  // bfloat16 dot products (the -DRS_BF16DOT build): Q, K, V and P as bf16 pairs
+  constexpr bool DOT = kDot && E == Dt::BF16;
+  constexpr int64_t FB = kWide && !DOT ? MBW : MB;  // query rows per block
+  const Work w = plan_work(B, Hkv, L, sp, nth, RS_MAXKC_FWD, FB);
   const int64_t C = w.C, nch = w.nch, KC = w.KC;
   const int64_t SS = KC + NR;  // S row stride (room for tail over-writes)
   const float sc = static_cast<float>(scale * 1.4426950408889634);
   const float ln2 = 0.6931471805599453f;
   const float NINF = -std::numeric_limits<float>::infinity();
   const bool modded = md.any(), holes = md.keys != nullptr;  // holes: a chunk may have none
-  // bfloat16 dot products (the -DRS_BF16DOT build): Q, K, V and P as bf16 pairs
-  constexpr bool DOT = kDot && E == Dt::BF16;
   const int64_t Dk2 = (Dk + 1) / 2, Dvp = round_up(Dv, 16);
   const int64_t OS = DOT ? Dvp : Dv;  // row stride of the output accumulators
   const T* qd = static_cast<const T*>(q.data_ptr());
@@ -1120,11 +1173,11 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
     }
   };
 
-  run_items(w, nth, DOT, [&] { return std::make_unique<FwdState>(Dk, OS, SS, DOT); },
+  run_items(w, nth, DOT, [&] { return std::make_unique<FwdState>(FB, Dk, OS, SS, DOT); },
             [&](FwdState& st, int64_t item) {
-    float mrow[MB], lrow[MB];
-    int64_t rl[MB], rh[MB];
-    int64_t tA[MB / MR], tB[MB / MR], tlo[MB / MR], thi[MB / MR];
+    float mrow[MBW], lrow[MBW];
+    int64_t rl[MBW], rh[MBW];
+    int64_t tA[MBW / MR], tB[MBW / MR], tlo[MBW / MR], thi[MBW / MR];
     const int64_t bk = item / nch, ci = item % nch;
     const int64_t b = bk / Hkv, hk = bk % Hkv, bs = sp.bstride ? b : 0;
     const T* kp = kd + bk * S * Dk;
@@ -1148,8 +1201,8 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
     }
     int64_t packed_end = kbase;
 
-    for (int64_t i0 = c0; i0 < c1; i0 += MB) {
-      const int64_t mr = std::min<int64_t>(MB, c1 - i0);
+    for (int64_t i0 = c0; i0 < c1; i0 += FB) {
+      const int64_t mr = std::min<int64_t>(FB, c1 - i0);
       for (int64_t r = 0; r < mr; ++r) { rl[r] = sp.l(bs, i0 + r); rh[r] = sp.h(bs, i0 + r); }
       const int64_t blo = rl[0], bhi = rh[mr - 1];
       if (blo > bhi) { empty_rows(b, hk, i0, mr); continue; }
@@ -1177,7 +1230,7 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
         T* op = od + bh * L * Dv;
         float* lp = ld + bh * L;
         const float slope = md.slopes ? md.slopes[hk * g + gi] : 0.0f;
-        for (int64_t r = 0; r < MB; ++r) {  // scaled Q block, zero padded
+        for (int64_t r = 0; r < FB; ++r) {  // scaled Q block, zero padded
           if constexpr (DOT) {  // unscaled bf16 pairs (the scores are scaled as stored)
             uint32_t* dst = reinterpret_cast<uint32_t*>(st.qs.p) + r * Dk2;
             if (r < mr) q_pairs(qp + (i0 + r) * Dk, Dk, dst);
@@ -1193,20 +1246,29 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
             std::fill(dst, dst + Dk, 0.0f);
           }
         }
-        std::fill(st.ob.p, st.ob.p + MB * OS, 0.0f);
-        for (int r = 0; r < MB; ++r) { mrow[r] = NINF; lrow[r] = 0.0f; }
+        std::fill(st.ob.p, st.ob.p + FB * OS, 0.0f);
+        for (int r = 0; r < FB; ++r) { mrow[r] = NINF; lrow[r] = 0.0f; }
         float* sb = st.sb.p;
 
         for (int64_t kc0 = (blo / NR) * NR; kc0 <= bhi; kc0 += KC) {
           const int64_t kc1 = std::min<int64_t>(kc0 + KC, bhi + 1);  // exclusive
           // ---- S = Q K^T on the tiles the spans touch
           if constexpr (kWide && !DOT) {  // two panels at a time, 16 keys a zmm
-            for (int64_t j0 = kc0; j0 < kc1; j0 += 2 * NR) {
+            for (int64_t j0 = kc0; j0 < kc1; j0 += 4 * NR) {  // 64 keys: 4 panels at a time
               const float* panel = kt + (j0 - kbase) * Dk;
-              const int64_t jend = std::min<int64_t>(j0 + 2 * NR, kc1);
-              for (int64_t t = 0; t < ntile; ++t)
-                qk_pair(st.qs.p + t * MR * Dk, Dk, panel, j0, jend, tlo[t], thi[t],
-                        sb + t * MR * SS + (j0 - kc0), SS);
+              for (int64_t t = 0; t < ntile; ++t) {
+                const float* qt = st.qs.p + t * MR * Dk;
+                float* sd = sb + t * MR * SS + (j0 - kc0);
+                if (j0 + 4 * NR <= kc1 && tlo[t] <= j0 && thi[t] >= j0 + 4 * NR - 1) {
+                  if (Dk == 64) qk_6x64z_t<64>(qt, Dk, panel, sd, SS);
+                  else if (Dk == 128) qk_6x64z_t<128>(qt, Dk, panel, sd, SS);
+                  else qk_6x64z_t<0>(qt, Dk, panel, sd, SS);
+                  continue;
+                }
+                for (int64_t j = j0; j < std::min<int64_t>(j0 + 4 * NR, kc1); j += 2 * NR)
+                  qk_pair(qt, Dk, kt + (j - kbase) * Dk, j, std::min<int64_t>(j + 2 * NR, kc1),
+                          tlo[t], thi[t], sb + t * MR * SS + (j - kc0), SS);
+              }
             }
           } else
           for (int64_t j0 = kc0; j0 < kc1; j0 += NR) {
