@@ -613,9 +613,9 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, ...]]:
         def __init__(self, isa: str = "avx2") -> None:
             self.real = builds(isa)
 
-        def span_forward(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        def span_forward_finite(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor, bool]:
             seen.append((*args[0].shape, args[1].shape[1]))
-            return self.real.span_forward(*args)  # type: ignore[no-any-return]
+            return self.real.span_forward_finite(*args)  # type: ignore[no-any-return]
 
         def span_backward(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             seen.append(("backward", *args[0].shape))
@@ -910,3 +910,75 @@ def test_float32_runs_in_the_avx512_build_where_the_cpu_has_it_and_the_switch_ke
     blocked.clear_plans()
     with pytest.raises(ValueError, match="ATTNKIT_ROWSPAN_ISA='avx-512': expected one of auto"):
         rowspan.plan(spec, q, q, q)
+
+
+@pytest.mark.parametrize("isa", FP32_ISAS)
+def test_the_kernel_reports_nan_and_inf_it_reads_and_only_those(isa: str) -> None:
+    """``span_forward_finite``: False for NaN or inf in a query row (one whose span is empty
+    too), or in a key or value row some span reaches; True for one that no span reaches (past
+    the kernel's panel of the last key a row sees)."""
+    kern = fp32_kernel(isa)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 4, 200, 32, generator=g) for _ in range(3))
+    lengths = torch.tensor([200, 100])
+    plan = rowspan.plan(masks.padding(lengths), q, k, v)
+    assert plan.serves, plan.reason
+    assert kern.span_forward_finite(q, k, v, plan, 0.2, 0.0)[2]
+    cases = [
+        ("q", (0, 2, 50, 3), math.nan, False),
+        ("k", (0, 1, 199, 0), math.inf, False),
+        ("v", (1, 3, 99, 31), -math.inf, False),
+        ("k", (1, 0, 180, 5), math.nan, True),  # past sequence 1's 100 keys: never read
+        ("v", (1, 0, 150, 5), math.inf, True),
+    ]
+    for name, at, value, finite in cases:
+        t = {"q": q, "k": k, "v": v}
+        bad = t[name].clone()
+        bad[at] = value
+        t[name] = bad
+        out, _, got = kern.span_forward_finite(t["q"], t["k"], t["v"], plan, 0.2, 0.0)
+        assert got is finite, (name, at, value)
+        if finite:  # what it computed is the answer: no row saw the bad entry
+            assert torch.equal(out, kern.span_forward(q, k, v, plan, 0.2, 0.0)[0])
+    # a query row whose span is empty is read for the check only: NaN there is reported too
+    empty = torch.tensor([200, 0])
+    plan0 = rowspan.plan(masks.padding(empty), q, k, v)
+    bad_q = q.clone()
+    bad_q[1, 0, 7, 0] = math.nan
+    assert not kern.span_forward_finite(bad_q, k, v, plan0, 0.2, 0.0)[2]
+    assert kern.span_forward_finite(q, k, v, plan0, 0.2, 0.0)[2]
+
+
+@pytest.mark.parametrize("isa", FP32_ISAS)
+def test_a_call_on_the_kernel_sums_nothing_and_follows_the_nonfinite_rule(
+    isa: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel checks what it reads, so the dispatcher skips its sums over q, k, v; NaN and
+    inf still reach exactly the rows the float64 oracle gives NaN."""
+    from attnkit.backends import nonfinite
+
+    sums: list[int] = []
+    real = nonfinite._all_finite
+    monkeypatch.setattr(nonfinite, "_all_finite", lambda call: sums.append(1) or real(call))
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(3, 4, 160, 16, generator=g)
+    k, v = (torch.randn(3, 2, 160, 16, generator=g) for _ in range(2))
+    spec = masks.padding(torch.tensor([160, 60, 0])) & masks.causal()
+    with running(isa):
+        assert "row-span kernel" in str(attnkit.explain(q, k, v, mask=spec, backend="blocked"))
+        out = attnkit.attention(q, k, v, mask=spec, backend="blocked")
+        assert sums == []  # a finite call: no sum over q, k, v
+        assert torch.isfinite(out).all()
+        k[1, 0, 130, 2] = math.nan  # past sequence 1's 60 keys: seen by no row
+        v[0, 1, 40, 0] = math.inf  # seen by sequence 0's heads 2, 3 from row 40 on
+        k[0, 0, 150, 1] = -math.inf  # seen by sequence 0's heads 0, 1 from row 150 on
+        q[2, 3, 5, 7] = math.nan  # a row of the empty sequence
+        out = attnkit.attention(q, k, v, mask=spec, backend="blocked")
+    want, _ = reference_attention(q, k, v, mask=spec.to_dense(160, 160))
+    nan = torch.isnan(want).any(-1)
+    assert torch.equal(torch.isnan(out).any(-1), nan)
+    assert int(nan[0, 2:].sum()) == 2 * 120 and int(nan[0, :2].sum()) == 2 * 10
+    assert not bool(nan[1].any())
+    assert int(nan[2].sum()) == 1
+    naive, _ = reference_attention(q, k, v, mask=spec.to_dense(160, 160), dtype=torch.float32)
+    within_naive(out, want, naive, where=~nan[..., None].expand_as(want), what="finite rows")

@@ -44,7 +44,7 @@ This is the one description of the path of a call; the other modules point here.
    * NaN or inf in q, k or v (:mod:`attnkit.backends.nonfinite`, eager calls on the CPU): the
      backend runs on copies with them zeroed, and the rows that could see them are set to NaN;
      a finite call pays one sum per tensor, except where the plan checks what it reads itself
-     (``plan.checks_finite``: the blocked backend's decode kernel);
+     (``plan.checks_finite``: the blocked backend's decode kernel and row-span forward);
    * second derivatives: the output of a backend whose graph does not differentiate twice
      (``twice_differentiable``: all but ``math``) goes through
      :mod:`attnkit.backends.second_order`, so that a second derivative (``create_graph=True``)

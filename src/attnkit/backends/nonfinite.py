@@ -23,7 +23,9 @@ through :func:`serve`, so a backend's ``run`` never sees a non-finite input on a
 call, and a new backend follows the rule with no code of its own
 (``tests/test_nonfinite_inputs.py`` holds every registered backend to it).
 
-Cost: the common all-finite call pays one sum of each of q, k and v, read as Python floats;
+Cost: the common all-finite call pays one sum of each of q, k and v, read as Python floats
+(none where the plan checks what it reads, ``checks=True`` below: the blocked backend's decode
+kernel, and its row-span kernel's forward, which check each element where they read it);
 only a call that holds a non-finite number pays the per-row work (which key positions are bad,
 and which query rows the mask lets see them, evaluated on those columns only). Eager calls on
 the CPU only: elsewhere the sum would wait for the device (or, inside ``torch.compile``,
@@ -76,8 +78,8 @@ def serve(
     """``run(call)`` (a backend's run on its decision's plan) under the rule above:
     ``(out, weights or None)``. The dispatcher runs every backend through it
     (:meth:`attnkit.backends.Choice.run`). ``checks``: the plan reports non-finite inputs
-    itself (the decode kernel reads every q, k, v it uses once and says whether one was not
-    finite, raising :class:`NonFinite` while :func:`reporting`), so a finite call pays no sum
+    itself (the decode kernel and the row-span kernel's forward say whether a q, k or v
+    element they read was not finite, raising :class:`NonFinite` while :func:`reporting`), so a finite call pays no sum
     over q, k, v; otherwise one float32 sum per tensor decides."""
     if not _checked(call):
         return run(call)

@@ -133,7 +133,7 @@ def _block_plan(call: AttentionCall) -> BlockPlan:
 def _converts(call: AttentionCall, plan: BlockPlan) -> bool:
     """Whether the call runs on float32 copies: on ``fp32-upcast``, unless the row-span kernel
     reads the input dtype directly (and never where the decode kernel runs the call)."""
-    if plan.checks_finite:
+    if plan.decodes:
         return False
     return call.upcast and not (plan.spans.serves and plan.spans.dtype == call.q.dtype)
 
@@ -392,7 +392,7 @@ class BlockedBackend(Backend):
         """The plan in one line, and what changes under ``torch.compile``, for
         :func:`attnkit.explain`."""
         reason = compiled.unsupported(call)
-        if plan is not None and plan.checks_finite:
+        if plan is not None and plan.decodes:
             return self._plan_note(call, plan) + (
                 "; under torch.compile it runs as one custom op "
                 f"({compiled.OP}) on the row-span kernel or tiles, not the decode kernel"
@@ -411,7 +411,7 @@ class BlockedBackend(Backend):
         if call.cpu_path is not None:
             how = "float32 copies of q, k, v" if call.upcast else f"q, k, v in {call.q.dtype}"
             prefix = f"{call.cpu_path} path: the kernels run on {how}; "
-            if plan is not None and plan.checks_finite:
+            if plan is not None and plan.decodes:
                 prefix = f"{call.cpu_path} path: "
             elif plan is not None and call.upcast and not _converts(call, plan):
                 name = str(call.q.dtype).removeprefix("torch.")

@@ -23,6 +23,7 @@ import torch
 
 import attnkit.backends.blocked.rowspan as rowspan
 import attnkit.backends.blocked.tiles as tiles
+from attnkit.backends import nonfinite
 from attnkit.backends.blocked.config import current
 from attnkit.backends.blocked.decode import DecodePlan
 from attnkit.backends.blocked.plan import Plan, make_plan
@@ -68,10 +69,18 @@ class BlockPlan:
     decode: DecodePlan | None = None  #: the decode kernel's plan (decode-shaped calls only)
 
     @property
-    def checks_finite(self) -> bool:
-        """The decode kernel runs the call and reports NaN/inf itself
-        (:func:`attnkit.backends.nonfinite.serve` reads it)."""
+    def decodes(self) -> bool:
+        """The decode kernel runs the call's forward."""
         return self.decode is not None and self.decode.serves
+
+    @property
+    def checks_finite(self) -> bool:
+        """A kernel runs the call and reports NaN/inf itself: the decode kernel, or the
+        row-span kernel's forward (:func:`forward_with_lse` raises
+        :class:`~attnkit.backends.nonfinite.NonFinite` while
+        :func:`~attnkit.backends.nonfinite.reporting`); read by
+        :func:`attnkit.backends.nonfinite.serve`, which then sums nothing first."""
+        return self.decodes or self.spans.serves
 
     def tiles(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backward: bool = False
@@ -199,9 +208,12 @@ def forward_with_lse(
     with torch.no_grad():
         sp = p.spans
         if sp.serves:  # attnkit's row-span kernel
-            return rowspan.kernel(sp.isa).span_forward(  # type: ignore[no-any-return]
+            out, lse, finite = rowspan.kernel(sp.isa).span_forward_finite(
                 q, k, v, sp, float(scale), p.softcap or 0.0
             )
+            if not finite and nonfinite.reporting():  # NaN/inf read: the rule's exact path
+                raise nonfinite.NonFinite
+            return out, lse
         return tiles.forward(p.tiles(q, k, v), q, k, v, scale, p.softcap)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 #: the version of the C ABI the Python side speaks (``attnkit_abi_version()`` of every build)
-ABI = 1
+ABI = 2
 #: the kernels' sources, beside this file
 CSRC = Path(__file__).resolve().parent / "csrc"
 #: the headers every source starts with, in this order

@@ -274,7 +274,25 @@ class SpanKernel(Library):
         scale: float,
         softcap: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out (B, H, L, Dv) in q's dtype, lse (B, H, L) float32)`` of the plan ``spans``."""
+        """``(out (B, H, L, Dv) in q's dtype, lse (B, H, L) float32)`` of the plan ``spans``
+        (what the kernel computed, NaN or inf read or not: see :meth:`span_forward_finite`)."""
+        out, lse, _ = self.span_forward_finite(q, k, v, spans, scale, softcap)
+        return out, lse
+
+    def span_forward_finite(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        spans: Spans,
+        scale: float,
+        softcap: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """``(out, lse, finite)``: :meth:`span_forward`'s results, and False where a query row,
+        or a key or value row that some row's span reaches (rounded out to the kernel's
+        16-key panels), held NaN or inf. The kernel checks each element where it reads it
+        anyway (no pass of its own), so the dispatcher's non-finite rule
+        (:mod:`attnkit.backends.nonfinite`) needs no sums over q, k and v first."""
         (q, k, v, *_), dt, (a, sl, nsl, ka, *_keep) = self._inputs(q, k, v, spans)
         B, H, L = q.shape[:3]
         out = torch.empty((B, H, L, v.shape[3]), dtype=q.dtype)
@@ -284,9 +302,9 @@ class SpanKernel(Library):
             float(scale), float(softcap), sl, nsl, int(spans.d0), *ka,
             out.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
-        if rc:
+        if rc == 1:
             raise self.error()
-        return out, lse
+        return out, lse, rc == 0
 
     def span_backward(
         self,

@@ -446,6 +446,7 @@ def _lazy(isa: str) -> native.Lazy:
 
 def kernel(isa: str = "avx2") -> Any:
     """The loaded C++ module: ``span_forward(q, k, v, spans, scale, softcap) -> (out, lse)``
+    (``span_forward_finite``: the same and whether every q, k, v element it read was finite)
     and ``span_backward(q, k, v, out, dout, lse, spans, scale, softcap) -> (dq, dk, dv)``;
     ``spans`` a :class:`SpanPlan` (or any object with its ``lo``, ``hi``, ``slopes``, ``d0``,
     ``keys``: :class:`attnkit.backends.blocked.native.Spans`); ``softcap`` > 0 caps the scaled

@@ -51,6 +51,23 @@ static inline float load1(const elem_t<E>* p) {
   }
 }
 
+// whether the n elements at p are all finite (no NaN, no inf): an exponent field of all ones
+// is either; read as integers, so the loop vectorises for every element type
+template <Dt E>
+static inline bool all_finite(const elem_t<E>* p, int64_t n) {
+  if constexpr (E == Dt::F32) {
+    const uint32_t* u = reinterpret_cast<const uint32_t*>(p);
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < n; ++i) bad |= (u[i] & 0x7F800000u) == 0x7F800000u;
+    return bad == 0;
+  } else {
+    const uint16_t m = E == Dt::BF16 ? 0x7F80 : 0x7C00;  // bfloat16's, float16's exponent
+    uint16_t bad = 0;
+    for (int64_t i = 0; i < n; ++i) bad |= (p[i] & m) == m;
+    return bad == 0;
+  }
+}
+
 // one float32 as an element, rounded to nearest even (bfloat16: NaN -> 0x7FC0), as torch rounds
 template <Dt E>
 static inline void store1(elem_t<E>* p, float x) {

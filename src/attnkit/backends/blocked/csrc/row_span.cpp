@@ -41,6 +41,9 @@
 //     output 0 and lse -inf.
 //   * O += P V via a 6x16 micro-kernel over the key range of each 6-row tile (V in place);
 //     AVX-512: 6 x 64 columns at a time (24 zmm accumulators), a tail of fewer with masks.
+//   * NaN / inf: every query row, and the K and V rows of the panels an item packs (the keys
+//     its rows' spans reach, rounded out to whole panels), are checked where they are read;
+//     attnkit_span_forward returns 2 where one was not finite (the caller applies the rule).
 //   * Backward from the saved lse over the same panels (K^T and V^T): dQ per row; dK, dV
 //     summed per item over the group's heads, then added per key stripe in the items' order
 //     (bitwise the same on every run with the same number of threads).
@@ -1140,7 +1143,7 @@ struct FwdState {
 template <Dt E>
 static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const Spans& sp, double scale, const Mods& md, at::Tensor& out,
-                         at::Tensor& lse) {
+                         at::Tensor& lse, bool& finite) {
   using T = elem_t<E>;
   constexpr bool LOWP = E != Dt::F32;
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), Dk = q.size(3);
@@ -1165,9 +1168,18 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
   T* od = static_cast<T*>(out.data_ptr());
   float* ld = lse.data_ptr<float>();
 
+  // NaN or inf in a query row, or in a key or value row a span may reach (the K panels and V
+  // rows an item packs or reads: its rows' keys, rounded out to whole panels), clears
+  // `finite`: the caller then applies the non-finite rule (attnkit.backends.nonfinite). Each
+  // element is checked where it is read anyway, so a finite call pays no pass of its own.
+  std::atomic<bool> bad{false};
+  auto check = [&](const T* p, int64_t n) {
+    if (n > 0 && !all_finite<E>(p, n)) bad.store(true, std::memory_order_relaxed);
+  };
   auto empty_rows = [&](int64_t b, int64_t hk, int64_t r0, int64_t n) {
     for (int64_t gi = 0; gi < g; ++gi) {
       const int64_t bh = b * H + hk * g + gi;
+      check(qd + (bh * L + r0) * Dk, n * Dk);  // a bad query row is NaN whatever its mask
       std::fill(od + (bh * L + r0) * Dv, od + (bh * L + r0 + n) * Dv, T(0));
       std::fill(ld + bh * L + r0, ld + bh * L + r0 + n, NINF);
     }
@@ -1208,6 +1220,9 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
       if (blo > bhi) { empty_rows(b, hk, i0, mr); continue; }
       const int64_t need = round_up(bhi + 1, NR);  // pack K^T panels up to bhi
       while (packed_end < need) {
+        const int64_t rows = std::min<int64_t>(packed_end + NR, S) - packed_end;
+        check(kp + packed_end * Dk, rows * Dk);
+        check(vp + packed_end * Dv, rows * Dv);
         if constexpr (DOT) {
           const int64_t at = packed_end - kbase;
           pack_k_pairs(kp, packed_end, S, Dk, reinterpret_cast<uint32_t*>(kt) + at * Dk2);
@@ -1230,6 +1245,7 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
         T* op = od + bh * L * Dv;
         float* lp = ld + bh * L;
         const float slope = md.slopes ? md.slopes[hk * g + gi] : 0.0f;
+        check(qp + i0 * Dk, mr * Dk);
         for (int64_t r = 0; r < FB; ++r) {  // scaled Q block, zero padded
           if constexpr (DOT) {  // unscaled bf16 pairs (the scores are scaled as stored)
             uint32_t* dst = reinterpret_cast<uint32_t*>(st.qs.p) + r * Dk2;
@@ -1367,6 +1383,7 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
       }
     }
   });
+  finite = !bad.load();
 }
 
 // ---------------------------------------------------------------------------
@@ -1900,7 +1917,7 @@ struct Entry {
 extern "C" {
 
 // the version of this interface: native.py refuses a build whose version it does not know
-int32_t attnkit_abi_version() { return 1; }
+int32_t attnkit_abi_version() { return 2; }
 
 const char* attnkit_last_error() { return attnkit_abi::last_error().c_str(); }
 
@@ -1918,14 +1935,16 @@ int32_t attnkit_span_avx512() { return rowspan::kWide ? 1 : 0; }
 // (lo, hi: int64 (lo_rows = 1 or B, lo_cols = L)). Scores are modified before the softmax:
 // softcap > 0 caps them (c tanh(s / c)), n_slopes = H slopes add ALiBi's -slope_h |i + d0 - j|
 // (query row i, local key j), and keys_rows = 1 or B rows of keys_cols >= S + 8 floats add
-// each key's 0 or -inf (holes in the runs; see Mods).
+// each key's 0 or -inf (holes in the runs; see Mods). Returns 0, 1 (an error: see
+// attnkit_last_error) or 2: done, but a q, k or v element it read was NaN or inf.
 int32_t attnkit_span_forward(const void* q, const void* k, const void* v, int32_t dtype,
                              const int64_t* sizes, const int64_t* lo, const int64_t* hi,
                              int64_t lo_rows, int64_t lo_cols, double scale, double softcap,
                              const double* slopes, int64_t n_slopes, int64_t d0,
                              const float* keys, int64_t keys_rows, int64_t keys_cols, void* out,
                              float* lse, int64_t nthreads) {
-  return attnkit_abi::guarded([&] {
+  bool finite = true;
+  const int32_t rc = attnkit_abi::guarded([&] {
     const rowspan::Entry e(q, k, v, sizes, dtype, lo, hi, lo_rows, lo_cols, softcap, slopes,
                            n_slopes, d0, keys, keys_rows, keys_cols);
     const int64_t B = e.B, H = e.H, L = e.L, Dv = e.Dv;
@@ -1936,18 +1955,19 @@ int32_t attnkit_span_forward(const void* q, const void* k, const void* v, int32_
     using rowspan::Dt;
     switch (dtype) {
       case attnkit_abi::BF16:
-        rowspan::forward_impl<Dt::BF16>(e.q, e.k, e.v, e.sp, scale, e.md, to, tl);
+        rowspan::forward_impl<Dt::BF16>(e.q, e.k, e.v, e.sp, scale, e.md, to, tl, finite);
         break;
 #ifdef __F16C__
       case attnkit_abi::F16:
-        rowspan::forward_impl<Dt::F16>(e.q, e.k, e.v, e.sp, scale, e.md, to, tl);
+        rowspan::forward_impl<Dt::F16>(e.q, e.k, e.v, e.sp, scale, e.md, to, tl, finite);
         break;
 #endif
       default:
-        rowspan::forward_impl<Dt::F32>(e.q, e.k, e.v, e.sp, scale, e.md, to, tl);
+        rowspan::forward_impl<Dt::F32>(e.q, e.k, e.v, e.sp, scale, e.md, to, tl, finite);
         break;
     }
   });
+  return rc != 0 ? rc : (finite ? 0 : 2);
 }
 
 // dq in q's dtype, and dk, dv (B, Hkv, S, Dk / Dv) summed over each kv head's query heads in
