@@ -79,8 +79,8 @@ def serve(
     ``(out, weights or None)``. The dispatcher runs every backend through it
     (:meth:`attnkit.backends.Choice.run`). ``checks``: the plan reports non-finite inputs
     itself (the decode kernel and the row-span kernel's forward say whether a q, k or v
-    element they read was not finite, raising :class:`NonFinite` while :func:`reporting`), so a finite call pays no sum
-    over q, k, v; otherwise one float32 sum per tensor decides."""
+    element they read was not finite, raising :class:`NonFinite` while :func:`reporting`),
+    so a finite call pays no sum over q, k, v; otherwise one float32 sum per tensor decides."""
     if not _checked(call):
         return run(call)
     if checks:

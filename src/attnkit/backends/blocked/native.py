@@ -104,10 +104,8 @@ def prebuilt(build: builds.Build) -> tuple[Path | None, str]:
         return None, f"{ENV}=compile"
     manifest = _manifest(prebuilt_dir())
     if not manifest:
-        return (
-            None,
-            f"no prebuilt kernels in this install ({prebuilt_dir()} has no {builds.MANIFEST})",
-        )
+        why = f"no prebuilt kernels in this install ({prebuilt_dir()} has no {builds.MANIFEST})"
+        return None, why
     entry = manifest.get(build.name)
     if entry is None:
         return None, f"the package was built without {build.name} (its compiler failed)"
@@ -229,11 +227,7 @@ class SpanKernel(Library):
 
     FUNCTIONS: ClassVar[dict[str, list[Any]]] = {
         "attnkit_span_forward": [_P, _P, _P, c_int32, *_SPAN_COMMON, _P, _P, _I64],
-        "attnkit_span_backward": [
-            *(_P, _P, _P, _P, _P, _P, c_int32),
-            *_SPAN_COMMON,
-            *(_P, _P, _P, _P, _P, _I64),
-        ],
+        "attnkit_span_backward": [*(_P,) * 6, c_int32, *_SPAN_COMMON, *(_P,) * 5, _I64],
     }
 
     def _inputs(
@@ -265,19 +259,10 @@ class SpanKernel(Library):
         rest = [args, _ptr(sl), 0 if sl is None else sl.numel(), keys_args, sl, kk]
         return (q, k, v, lo, hi), dt, rest
 
-    def span_forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        spans: Spans,
-        scale: float,
-        softcap: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out (B, H, L, Dv) in q's dtype, lse (B, H, L) float32)`` of the plan ``spans``
-        (what the kernel computed, NaN or inf read or not: see :meth:`span_forward_finite`)."""
-        out, lse, _ = self.span_forward_finite(q, k, v, spans, scale, softcap)
-        return out, lse
+    def span_forward(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out (B, H, L, Dv) in q's dtype, lse (B, H, L) float32)``: what the kernel
+        computed, NaN or inf read or not (arguments as :meth:`span_forward_finite`'s)."""
+        return self.span_forward_finite(*args)[:2]
 
     def span_forward_finite(
         self,
@@ -288,11 +273,9 @@ class SpanKernel(Library):
         scale: float,
         softcap: float,
     ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """``(out, lse, finite)``: :meth:`span_forward`'s results, and False where a query row,
-        or a key or value row that some row's span reaches (rounded out to the kernel's
-        16-key panels), held NaN or inf. The kernel checks each element where it reads it
-        anyway (no pass of its own), so the dispatcher's non-finite rule
-        (:mod:`attnkit.backends.nonfinite`) needs no sums over q, k and v first."""
+        """``(out, lse, finite)`` of the plan ``spans``: ``finite`` False where a query row, or a
+        key or value row some span reaches (rounded out to 16-key panels), held NaN or inf,
+        checked where the kernel reads it (:mod:`attnkit.backends.nonfinite` sums nothing)."""
         (q, k, v, *_), dt, (a, sl, nsl, ka, *_keep) = self._inputs(q, k, v, spans)
         B, H, L = q.shape[:3]
         out = torch.empty((B, H, L, v.shape[3]), dtype=q.dtype)
