@@ -75,7 +75,7 @@ def main() -> None:
         torch.__version__.startswith(os.environ.get("EXPECT_TORCH", "")),
         f"torch {torch.__version__}",
     )
-    count(native.SpanKernel, "span_forward")
+    count(native.SpanKernel, "span_forward_finite")
     count(native.SpanKernel, "span_backward")
     count(native.DecodeKernel, "decode_forward")
 
@@ -99,7 +99,7 @@ def main() -> None:
     text = str(attnkit.explain(q, k, v, mask=mask))
     check(rowspan.status() in text, f"explain names the row-span kernel ({rowspan.status()})")
     check(
-        CALLS[:2] == ["span_forward torch.float32", "span_backward torch.float32"],
+        CALLS[:2] == ["span_forward_finite torch.float32", "span_backward torch.float32"],
         f"the kernel ran forward and backward ({CALLS})",
     )
     ref = reference(q, k, v, W)
@@ -118,13 +118,19 @@ def main() -> None:
         q.detach(), k.detach(), v.detach(), mask=attnkit.masks.sliding_window(W)
     )
     e = (two.double() - reference(q, k, v, W, causal=False)).abs().max().item()
-    check(CALLS == ["span_forward torch.float32"], f"a two-sided window on the kernel ({CALLS})")
+    check(
+        CALLS == ["span_forward_finite torch.float32"],
+        f"a two-sided window on the kernel ({CALLS})",
+    )
     check(e < 1e-4, f"the two-sided window matches the float64 reference ({e:.1e})")
 
     CALLS.clear()
     qb, kb, vb = (t.detach().bfloat16() for t in (q, k, v))
     ob = attnkit.attention(qb, kb, vb, mask=mask)
-    check("span_forward torch.bfloat16" in CALLS, f"bfloat16 ran on the row-span kernel ({CALLS})")
+    check(
+        "span_forward_finite torch.bfloat16" in CALLS,
+        f"bfloat16 ran on the row-span kernel ({CALLS})",
+    )
     e = (ob.double() - reference(qb, kb, vb, W)).abs().max().item()
     check(ob.dtype == torch.bfloat16 and e < 2e-2, f"bfloat16 matches the reference ({e:.1e})")
 
