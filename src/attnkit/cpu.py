@@ -32,6 +32,17 @@ instructions, ``fp32-upcast`` without AVX2) and any other value make every bfloa
 call (and :func:`attnkit.explain`) raise :class:`~attnkit.AttentionInputError`, saying why;
 float32/float64 and non-CPU calls never read the variable. The features are read at import; the
 choice is cached per (value, dtype), so a call costs one environment lookup.
+
+One more thing is done at import, for float32 and float64 on every path: :func:`warm_vml`. A
+torch built with MKL hands contiguous float32/float64 ``exp``, ``log``, ``tanh``, ``sin``, ... to
+oneMKL's vector math library (VML), each intra-op thread on its chunk of the tensor. oneMKL 2024.2
+(what torch 2.13's CPU wheel links; the upstream report finds 2025.0 and later free of it) picks
+each VML function's kernel on that function's first call in the process, and when that first
+call runs on several threads at once, one thread can run a low-accuracy kernel for its whole
+chunk (pytorch/pytorch#188792; the fix proposed there, #188791, is this same warm-up inside
+torch): a float64 ``logsumexp`` of the blocked backend's tiles came back with errors of 1e-10 to
+1e-9 in the rows of one thread, once, and exact on every later call. One single-threaded call of
+each function first makes the choice before any tensor is split across threads.
 """
 
 from __future__ import annotations
@@ -49,6 +60,8 @@ from attnkit.errors import AttentionInputError
 __all__ = [
     "ENV",
     "PATHS",
+    "VML_FUNCTIONS",
+    "VML_WARMED",
     "CpuFeatures",
     "describe",
     "features",
@@ -59,6 +72,7 @@ __all__ = [
     "to_float32",
     "unavailable",
     "upcasts",
+    "warm_vml",
 ]
 
 #: forces the path of bfloat16/float16 CPU calls
@@ -266,3 +280,37 @@ def describe(path: str | None, dtype: torch.dtype) -> str:
     if why == "chosen for this CPU" and path != "native":  # say what it lacks
         why += f": {unavailable(PATHS[PATHS.index(path) - 1], dtype)}"
     return f"{path} ({why}): " + _WHAT[path].format(dtype=name)
+
+
+#: torch's elementwise functions that a build with MKL hands to oneMKL's VML for float32 and
+#: float64 (``IMPLEMENT_VML_MKL`` in aten/src/ATen/cpu/vml.h, across torch versions): the
+#: attention paths call ``exp`` and ``log`` (``logsumexp``) and ``tanh`` (the soft-cap), the
+#: models ``sin``, ``cos``, ``sqrt`` and more; each one warmed costs a few microseconds, once
+VML_FUNCTIONS = (
+    "acos", "asin", "atan", "cos", "erf", "erfc", "erfinv", "exp", "expm1", "log", "log10",
+    "log1p", "log2", "sin", "sqrt", "tan", "tanh", "trunc",
+)  # fmt: skip
+
+
+def warm_vml() -> tuple[tuple[str, torch.dtype], ...]:
+    """Call each of :data:`VML_FUNCTIONS` once on a one-element float32 and float64 CPU tensor
+    (one thread: torch splits a tensor across threads only from 2048 elements), so that oneMKL
+    has chosen each function's kernel before a call splits a tensor across threads (see the
+    module docstring: a first call on several threads at once can run a low-accuracy kernel on
+    one of them). Run once, at import, where torch has MKL; returns the (function, dtype) pairs
+    it called (:data:`VML_WARMED`). Idempotent and cheap (about 1 ms the first time, 0.2 ms
+    after)."""
+    done: list[tuple[str, torch.dtype]] = []
+    for dtype in (torch.float32, torch.float64):
+        x = torch.full((1,), 0.5, dtype=dtype, device="cpu")
+        for name in VML_FUNCTIONS:
+            fn = getattr(torch, name, None)
+            if fn is not None:
+                fn(x)
+                done.append((name, dtype))
+    return tuple(done)
+
+
+_MKL: bool = torch.backends.mkl.is_available()  # type: ignore[no-untyped-call]
+#: what :func:`warm_vml` called at import (empty where torch has no MKL)
+VML_WARMED = warm_vml() if _MKL else ()
