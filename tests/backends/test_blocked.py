@@ -122,7 +122,7 @@ def test_outputs_and_gradients_match_oracle_for_every_spec(
         assert _err(got, exp) <= 1e-9, (name, spec)
 
 
-# The test above failed now and then (5 of 80 runs one hour, none of 200 the next: it hangs on
+# The test above failed now and then (5 of 80 runs one hour, none of 200 the next: it depends on
 # thread timing), always under default-fused, on a draw with Dv != Dk (the tiles then run the
 # matmul kernel, which calls torch's logsumexp and exp), on the first such draw of the process,
 # and never when replayed: the row normalisation (lse) of the first thread's rows was off by
