@@ -141,7 +141,8 @@ def attention(
     call built, one run.
     """
     key = None  # a call like an earlier one runs its kernel directly (backends.memo)
-    if sinks is None and softcap is None and return_weights is False and _no_dropout(dropout_p):
+    no_dropout = type(dropout_p) is float and dropout_p == 0.0  # (else checked first)
+    if sinks is None and softcap is None and return_weights is False and no_dropout:
         key = memo.direct_key(q, k, v, mask, causal, scale, backend)
         found = memo.DIRECT.get(key) if key is not None else None
         if found is not None:
@@ -165,11 +166,6 @@ def attention(
     if key is not None:
         memo.keep_direct(key, choice, mask if isinstance(mask, MaskSpec) else None)
     return result if return_weights else result.output
-
-
-def _no_dropout(p: object) -> bool:
-    """``dropout_p`` is the float 0 (anything else is checked first)."""
-    return type(p) is float and p == 0.0
 
 
 def run_call(call: AttentionCall, backend: str = "auto", where: str = WHERE) -> AttentionOutput:

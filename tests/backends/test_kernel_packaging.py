@@ -168,12 +168,14 @@ def test_a_bound_decode_call_gives_the_checked_calls_bits() -> None:
         bound = kernel.bind(q, k, v, runs, 0.3)
         for _ in range(2):
             q2, k2, v2 = torch.randn_like(q), torch.randn_like(cache), torch.randn_like(cache)
-            out, finite = bound(q2, k2[:, :, :33], v2[:, :, 5:38])
+            out = bound(q2, k2[:, :, :33], v2[:, :, 5:38])
             want, _, ok = kernel.decode_forward(q2, k2[:, :, :33], v2[:, :, 5:38], runs, 0.3)
-            assert finite is ok is True
+            assert ok is True
+            assert out is not None
             assert torch.equal(out, want)
         q2[0, 0, 0, 0] = float("nan")
-        assert bound(q2, k2[:, :, :33], v2[:, :, 5:38])[1] is False
+        assert kernel.decode_forward(q2, k2[:, :, :33], v2[:, :, 5:38], runs, 0.3)[2] is False
+        assert bound(q2, k2[:, :, :33], v2[:, :, 5:38]) is None
     with pytest.raises(RuntimeError, match="decode: shapes of q, k, v do not match"):
         kernel.bind(q[:, :5], k, v, runs, 0.3)
 

@@ -612,3 +612,34 @@ def test_minilm_matches_eager_with_right_padding(
         torch.testing.assert_close(mine, theirs, atol=ATOL_WEIGHTS, rtol=0)
     assert [repr(m) for m in masks.seen[:6]] == [f"key_mask(<bool {tuple(mask.shape)}>)"] * 6
     assert masks.seen[6:] == [None] * 6  # unmasked: attention(mask=None, causal=False)
+
+
+def test_weights_are_returned_when_the_config_asks_and_only_then() -> None:
+    """The config's flag is read past its property (a decode call's cost): as transformers
+    keeps it, set on an ``eager`` model and switched to attnkit, and as a plain attribute of a
+    config that is not transformers'."""
+    register_hf()
+    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+
+    class Plain(torch.nn.Module):
+        def __init__(self, config: object) -> None:
+            super().__init__()
+            self.config, self.is_causal = config, True
+
+    config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4,
+                                      num_key_value_heads=2, attn_implementation="eager")  # fmt: skip
+    config.output_attentions = True
+    assert vars(config).get("_output_attentions") is True  # where it is read from
+    flagged = [config, type("C", (), {"output_attentions": True})()]
+    unflagged = [transformers.LlamaConfig(), type("C", (), {})(), None]
+    for c in flagged + unflagged:
+        out, weights = hfa.hf_attention(Plain(c), q, k, v, None)
+        assert out.shape == (1, 3, 4, 8)
+        assert (weights is not None) is (c in flagged)
+        if weights is not None:
+            assert weights.shape == (1, 4, 3, 5)
+            assert torch.allclose(weights.sum(-1), torch.ones(1, 4, 3))
+    out, weights = hfa.hf_attention(Plain(None), q, k, v, None, output_attentions=True)
+    assert weights is not None
+    out, weights = hfa.hf_attention(Plain(config), q, k, v, None, output_attentions=False)
+    assert weights is None

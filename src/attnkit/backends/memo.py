@@ -99,7 +99,7 @@ def _settings_seen() -> None:
 
 def _spec_key(spec: MaskSpec) -> Hashable | None:
     if owned(spec):
-        return ("owned", id(spec), *(t._version for t in spec.tensors()))
+        return ("owned", id(spec), *[t._version for t in spec.tensors()])
     return spec.key()
 
 

@@ -37,6 +37,7 @@ attnkit would never run, and its own attention would read attnkit's masks.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import re
@@ -244,12 +245,8 @@ def hf_attention(
     """
     sizes = (query.shape[0], query.shape[-2], key.shape[-2])
     common = attention_arguments(module, attention_mask, sizes=sizes, **kwargs)
-    want = kwargs.get("output_attentions")
-    if want is None:
-        want = getattr(getattr(module, "config", None), "output_attentions", False)
-    want = bool(want) or collecting_attentions()
     weights = None
-    if want:
+    if _wants_weights(module, kwargs):
         out, weights = attention(query, key, value, return_weights=True, **common)
         model_type = getattr(getattr(module, "config", None), "model_type", None)
         renormalise = (
@@ -261,3 +258,24 @@ def hf_attention(
     else:
         out = attention(query, key, value, **common)
     return out.transpose(1, 2).contiguous(), weights  # (B, L, H, D)
+
+
+def _wants_weights(module: nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether the layer's call asks for the weights: ``output_attentions`` passed, else the
+    model's ``config.output_attentions``, or transformers' output capturing collecting them.
+    (Read on every call of every layer, so the config's flag is read from the field where
+    transformers keeps it, ``_output_attentions``, past the config's own
+    ``__getattribute__`` and property, which cost about 3 us a call; through the attribute
+    where the field is not there, and while torch.compile traces, which reads it once.)"""
+    want = kwargs.get("output_attentions")
+    if want is None:
+        config = getattr(module, "config", None)
+        fields: dict[str, Any] = {}
+        if not torch.compiler.is_compiling():
+            with contextlib.suppress(AttributeError):  # no config, or one without __dict__
+                fields = object.__getattribute__(config, "__dict__")
+        if "_output_attentions" in fields:
+            want = fields["_output_attentions"]
+        else:
+            want = getattr(config, "output_attentions", False)
+    return bool(want) or collecting_attentions()

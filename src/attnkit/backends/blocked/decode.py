@@ -91,7 +91,8 @@ def kernel() -> Any:
     any object with its ``lo``/``hi``: int64 ``(1 or B, L)`` local inclusive runs; out in q's
     dtype, ``lse (B, H, L)`` float32 natural log, ``finite`` False where a query, a score of a
     key a row may see, or an output was not finite), and ``bind(q, k, v, runs, scale)`` (the
-    same for repeated calls of one signature). Call it only where :func:`plan` serves."""
+    same for repeated calls of one signature, returning the output or ``None``). Call it only
+    where :func:`plan` serves."""
     module = build()
     if module is None:
         raise RuntimeError(f"the decode kernel is not loaded: {status()}")
@@ -229,13 +230,7 @@ def direct(
     """:func:`run` for any call with ``call``'s signature, given its q, k and v: the output,
     or ``None`` where the kernel saw NaN or inf (``p`` must serve ``call``)."""
     # the kernel's entry bound to this signature (its checks and arguments made once)
-    bound = kernel().bind(call.q, call.k, call.v, p, call.scale)
-
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-        out, finite = bound(q, k, v)
-        return out if finite else None
-
-    return run
+    return kernel().bind(call.q, call.k, call.v, p, call.scale)  # type: ignore[no-any-return]
 
 
 def main() -> None:

@@ -361,14 +361,14 @@ class DecodeKernel(Library):
 
     def bind(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Runs, scale: float
-    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, bool]]:
+    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]:
         """:meth:`decode_forward` for calls of ``q``, ``k``, ``v``'s signature (shapes, dtype,
         k's and v's strides; q any strides) with these runs and scale, for a caller that has
         checked the signature (a repeated decode call, :mod:`attnkit.backends.memo`): the
         checks and the argument array are made here once, and a call costs three pointers, the
-        output's allocation and the C call. It returns ``(out, finite)``: its ``lse`` goes to
-        a scratch buffer of this binding that nobody reads. A call whose signature differs is
-        not checked and reads out of bounds: bind again."""
+        output's allocation and the C call. It returns ``out``, or ``None`` where the kernel saw
+        NaN or inf; its ``lse`` goes to a scratch buffer of this binding that nobody reads. A
+        call whose signature differs is not checked and reads out of bounds: bind again."""
         lo, hi = _checked("decode", q, k, v, runs)  # what the C side checks too, once
         qs, ks, vs = q.shape, k.shape, v.shape
         if not (ks[0] == vs[0] == qs[0] and ks[1] == vs[1] and ks[2] == vs[2] and ks[3] == qs[3]):
@@ -385,7 +385,7 @@ class DecodeKernel(Library):
         empty, empty_like = torch.empty, torch.empty_like
         keep = (lo, hi, scratch)  # alive as long as the binding
 
-        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
             q = q.contiguous()
             out = empty_like(q) if same else empty(B, H, L, Dv, dtype=dtype)
             a = array("q", template)
@@ -395,7 +395,7 @@ class DecodeKernel(Library):
             rc = forward(a.buffer_info()[0], scale)
             if rc == 1:
                 raise self.error()
-            return out, rc == 0
+            return out if rc == 0 else None
 
         run.keep = keep  # type: ignore[attr-defined]
         return run
