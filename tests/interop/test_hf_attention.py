@@ -627,7 +627,8 @@ def test_weights_are_returned_when_the_config_asks_and_only_then() -> None:
             self.config, self.is_causal = config, True
 
     config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4,
-                                      num_key_value_heads=2, attn_implementation="eager")  # fmt: skip
+                                      num_key_value_heads=2,
+                                      attn_implementation="eager")  # fmt: skip
     config.output_attentions = True
     assert vars(config).get("_output_attentions") is True  # where it is read from
     flagged = [config, type("C", (), {"output_attentions": True})()]
