@@ -2,7 +2,7 @@
 step reads a long KV cache, and ``generate`` on a real pretrained model.
 
     python benchmarks/decode.py [--reps 7] [--no-model] [--model-only] [--new-tokens 40]
-                                [--json out.json]
+                                [--long-prompt 2000] [--json out.json]
 
 **Kernel rows**: ``attnkit bench``'s ``decode`` group (:data:`attnkit.bench.plan.DECODE_ROWS`,
 the workloads of :mod:`attnkit.bench.workloads`: one home for both), run by
@@ -42,8 +42,11 @@ order turned every round, median of ``--reps`` rounds; tokens/s, the ratio to sd
 whether the tokens equal eager's. Then, in rounds of their own with a timer around each call,
 the share of ``generate``'s time that sdpa's and attnkit's attention functions (every layer)
 and mask functions (once per forward) take, and what that bounds: sdpa's time over sdpa's time
-without its attention and mask, the most any attention implementation could gain. Skipped,
-with the reason, where a package is missing.
+without its attention and mask, the most any attention implementation could gain. Last, the
+same after a prompt of about ``--long-prompt`` tokens (a passage repeated; 0 skips it), where
+every decode step reads a long KV cache: the prompt's time (prefill and one token) and the
+decode rate of the tokens after it, each against sdpa's. Skipped, with the reason, where a
+package is missing.
 """
 
 from __future__ import annotations
@@ -220,34 +223,21 @@ def load() -> tuple[Any, Any]:
     return model, tok
 
 
-def model_rows(reps: int, new_tokens: int) -> dict[str, Any]:
-    """``generate`` on each implementation, interleaved (see the module's docstring)."""
+def model_rows(reps: int, new_tokens: int, long_prompt: int) -> dict[str, Any]:
+    """``generate`` on each implementation, interleaved (see the module's docstring), after
+    the short prompt, then after one of about ``long_prompt`` tokens (0: not run)."""
     from attnkit.interop import register_hf
 
     register_hf()
     t0 = time.perf_counter()
     model, tok = load()
     load_s = time.perf_counter() - t0
-    chat = [{"role": "user", "content": PROMPT}]
-    ids = tok.apply_chat_template(
-        chat, add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )
+    ids = chat_ids(tok, PROMPT)
     args = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
-    times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
-    tokens: dict[str, list[int]] = {}
-    for r in range(reps + 1):  # round 0 is the untimed warm-up
-        for impl in IMPLS if r % 2 else IMPLS[::-1]:
-            model.set_attn_implementation(impl)
-            with torch.no_grad():
-                t = time.perf_counter()
-                out = model.generate(**ids, **args)
-                dt = time.perf_counter() - t
-            tokens[impl] = out[0, ids["input_ids"].shape[1] :].tolist()
-            if r:
-                times[impl].append(dt)
+    times, tokens = generate_rounds(model, ids, args, reps)
     per_s = {impl: new_tokens / statistics.median(times[impl]) for impl in IMPLS}
     shares = {impl: time_shares(model, ids, args, impl, reps) for impl in ("sdpa", "attnkit")}
-    return {
+    res = {
         "prompt_tokens": int(ids["input_ids"].shape[1]),
         "new_tokens": new_tokens,
         "load_s": load_s,
@@ -258,6 +248,73 @@ def model_rows(reps: int, new_tokens: int) -> dict[str, Any]:
         "shares": shares,
         # sdpa's generate with its attention and mask functions taking no time at all
         "bound": 1.0 / (1.0 - shares["sdpa"]["attention"] - shares["sdpa"]["mask"]),
+    }
+    if long_prompt > 0:
+        res["long"] = long_prompt_rows(model, tok, max(1, reps // 2), new_tokens, long_prompt)
+    return res
+
+
+def chat_ids(tok: Any, text: str) -> Any:
+    """The chat template's token ids for one user message ``text``, as ``generate`` takes them."""
+    chat = [{"role": "user", "content": text}]
+    return tok.apply_chat_template(
+        chat, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+
+
+def generate_rounds(
+    model: Any, ids: Any, args: dict[str, Any], reps: int
+) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
+    """``generate``'s times (s) of ``reps`` rounds and its new tokens, per implementation: one
+    model, switched between calls, the order turned every round; round 0 is an untimed
+    warm-up."""
+    times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+    tokens: dict[str, list[int]] = {}
+    for r in range(reps + 1):
+        for impl in IMPLS if r % 2 else IMPLS[::-1]:
+            model.set_attn_implementation(impl)
+            with torch.no_grad():
+                t = time.perf_counter()
+                out = model.generate(**ids, **args)
+                dt = time.perf_counter() - t
+            tokens[impl] = out[0, ids["input_ids"].shape[1] :].tolist()
+            if r:
+                times[impl].append(dt)
+    return times, tokens
+
+
+#: the long prompt's text: a passage repeated to the length asked for, then the question
+PASSAGE = (
+    "The lighthouse keeper counted the ships that passed the headland every morning, wrote "
+    "their names in a ledger, and noted the wind, the colour of the water and the gulls. "
+)
+
+
+def long_prompt_rows(
+    model: Any, tok: Any, reps: int, new_tokens: int, n_tokens: int
+) -> dict[str, Any]:
+    """``generate`` after a prompt of about ``n_tokens`` tokens, where a decode step reads a
+    long KV cache: the prompt alone (``max_new_tokens=1``: prefill and one token) and with
+    ``new_tokens``; the decode rate is ``new_tokens - 1`` over the difference of their
+    medians."""
+    per = len(tok(PASSAGE)["input_ids"])
+    text = PASSAGE * max(1, n_tokens // per) + "How many things did the keeper note?"
+    ids = chat_ids(tok, text)
+    one = {"max_new_tokens": 1, "min_new_tokens": 1, "do_sample": False}
+    many = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
+    t1, _ = generate_rounds(model, ids, one, reps)
+    tn, tokens = generate_rounds(model, ids, many, reps)
+    first = {impl: statistics.median(t1[impl]) for impl in IMPLS}
+    rest = {impl: statistics.median(tn[impl]) - first[impl] for impl in IMPLS}
+    per_s = {impl: (new_tokens - 1) / rest[impl] for impl in IMPLS}
+    return {
+        "prompt_tokens": int(ids["input_ids"].shape[1]),
+        "new_tokens": new_tokens,
+        "prefill_s": first,
+        "decode_tokens_per_s": per_s,
+        "prefill_over_sdpa": {impl: first["sdpa"] / first[impl] for impl in IMPLS},
+        "decode_over_sdpa": {impl: per_s[impl] / per_s["sdpa"] for impl in IMPLS},
+        "equal_to_eager": {impl: tokens[impl] == tokens["eager"] for impl in IMPLS},
     }
 
 
@@ -322,12 +379,30 @@ def print_model_rows(res: dict[str, Any]) -> None:
         f"  so an attention that took no time would make sdpa's generate at most "
         f"{res['bound']:.3f}x faster"
     )
+    long = res.get("long")
+    if long:
+        print(
+            f"\nthe same after a {long['prompt_tokens']}-token prompt: the prompt (prefill and one "
+            f"token), then {long['new_tokens'] - 1} more tokens"
+        )
+        print(f"  {'impl':10} {'prefill s':>9} {'vs sdpa':>8} {'tokens/s':>9} {'vs sdpa':>8}  "
+              "tokens = eager's")  # fmt: skip
+        for impl in IMPLS:
+            print(
+                f"  {impl:10} {long['prefill_s'][impl]:9.2f} "
+                f"{long['prefill_over_sdpa'][impl]:7.2f}x "
+                f"{long['decode_tokens_per_s'][impl]:9.1f} {long['decode_over_sdpa'][impl]:7.2f}x"
+                f"  {long['equal_to_eager'][impl]}"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--reps", type=int, default=7, help="timed rounds (median)")
     p.add_argument("--new-tokens", type=int, default=40, help="tokens generate makes")
+    p.add_argument(
+        "--long-prompt", type=int, default=2000, help="tokens of the long prompt (0: not run)"
+    )
     p.add_argument("--no-model", action="store_true", help="only the kernel rows")
     p.add_argument("--model-only", action="store_true", help="only the model")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -347,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\nSmolLM2-135M-Instruct: skipped: {why}")
             out["model"] = {"skipped": why}
         else:
-            out["model"] = model_rows(max(1, args.reps // 2), args.new_tokens)
+            out["model"] = model_rows(max(1, args.reps // 2), args.new_tokens, args.long_prompt)
             print_model_rows(out["model"])
     if args.json:
         try:
