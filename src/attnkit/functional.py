@@ -140,15 +140,13 @@ def attention(
     Long because this docstring is the function's reference; the body is the checks, one
     call built, one run.
     """
-    key = None  # a call like an earlier one runs its kernel directly (backends.memo)
+    # a call like an earlier one runs its kernel directly (backends.memo)
     no_dropout = type(dropout_p) is float and dropout_p == 0.0  # (else checked first)
-    if sinks is None and softcap is None and return_weights is False and no_dropout:
-        key = memo.direct_key(q, k, v, mask, causal, scale, backend)
-        found = memo.DIRECT.get(key) if key is not None else None
-        if found is not None:
-            out = found[0](q, k, v)
-            if out is not None:
-                return out
+    direct = sinks is None and softcap is None and return_weights is False and no_dropout
+    if direct:
+        out = memo.run_direct(q, k, v, mask, causal, scale, backend)
+        if out is not None:
+            return out
     dims = check_qkv(q, k, v, where=WHERE)
     check_mask(mask, q, dims, where=WHERE)
     warn_if_inverted_causal(mask)
@@ -163,6 +161,7 @@ def attention(
     )  # fmt: skip
     choice = choose(call, backend, WHERE)
     result = _run(choice)
+    key = memo.direct_key(q, k, v, mask, causal, scale, backend) if direct else None
     if key is not None:
         memo.keep_direct(key, choice, mask if isinstance(mask, MaskSpec) else None)
     return result if return_weights else result.output

@@ -337,3 +337,98 @@ def test_an_unmasked_spec_is_an_unmasked_call_to_autos_rule() -> None:
         assert "allows every pair) call is 128 x 128" in words
     narrower = attnkit.explain(q, k, v, mask=masks.padding(torch.tensor([128, 100])))
     assert narrower.chosen == "blocked"  # a real mask spec of 128 x 128 pairs
+
+
+# ---------------------------------------------------------------------------------------------
+# through transformers' attention interface (attnkit.interop.hf_attention)
+
+
+class _Layer(torch.nn.Module):
+    """What hf_attention reads of a layer: ``is_causal`` and a config without the flag."""
+
+    is_causal = True
+    config = None
+
+
+def test_a_repeated_hf_call_runs_directly_and_matches_the_whole_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The second call of one signature through hf_attention runs the kept kernel without
+    attnkit.attention (a decode step's layers after the first): the same output as the whole
+    path; the output is (B, L, H, D), the weights None."""
+    hfa = pytest.importorskip("attnkit.interop.hf_attention")
+    layer, spec = _Layer(), masks.causal() & masks.sliding_window(9)
+    q, k, v = _qkv(L=3)
+    kw = {"dropout": 0.0, "scaling": 0.3, "position_ids": torch.arange(3)[None], "use_cache": True}
+    first, w = hfa.hf_attention(layer, q, k, v, spec, **kw)
+    assert w is None
+    want = attnkit.attention(q, k, v, mask=spec, scale=0.3).transpose(1, 2)
+    torch.testing.assert_close(first, want, rtol=0, atol=0)
+    monkeypatch.setattr(hfa, "attention", None)  # calling it would raise TypeError
+    q2, k2, v2 = _qkv(L=3, seed=1)
+    got, w = hfa.hf_attention(layer, q2, k2, v2, spec, **kw)
+    assert w is None
+    assert got.shape == (2, 3, 8, 32)
+    assert got.is_contiguous()
+    _check(got.transpose(1, 2), q2, k2, v2, mask=spec.to_dense(3, 48), scale=0.3)
+    # the unmasked spec transformers' mask function gives runs as an unmasked call
+    monkeypatch.setattr(hfa, "attention", functional.attention)
+    hfa.hf_attention(layer, q, k, v, hfa.UNMASKED, scaling=0.3)
+    monkeypatch.setattr(hfa, "attention", None)
+    got, _ = hfa.hf_attention(layer, q2, k2, v2, hfa.UNMASKED, scaling=0.3)
+    _check(got.transpose(1, 2), q2, k2, v2, scale=0.3)
+
+
+@pytest.mark.parametrize(
+    ("kw", "why"),
+    [
+        ({"dropout": 0.5}, "dropout"),
+        ({"softcap": 30.0}, "soft-cap"),
+        ({"output_attentions": True}, "weights"),
+        ({"s_aux": torch.zeros(8)}, "sinks"),
+    ],
+)
+def test_hf_calls_that_change_the_result_take_the_whole_path(kw: dict[str, Any], why: str) -> None:
+    """A call like a kept one but with dropout, a soft-cap, weights asked for or sinks is
+    not run directly: attnkit.attention gets it (and computes what it asks)."""
+    hfa = pytest.importorskip("attnkit.interop.hf_attention")
+    layer, spec = _Layer(), masks.causal()
+    q, k, v = _qkv()
+    hfa.hf_attention(layer, q, k, v, spec, scaling=0.3)
+    seen: list[object] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append(why)
+        return functional.attention(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hfa, "attention", recording)
+        out, weights = hfa.hf_attention(layer, q, k, v, spec, scaling=0.3, **kw)
+    assert seen == [why]
+    assert out.shape == (2, 1, 8, 32)
+    assert (weights is not None) is (why == "weights")
+
+
+def test_a_refused_hf_keyword_is_refused_after_a_direct_run() -> None:
+    hfa = pytest.importorskip("attnkit.interop.hf_attention")
+    layer, spec = _Layer(), masks.causal()
+    q, k, v = _qkv()
+    hfa.hf_attention(layer, q, k, v, spec, scaling=0.3)
+    hfa.hf_attention(layer, q, k, v, spec, scaling=0.3)  # direct
+    for name, value in (("position_bias", torch.zeros(1)), ("a_new_keyword", 1)):
+        with pytest.raises(AttentionInputError) as info:
+            hfa.hf_attention(layer, q, k, v, spec, scaling=0.3, **{name: value})
+        assert f"{name}=" in str(info.value)
+
+
+def test_nan_on_a_direct_hf_run_takes_the_whole_path() -> None:
+    hfa = pytest.importorskip("attnkit.interop.hf_attention")
+    layer, spec = _Layer(), masks.causal() & masks.sliding_window(8)
+    q, k, v = _qkv()
+    hfa.hf_attention(layer, q, k, v, spec, scaling=0.3)
+    k_bad = k.clone()
+    k_bad[1, 0, 45, 3] = math.nan  # within the window of the last row
+    out, _ = hfa.hf_attention(layer, q, k_bad, v, spec, scaling=0.3)  # (B, L, H, D)
+    assert out[1, :, :4].isnan().all()  # query heads 0-3 read key/value head 0
+    assert not out[1, :, 4:].isnan().any()
+    assert not out[0].isnan().any()

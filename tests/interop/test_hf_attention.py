@@ -17,6 +17,7 @@ import importlib
 import io
 import re
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -87,17 +88,25 @@ def _batch(length: int = T) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _Masks:
-    """Records the mask each attnkit.attention call of hf_attention received."""
+    """Records the mask each call of hf_attention ran with: the ``mask`` its attnkit.attention
+    call received, or the one its direct run had (a call like an earlier one)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.seen: list[object] = []
-        real = hfa.attention
+        real, real_direct = hfa.attention, hfa.memo.run_direct
 
         def recording(*args: Any, **kwargs: Any) -> Any:
             self.seen.append(kwargs["mask"])
             return real(*args, **kwargs)
 
+        def recording_direct(q: Any, k: Any, v: Any, mask: Any, *rest: Any) -> Any:
+            out = real_direct(q, k, v, mask, *rest)
+            if out is not None:  # (else hf_attention calls attention, which records it)
+                self.seen.append(mask)
+            return out
+
         monkeypatch.setattr(hfa, "attention", recording)
+        monkeypatch.setattr(hfa, "memo", types.SimpleNamespace(run_direct=recording_direct))
 
 
 # ---------------------------------------------------------------------------------------------

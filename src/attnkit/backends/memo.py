@@ -48,7 +48,10 @@ is kept: the blocked backend's decode kernel (it checks the values itself), and 
 torch gets q, k and v as they are and no mask tensor (no mask, causal, a spec that allows every
 pair: an encoder's layers, a short prefill), after one sum of each of q, k and v; a call that
 needs a materialised mask, repeated K/V or float32 copies takes the whole path every time.
-:func:`clear` empties both caches.
+:func:`run_direct` is that lookup and run; :func:`attnkit.attention` starts with it, and so does
+transformers' attention interface (:func:`attnkit.interop.hf_attention`) for a call whose
+keywords leave it ``attention(q, k, v, mask=spec, scale=scaling)``, so that a decode step's
+layers skip the keyword table and the call's arguments too. :func:`clear` empties both caches.
 """
 
 from __future__ import annotations
@@ -67,7 +70,10 @@ from attnkit.call import AttentionCall
 from attnkit.inspect import tracing
 from attnkit.masks import MaskSpec
 
-__all__ = ["SIZE", "Direct", "call_key", "clear", "direct_key", "find", "keep", "keep_direct"]
+__all__ = [
+    "SIZE", "Direct", "call_key", "clear", "direct_key", "find", "keep", "keep_direct",
+    "run_direct",
+]  # fmt: skip
 
 #: a call run directly: ``(q, k, v) -> out``, or ``None`` where the whole path must run it
 Direct = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
@@ -171,6 +177,18 @@ def direct_key(
         )  # fmt: skip
     except (AttributeError, TypeError):  # not tensors, or an unhashable argument: the checks
         return None  # will say what is wrong
+
+
+def run_direct(
+    q: Any, k: Any, v: Any, mask: Any, causal: Any, scale: Any, backend: Any
+) -> torch.Tensor | None:
+    """The output of a call of :func:`attnkit.attention` with these arguments (and no
+    weights, dropout, soft-cap or sinks: the caller checks that) run directly, where one with
+    its signature was kept (:func:`keep_direct`); ``None`` where none was, or where the kernel
+    saw NaN or inf: the caller then takes the whole path."""
+    key = direct_key(q, k, v, mask, causal, scale, backend)
+    found = DIRECT.get(key) if key is not None else None
+    return None if found is None else found[0](q, k, v)
 
 
 def keep_direct(key: Hashable, choice: Any, mask: MaskSpec | None) -> None:

@@ -46,9 +46,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from attnkit.backends import memo
 from attnkit.errors import AttentionInputError
 from attnkit.functional import attention
 from attnkit.interop.hf_kwargs import (
+    KWARGS,
     SINKS_OUTSIDE_WEIGHTS_MODEL_TYPES,
     check_kwargs,
     collecting_attentions,
@@ -243,10 +245,18 @@ def hf_attention(
     Returns:
         ``(output (B, L, H, D) contiguous, weights (B, H, L, S) or None)``.
     """
+    want = _wants_weights(module, kwargs)
+    if not want and isinstance(attention_mask, MaskSpec) and _plain(kwargs):
+        # a call like an earlier one (every layer after the first, every decode step): run
+        # directly, as attnkit.attention would after the same arguments (backends.memo)
+        mask = None if attention_mask is UNMASKED else attention_mask
+        out = memo.run_direct(query, key, value, mask, False, kwargs.get("scaling"), "auto")
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
     sizes = (query.shape[0], query.shape[-2], key.shape[-2])
     common = attention_arguments(module, attention_mask, sizes=sizes, **kwargs)
     weights = None
-    if _wants_weights(module, kwargs):
+    if want:
         out, weights = attention(query, key, value, return_weights=True, **common)
         model_type = getattr(getattr(module, "config", None), "model_type", None)
         renormalise = (
@@ -258,6 +268,23 @@ def hf_attention(
     else:
         out = attention(query, key, value, **common)
     return out.transpose(1, 2).contiguous(), weights  # (B, L, H, D)
+
+
+#: the keywords a call may pass and still run directly: those that cannot change the result,
+#: and the ones :func:`_plain` checks or the mask spec makes moot (``is_causal`` and
+#: ``sliding_window`` are read only without a mask)
+_PLAIN = frozenset(n for n, e in KWARGS.items() if e.kind == "harmless") | {
+    "dropout", "scaling", "is_causal", "sliding_window", "output_attentions",
+}  # fmt: skip
+
+
+def _plain(kwargs: dict[str, Any]) -> bool:
+    """Whether a call with a mask spec and these keywords is, for :func:`attnkit.attention`,
+    ``attention(q, k, v, mask=spec, scale=kwargs["scaling"])`` (what
+    :func:`attention_arguments` makes of it): no dropout, soft-cap, sinks or documents, and
+    nothing to refuse."""
+    dropout = kwargs.get("dropout", 0.0)
+    return kwargs.keys() <= _PLAIN and type(dropout) is float and dropout == 0.0
 
 
 def _wants_weights(module: nn.Module, kwargs: dict[str, Any]) -> bool:
