@@ -27,15 +27,16 @@
 //     aligned to absolute key index; spans only move forward, so each key is packed once
 //     per work item and reused by every query block and every head of the group.
 //   * Query block of MB=48 rows (8 micro-tiles of 6 rows; 96 rows in the AVX-512 float32
-//     forward, so each K panel and V row it reads serves twice the rows), pre-scaled by
-//     scale*log2(e) so the softmax uses exp2.
+//     forward and backward, so each K panel and V row they read serves twice the rows),
+//     pre-scaled by scale*log2(e) so the softmax uses exp2.
 //   * Keys processed in chunks of KC <= 512 (one chunk when the block's span is narrow);
 //     online softmax (running max / sum, rescale of O) across chunks.
 //   * S = Q K^T via a 6x16 register-blocked FMA micro-kernel (12 ymm accumulators); only
 //     tiles that intersect a tile's spans are computed, with a 6x8 kernel for half panels.
 //     AVX-512: a panel is one zmm per d; four panels at a time (6x64, 24 zmm accumulators)
-//     where the tile's spans cover the 64 keys, else two (6x32, 12 accumulators), or one with
-//     the sum over d split in two (even / odd d); whole panels only.
+//     where the tile's spans cover the 64 keys (S, and dP = dO V^T in the backward), else
+//     two (6x32, 12 accumulators), or one with the sum over d split in two (even / odd d);
+//     whole panels only.
 //   * Exact per-row softmax over the row's own span (vectorized degree-5 exp2 polynomial),
 //     P written in place over S, zeros at the ragged edges; a row with an empty span gets
 //     output 0 and lse -inf.
@@ -120,7 +121,7 @@ static inline void store_row(const float* src, elem_t<E>* dst, int64_t n, float 
 constexpr int MR = 6;    // rows of a micro tile
 constexpr int NR = 16;   // keys per packed K^T panel; output cols per PV tile
 constexpr int MB = 48;   // query rows per block (multiple of MR)
-constexpr int MBW = 96;  // the AVX-512 float32 forward's: K panels and V rows read half as often
+constexpr int MBW = 96;  // the AVX-512 float32 build's: K panels and V rows read half as often
 
 static const int32_t kMaskTbl[16] = {-1, -1, -1, -1, -1, -1, -1, -1,
                                      0,  0,  0,  0,  0,  0,  0,  0};
@@ -664,6 +665,13 @@ static inline int64_t bwd_row16(float*, float*, int64_t, int64_t, float, float, 
   return 0;
 }
 #endif
+
+// qk_6x64z_t with the head dim a compile-time constant where it is a common one (AVX-512)
+static inline void qk_6x64(const float* q, int64_t D, const float* panel, float* s, int64_t ss) {
+  if (D == 64) qk_6x64z_t<64>(q, D, panel, s, ss);
+  else if (D == 128) qk_6x64z_t<128>(q, D, panel, s, ss);
+  else qk_6x64z_t<0>(q, D, panel, s, ss);
+}
 
 // ---------------------------------------------------------------------------
 // bfloat16 dot products (AVX512-BF16's vdpbf16ps: pairs of bf16 multiplied exactly and summed
@@ -1276,9 +1284,7 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
                 const float* qt = st.qs.p + t * MR * Dk;
                 float* sd = sb + t * MR * SS + (j0 - kc0);
                 if (j0 + 4 * NR <= kc1 && tlo[t] <= j0 && thi[t] >= j0 + 4 * NR - 1) {
-                  if (Dk == 64) qk_6x64z_t<64>(qt, Dk, panel, sd, SS);
-                  else if (Dk == 128) qk_6x64z_t<128>(qt, Dk, panel, sd, SS);
-                  else qk_6x64z_t<0>(qt, Dk, panel, sd, SS);
+                  qk_6x64(qt, Dk, panel, sd, SS);
                   continue;
                 }
                 for (int64_t j = j0; j < std::min<int64_t>(j0 + 4 * NR, kc1); j += 2 * NR)
@@ -1422,11 +1428,11 @@ struct BwdState {
   GrowBuf kt, vt, dka, dva, kb;  // kb: float32 K rows (low-precision inputs only), or pairs
   AlignedBuf qs, qr, gb, sb, db, ob, zrow;
   AlignedBuf gi, pb, pt, dt;  // dot only: dO row pairs, dS pairs, P^T and dS^T row pairs
-  BwdState(int64_t Dk, int64_t Dv, int64_t SS, bool dot)
-      : qs(MB * Dk), qr(MB * Dk), gb(MB * Dv), sb(MB * SS + NR), db(MB * SS + NR),
-        ob(MB * Dk), zrow(std::max(Dk, Dv)), gi(dot ? MB * Dv / 2 + NR : 1),
-        pb(dot ? MB * SS / 2 + NR : 1), pt(dot ? MB * SS / 2 + NR : 1),
-        dt(dot ? MB * SS / 2 + NR : 1) {}
+  BwdState(int64_t mb, int64_t Dk, int64_t Dv, int64_t SS, bool dot)
+      : qs(mb * Dk), qr(mb * Dk), gb(mb * Dv), sb(mb * SS + NR), db(mb * SS + NR),
+        ob(mb * Dk), zrow(std::max(Dk, Dv)), gi(dot ? mb * Dv / 2 + NR : 1),
+        pb(dot ? mb * SS / 2 + NR : 1), pt(dot ? mb * SS / 2 + NR : 1),
+        dt(dot ? mb * SS / 2 + NR : 1) {}
 };
 
 // dq in the element type; dk, dv float32 sums (zeros on entry). For a low-precision element
@@ -1444,7 +1450,10 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
   const int64_t Hkv = k.size(1), S = k.size(2), Dv = v.size(3);
   const int64_t g = H / Hkv;
   const int64_t nth = std::max<int64_t>(1, at::get_num_threads());
-  const Work w = plan_work(B, Hkv, L, sp, nth, RS_MAXKC_BWD);
+  // bfloat16 dot products (the -DRS_BF16DOT build): see below
+  constexpr bool DOT0 = kDot && E == Dt::BF16;
+  constexpr int64_t BB = kWide && !DOT0 ? MBW : MB;  // query rows per block
+  const Work w = plan_work(B, Hkv, L, sp, nth, RS_MAXKC_BWD, BB);
   const int64_t C = w.C, nch = w.nch, KC = w.KC;
   const int64_t SS = KC + 2 * NR;
   const float sc = static_cast<float>(scale * 1.4426950408889634);
@@ -1514,11 +1523,11 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
     }
   };
 
-  run_items(w, nth, DOT, [&] { return std::make_unique<BwdState>(KS, VS, SS, DOT); },
+  run_items(w, nth, DOT, [&] { return std::make_unique<BwdState>(BB, KS, VS, SS, DOT); },
             [&](BwdState& st, int64_t item) {
-    float mrow[MB], drow[MB];
-    int64_t rl[MB], rh[MB];
-    int64_t tA[MB / MR], tB[MB / MR], tlo[MB / MR], thi[MB / MR];
+    float mrow[BB], drow[BB];
+    int64_t rl[BB], rh[BB];
+    int64_t tA[BB / MR], tB[BB / MR], tlo[BB / MR], thi[BB / MR];
     const int64_t bk = item / nch, ci = item % nch;
     const int64_t b = bk / Hkv, hk = bk % Hkv, bs = sp.bstride ? b : 0;
     const T* kp = kd + bk * S * Dk;
@@ -1548,8 +1557,8 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
     float *sb = st.sb.p, *db = st.db.p;
     int64_t packed_end = kbase;
 
-    for (int64_t i0 = c0; i0 < c1; i0 += MB) {
-      const int64_t mr = std::min<int64_t>(MB, c1 - i0);
+    for (int64_t i0 = c0; i0 < c1; i0 += BB) {
+      const int64_t mr = std::min<int64_t>(BB, c1 - i0);
       for (int64_t r = 0; r < mr; ++r) { rl[r] = sp.l(bs, i0 + r); rh[r] = sp.h(bs, i0 + r); }
       const int64_t blo = rl[0], bhi = rh[mr - 1];
       if (blo > bhi) { zero_dq(b, hk, i0, mr); continue; }
@@ -1583,12 +1592,12 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
         if constexpr (DOT) {  // Q and dO rows as pairs along D, and as row pairs
           uint32_t* qi = reinterpret_cast<uint32_t*>(st.qr.p);
           uint32_t* gi2 = reinterpret_cast<uint32_t*>(st.gi.p);
-          for (int64_t r0 = 0; r0 < MB; r0 += NR) {
+          for (int64_t r0 = 0; r0 < BB; r0 += NR) {
             pack_v_pairs(qp, i0 + r0, i0 + mr, Dk, Dkp, qi + (r0 / 2) * Dkp);
             pack_v_pairs(gp, i0 + r0, i0 + mr, Dv, Dvp, gi2 + (r0 / 2) * Dvp);
           }
         }
-        for (int64_t r = 0; r < MB; ++r) {
+        for (int64_t r = 0; r < BB; ++r) {
           if constexpr (DOT) {
             uint32_t* d1 = reinterpret_cast<uint32_t*>(st.qs.p) + r * Dk2;
             uint32_t* d3 = reinterpret_cast<uint32_t*>(st.gb.p) + r * Dv2;
@@ -1649,22 +1658,31 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
             mrow[r] = NINF;
           }
         }
-        std::fill(st.ob.p, st.ob.p + MB * KS, 0.0f);
+        std::fill(st.ob.p, st.ob.p + BB * KS, 0.0f);
 
         for (int64_t kc0 = (blo / NR) * NR; kc0 <= bhi; kc0 += KC) {
           const int64_t kc1 = std::min<int64_t>(kc0 + KC, bhi + 1);  // exclusive
           const int64_t Z = std::min<int64_t>(SS, kc1 - kc0 + NR);  // columns kept clean
           // ---- S = Qs K^T, dP = dO V^T on the tiles the spans touch
-          if constexpr (kWide && !DOT) {  // two panels at a time, 16 keys a zmm
-            for (int64_t j0 = kc0; j0 < kc1; j0 += 2 * NR) {
-              const float* kpan = kt + (j0 - kbase) * Dk;
-              const float* vpan = vt + (j0 - kbase) * Dv;
-              const int64_t jend = std::min<int64_t>(j0 + 2 * NR, kc1);
+          if constexpr (kWide && !DOT) {  // 16 keys a zmm: 64 keys (four panels) at a time
+            // where the tile's spans cover them (as the forward), else two panels at a time
+            for (int64_t j0 = kc0; j0 < kc1; j0 += 4 * NR) {
+              const int64_t j4 = std::min<int64_t>(j0 + 4 * NR, kc1);
               for (int64_t t = 0; t < ntile; ++t) {
-                float* sdst = sb + t * MR * SS + (j0 - kc0);
-                float* ddst = db + t * MR * SS + (j0 - kc0);
-                qk_pair(st.qs.p + t * MR * Dk, Dk, kpan, j0, jend, tlo[t], thi[t], sdst, SS);
-                qk_pair(st.gb.p + t * MR * Dv, Dv, vpan, j0, jend, tlo[t], thi[t], ddst, SS);
+                const float* qt = st.qs.p + t * MR * Dk;
+                const float* gt = st.gb.p + t * MR * Dv;
+                if (j0 + 4 * NR <= kc1 && tlo[t] <= j0 && thi[t] >= j0 + 4 * NR - 1) {
+                  qk_6x64(qt, Dk, kt + (j0 - kbase) * Dk, sb + t * MR * SS + (j0 - kc0), SS);
+                  qk_6x64(gt, Dv, vt + (j0 - kbase) * Dv, db + t * MR * SS + (j0 - kc0), SS);
+                  continue;
+                }
+                for (int64_t j = j0; j < j4; j += 2 * NR) {
+                  const int64_t jend = std::min<int64_t>(j + 2 * NR, kc1);
+                  qk_pair(qt, Dk, kt + (j - kbase) * Dk, j, jend, tlo[t], thi[t],
+                          sb + t * MR * SS + (j - kc0), SS);
+                  qk_pair(gt, Dv, vt + (j - kbase) * Dv, j, jend, tlo[t], thi[t],
+                          db + t * MR * SS + (j - kc0), SS);
+                }
               }
             }
           } else
@@ -1703,11 +1721,11 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
           }
           // ---- P = exp2(S - lse*log2e), dS = scale * P * (dP - Di); zeros elsewhere in
           // the row's first Z columns (the P^T products read whole columns)
-          for (int64_t t = 0; t < MB / MR; ++t) {
+          for (int64_t t = 0; t < BB / MR; ++t) {
             tA[t] = t < ntile ? std::max<int64_t>(tlo[t], kc0) : 1;
             tB[t] = t < ntile ? std::min<int64_t>(thi[t], kc1 - 1) : 0;
           }
-          for (int64_t ri = 0; ri < MB; ++ri) {
+          for (int64_t ri = 0; ri < BB; ++ri) {
             float* srow = sb + ri * SS;
             float* drw = db + ri * SS;
             const int64_t a = ri < mr ? std::max<int64_t>(rl[ri], kc0) : 1;
