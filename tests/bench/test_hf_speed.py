@@ -118,6 +118,25 @@ def test_the_attention_free_reference_passes_values_through() -> None:
     assert torch.equal(out[:, :, 4], v[:, 1])
 
 
+def test_the_ceiling_gives_a_ratio_only_where_attnkits_share_is_above_the_noise() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import hf_speed
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    names = {"forward": "forward, L=8: median ms"}
+    result = {"no_attention_ms": {"forward": 1000.0}}
+    result["median_ms"] = {"forward": {"attnkit": 981.5, "sdpa": 3000.0}}  # below the ceiling
+    (line,) = [x for x in hf_speed._ceiling(result, names) if x.startswith("- forward")]
+    assert (
+        "attention adds -18.5 ms on attnkit, 2,000.0 ms on sdpa (attnkit's within noise)." in line
+    )
+    result["median_ms"] = {"forward": {"attnkit": 1100.0, "sdpa": 3000.0}}
+    (line,) = [x for x in hf_speed._ceiling(result, names) if x.startswith("- forward")]
+    assert "attention adds 100.0 ms on attnkit, 2,000.0 ms on sdpa (20.0x)." in line
+    assert "more than 3.00x faster than sdpa's 3,000.0 ms" in line
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

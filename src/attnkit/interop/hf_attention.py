@@ -25,7 +25,10 @@ both under one name:
   weights ``(B, H, L, S)`` when the model asks for ``output_attentions`` or transformers'
   output capturing collects attentions, else ``None``. Each keyword argument the layer
   passes is computed, known to be harmless, or refused
-  (:data:`attnkit.interop.hf_kwargs.KWARGS`).
+  (:data:`attnkit.interop.hf_kwargs.KWARGS`). A call with a spec and only keywords that leave
+  it ``attention(q, k, v, mask=spec, scale=scaling)`` runs directly where one like it ran
+  before (:func:`attnkit.backends.memo.run_direct`: every layer after the first of a decode
+  step), before the keyword table is read.
 
 The mask object flows through the model's code between the two. Models that hand it on
 untouched get specs (:data:`SPEC_MODEL_TYPES`, each verified by a test against ``eager``);
