@@ -63,6 +63,7 @@ from typing import Any
 import torch
 
 from attnkit import bench, cpu, files
+from attnkit.bench.clock import clocking
 from attnkit.bench.plan import DECODE_ROWS
 from attnkit.bench.workloads import get_workload
 
@@ -321,40 +322,26 @@ def long_prompt_rows(
 def time_shares(model: Any, ids: Any, args: dict[str, Any], impl: str, reps: int) -> dict:
     """The share of ``generate``'s time spent in ``impl``'s attention function (every layer's
     call) and in its mask function (once per forward), measured in separate rounds with a
-    timer around each (about 1 us a call, counted in both): medians of ``reps`` rounds."""
+    clock around each (:func:`attnkit.bench.clock.clocking`; about 1 us a call, counted in
+    both): medians of ``reps`` rounds."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    spent = {"attention": 0, "mask": 0}
-    tables = {"attention": ALL_ATTENTION_FUNCTIONS, "mask": ALL_MASK_ATTENTION_FUNCTIONS}
-    originals = {part: table[impl] for part, table in tables.items()}
-
-    def timed(part: str, f: Any) -> Any:
-        def run(*a: Any, **kw: Any) -> Any:
-            t = time.perf_counter_ns()
-            try:
-                return f(*a, **kw)
-            finally:
-                spent[part] += time.perf_counter_ns() - t
-
-        return run
-
+    spent = {"attention": 0.0, "mask": 0.0}
     rounds: dict[str, list[float]] = {"attention": [], "mask": []}
     model.set_attn_implementation(impl)
-    try:
-        for part, table in tables.items():
-            table[impl] = timed(part, originals[part])
+    with (
+        clocking(ALL_ATTENTION_FUNCTIONS, {impl: "attention"}, spent),
+        clocking(ALL_MASK_ATTENTION_FUNCTIONS, {impl: "mask"}, spent),
+    ):
         for _ in range(reps):
-            spent.update(attention=0, mask=0)
+            spent.update(attention=0.0, mask=0.0)
             with torch.no_grad():
-                t = time.perf_counter_ns()
+                t = time.perf_counter()
                 model.generate(**ids, **args)
-                total = time.perf_counter_ns() - t
+                total = time.perf_counter() - t
             rounds["attention"].append(spent["attention"] / total)
             rounds["mask"].append(spent["mask"] / total)
-    finally:
-        for part, table in tables.items():
-            table[impl] = originals[part]
     return {part: statistics.median(v) for part, v in rounds.items() if v}
 
 

@@ -67,6 +67,7 @@ import torch
 import attnkit
 import attnkit.interop
 from attnkit import files
+from attnkit.bench.clock import clocking
 from attnkit.bench.machine import describe_features, machine
 
 IMPLS = ("sdpa", "attnkit")
@@ -270,28 +271,10 @@ def measure_memory(
 def attention_clock(spent: dict[str, float]) -> Iterator[None]:
     """Add the seconds spent inside each implementation's attention function (its forward
     calls, as the model's layers make them) to ``spent[impl]``."""
-    from transformers import AttentionInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    originals = {impl: ALL_ATTENTION_FUNCTIONS[impl] for impl in IMPLS}
-
-    def clocked(impl: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[impl] += time.perf_counter() - t0
-
-        return call
-
-    for impl, fn in originals.items():
-        AttentionInterface.register(impl, clocked(impl, fn))
-    try:
+    with clocking(ALL_ATTENTION_FUNCTIONS, {impl: impl for impl in IMPLS}, spent):
         yield
-    finally:
-        for impl, fn in originals.items():
-            AttentionInterface.register(impl, fn)
 
 
 def interleaved(
