@@ -21,6 +21,7 @@ def test_a_clock_counts_each_call_and_a_raise_and_puts_the_functions_back() -> N
 
     table = {"slow": slow, "other": other}
     spent = {"a": 0.0}
+
     def run() -> None:
         with clocking(table, {"slow": "a"}, spent):
             assert table["slow"](3) == 6
