@@ -142,9 +142,9 @@ def attention(
     """
     # a call like an earlier one runs its kernel directly (backends.memo)
     no_dropout = type(dropout_p) is float and dropout_p == 0.0  # (else checked first)
-    direct = sinks is None and softcap is None and return_weights is False and no_dropout
-    if direct:
-        out = memo.run_direct(q, k, v, mask, causal, scale, backend)
+    key = None
+    if sinks is None and softcap is None and return_weights is False and no_dropout:
+        out, key = memo.run_direct(q, k, v, mask, causal, scale, backend)
         if out is not None:
             return out
     dims = check_qkv(q, k, v, where=WHERE)
@@ -161,7 +161,6 @@ def attention(
     )  # fmt: skip
     choice = choose(call, backend, WHERE)
     result = _run(choice)
-    key = memo.direct_key(q, k, v, mask, causal, scale, backend) if direct else None
     if key is not None:
         memo.keep_direct(key, choice, mask if isinstance(mask, MaskSpec) else None)
     return result if return_weights else result.output

@@ -100,10 +100,10 @@ class _Masks:
             return real(*args, **kwargs)
 
         def recording_direct(q: Any, k: Any, v: Any, mask: Any, *rest: Any) -> Any:
-            out = real_direct(q, k, v, mask, *rest)
+            out, key = real_direct(q, k, v, mask, *rest)
             if out is not None:  # (else hf_attention calls attention, which records it)
                 self.seen.append(mask)
-            return out
+            return out, key
 
         monkeypatch.setattr(hfa, "attention", recording)
         monkeypatch.setattr(hfa, "memo", types.SimpleNamespace(run_direct=recording_direct))

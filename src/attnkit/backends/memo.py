@@ -181,14 +181,15 @@ def direct_key(
 
 def run_direct(
     q: Any, k: Any, v: Any, mask: Any, causal: Any, scale: Any, backend: Any
-) -> torch.Tensor | None:
-    """The output of a call of :func:`attnkit.attention` with these arguments (and no
-    weights, dropout, soft-cap or sinks: the caller checks that) run directly, where one with
-    its signature was kept (:func:`keep_direct`); ``None`` where none was, or where the kernel
-    saw NaN or inf: the caller then takes the whole path."""
+) -> tuple[torch.Tensor | None, Hashable | None]:
+    """``(out, key)``: the output of a call of :func:`attnkit.attention` with these arguments
+    (and no weights, dropout, soft-cap or sinks: the caller checks that) run directly, where one
+    with its signature was kept (:func:`keep_direct`), else ``None`` (none was, or the kernel
+    saw NaN or inf: the caller then takes the whole path); and the signature
+    (:func:`direct_key`), for the caller that keeps the whole path's run under it."""
     key = direct_key(q, k, v, mask, causal, scale, backend)
     found = DIRECT.get(key) if key is not None else None
-    return None if found is None else found[0](q, k, v)
+    return (None if found is None else found[0](q, k, v)), key
 
 
 def keep_direct(key: Hashable, choice: Any, mask: MaskSpec | None) -> None:

@@ -253,7 +253,7 @@ def hf_attention(
         # a call like an earlier one (every layer after the first, every decode step): run
         # directly, as attnkit.attention would after the same arguments (backends.memo)
         mask = None if attention_mask is UNMASKED else attention_mask
-        out = memo.run_direct(query, key, value, mask, False, kwargs.get("scaling"), "auto")
+        out, _ = memo.run_direct(query, key, value, mask, False, kwargs.get("scaling"), "auto")
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
     sizes = (query.shape[0], query.shape[-2], key.shape[-2])

@@ -1450,17 +1450,15 @@ static void backward_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
   const int64_t Hkv = k.size(1), S = k.size(2), Dv = v.size(3);
   const int64_t g = H / Hkv;
   const int64_t nth = std::max<int64_t>(1, at::get_num_threads());
-  // bfloat16 dot products (the -DRS_BF16DOT build): see below
-  constexpr bool DOT0 = kDot && E == Dt::BF16;
-  constexpr int64_t BB = kWide && !DOT0 ? MBW : MB;  // query rows per block
+  // bfloat16 dot products (the -DRS_BF16DOT build): every product on bf16 pairs (P and dS
+  // rounded to bf16), sums in float32; accumulators of dQ, dK, dV padded to 16 columns
+  constexpr bool DOT = kDot && E == Dt::BF16;
+  constexpr int64_t BB = kWide && !DOT ? MBW : MB;  // query rows per block
   const Work w = plan_work(B, Hkv, L, sp, nth, RS_MAXKC_BWD, BB);
   const int64_t C = w.C, nch = w.nch, KC = w.KC;
   const int64_t SS = KC + 2 * NR;
   const float sc = static_cast<float>(scale * 1.4426950408889634);
   const float log2e = 1.4426950408889634f;
-  // bfloat16 dot products (the -DRS_BF16DOT build): every product on bf16 pairs (P and dS
-  // rounded to bf16), sums in float32; accumulators of dQ, dK, dV padded to 16 columns
-  constexpr bool DOT = kDot && E == Dt::BF16;
   const int64_t Dk2 = (Dk + 1) / 2, Dv2 = (Dv + 1) / 2;
   const int64_t Dkp = round_up(Dk, 16), Dvp = round_up(Dv, 16);
   const int64_t KS = DOT ? Dkp : Dk, VS = DOT ? Dvp : Dv;  // accumulator row strides
