@@ -52,6 +52,7 @@ from torch import nn
 from attnkit.backends import memo
 from attnkit.errors import AttentionInputError
 from attnkit.functional import attention
+from attnkit.interop import hf_declarations
 from attnkit.interop.hf_kwargs import (
     KWARGS,
     SINKS_OUTSIDE_WEIGHTS_MODEL_TYPES,
@@ -87,8 +88,10 @@ def register_hf(name: str = "attnkit") -> str:
     ``AttentionMaskInterface``, after which ``AutoModel*.from_pretrained(path,
     attn_implementation=name)``, ``from_config(config, attn_implementation=name)`` and
     ``model.set_attn_implementation(name)`` run the model's attention on attnkit.
-    Calling it again is harmless. Needs ``transformers>=5.4,<6`` (``pip install
-    'attnkit[hf]'``); without it, an ``ImportError`` says so.
+    Reads the keyword arguments transformers declares
+    (:func:`attnkit.interop.hf_declarations.declared`). Calling it again is harmless. Needs
+    ``transformers>=5.4,<6`` (``pip install 'attnkit[hf]'``); without it, an ``ImportError``
+    says so.
 
     Raises:
         AttentionInputError: ``name`` is not a plain name, or transformers already uses it
@@ -128,6 +131,7 @@ def register_hf(name: str = "attnkit") -> str:
             )
     for interface, ours, _ in interfaces:
         interface.register(name, ours)
+    hf_declarations.declared()  # the keyword declarations, read now: never while a model runs
     return name
 
 
@@ -239,11 +243,13 @@ def hf_attention(
             ``SINKS_OUTSIDE_WEIGHTS_MODEL_TYPES`` get them without the sink's share, as their
             eager returns them. ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (packed documents, one
             row) keep each query to its own document. Arguments that
-            cannot change the result (``position_ids``, ``use_cache``, ``max_length_q`` ...)
-            are accepted; what attnkit does not compute (``indices``, ``block_indices``,
-            ``position_bias``, per-token ``sinks``, ``head_mask``) and any unknown argument
-            that is not ``None`` raise :class:`~attnkit.AttentionInputError`: the table is
-            :data:`attnkit.interop.hf_kwargs.KWARGS`.
+            cannot change the result (``position_ids``, ``use_cache``, ``max_length_q``, loss
+            arguments such as ``shift_labels`` ...) are accepted; what attnkit does not
+            compute (``indices``, ``block_indices``, ``position_bias``, per-token ``sinks``,
+            ``head_mask``) and any unknown argument that is not ``None`` raise
+            :class:`~attnkit.AttentionInputError`: the table is
+            :data:`attnkit.interop.hf_kwargs.KWARGS`, with the rules of
+            :func:`attnkit.interop.hf_kwargs.classify` for a name it lacks.
 
     Returns:
         ``(output (B, L, H, D) contiguous, weights (B, H, L, S) or None)``.

@@ -5,15 +5,22 @@ Dimension legend: B batch, H query heads, L query length, S key length.
 Every model's attention layer calls the registered attention function as ``fn(module, query,
 key, value, attention_mask, name=value, ..., **kwargs)``: the names it writes itself and, through
 ``**kwargs``, what the model's ``forward`` was given (``position_ids``, ``use_cache``,
-``output_attentions``, flash-attention's ``cu_seq_lens_q`` ...). :data:`KWARGS` classifies each
-name: attnkit **computes** it, it is **harmless** (it cannot change the result: why is said
-next to it), or it is **refused** with the feature it carries and the fix. A name not in the
-table is refused too unless its value is ``None`` (a feature that is off): attnkit never runs a
-model with a different attention than the model asks for.
+``output_attentions``, flash-attention's ``cu_seq_lens_q``, the loss's ``shift_labels`` ...).
+:func:`classify` says what attnkit does with each name: attnkit **computes** it, it is
+**harmless** (it cannot change the result: why is said next to it), or it is **refused** with
+the feature it carries and the fix. First the table :data:`KWARGS`; for a name the table lacks,
+the declarations of the installed transformers (:mod:`attnkit.interop.hf_declarations`): a
+loss argument (``LossKwargs``, an optional parameter of a loss function in ``LOSS_MAPPING``)
+is harmless, as it is for eager. Any other name is refused unless its value is ``None`` (a
+feature that is off), and the message names it, and the declaration that lists it where one
+does (``TransformersKwargs``, ``FlashAttentionKwargs``): attnkit never runs a model with a
+different attention than the model asks for.
 
-The table was built from every ``attention_interface(...)`` call in transformers 5.24's models
-and from what reached the function when tiny random models of each type ran on attnkit; the
-docs' page ``docs/hf.md`` shows it.
+The table was built from transformers 5.24's declarations (``TransformersKwargs``,
+``FlashAttentionKwargs``, the loss functions' parameters), from every
+``attention_interface(...)`` call in its models, and from what reached the function when tiny
+random models of each type ran on attnkit; the docs' page ``docs/hf.md`` shows it, with the
+rules (:data:`RULES`).
 """
 
 from __future__ import annotations
@@ -26,12 +33,15 @@ import torch
 from torch import nn
 
 from attnkit.errors import AttentionInputError, is_int_tensor, tensor_got
+from attnkit.interop import hf_declarations
 
 __all__ = [
     "KWARGS",
+    "RULES",
     "SINKS_OUTSIDE_WEIGHTS_MODEL_TYPES",
     "Kwarg",
     "check_kwargs",
+    "classify",
     "collecting_attentions",
     "markdown_table",
     "packed_documents",
@@ -76,7 +86,11 @@ def _refused(feature: str, models: str, loss: str) -> Kwarg:
     return Kwarg("refused", feature, models, loss)
 
 
-_BOOKKEEPING = "bookkeeping of the model's forward (caches, outputs, loss); eager ignores it"
+_BOOKKEEPING = "bookkeeping of the model's forward (caches, outputs); eager ignores it"
+_LOSS = (
+    "a loss argument: the loss function reads it after the layers (`shift_labels`: the labels "
+    "shifted by the caller, as context-parallel training gives them); eager ignores it"
+)
 _CONSUMED = (
     "the layer's or the model's own inputs (states, caches, rotary tables, encoder states, "
     "token ids, pixels, labels, the vision tower's cut points): q, k, v and the mask were "
@@ -131,11 +145,14 @@ KWARGS: dict[str, Kwarg] = {
             "layer_idx",
             "output_hidden_states",
             "output_router_logits",
-            "num_items_in_batch",
             "return_dict",
             "logits_to_keep",
         ],
         _harmless(_BOOKKEEPING, "any model (transformers' forward arguments)"),
+    ),
+    **dict.fromkeys(
+        ["num_items_in_batch", "shift_labels", "ignore_index"],
+        _harmless(_LOSS, "any model trained with transformers' loss functions"),
     ),
     **dict.fromkeys(
         [
@@ -205,11 +222,55 @@ KWARGS: dict[str, Kwarg] = {
 }
 
 
+#: a loss argument the installed transformers declares and :data:`KWARGS` lacks
+_LOSS_RULE = _harmless(
+    "a loss argument, read from the installed transformers' declarations: the loss function "
+    "reads it after the layers; eager ignores it",
+    "any model trained with it",
+)
+
+#: the rules for a name :data:`KWARGS` lacks, as the docs' table shows them: (names, entry)
+RULES: tuple[tuple[str, Kwarg], ...] = (
+    (
+        "any other loss argument transformers declares (in `LossKwargs`; an optional parameter "
+        "of a loss function in `LOSS_MAPPING`: `reduction`, `outputs_class`, ...)",
+        _LOSS_RULE,
+    ),
+    (
+        "any other name whose value is not `None`",
+        _refused(
+            "a name attnkit does not know (the message names it, and the declaration that "
+            "lists it: `TransformersKwargs`, `FlashAttentionKwargs`)",
+            "a later transformers, a model's own argument",
+            "it may change what attention computes",
+        ),
+    ),
+)
+
+
+def classify(name: str) -> Kwarg | None:
+    """What attnkit does with the keyword ``name``: its :data:`KWARGS` entry; else, for a loss
+    argument the installed transformers declares
+    (:func:`attnkit.interop.hf_declarations.declared`), harmless; else ``None`` (unknown:
+    refused unless its value is ``None``).
+
+    >>> classify("scaling").kind, classify("shift_labels").kind, classify("topk_scores")
+    ('computed', 'harmless', None)
+    """
+    entry = KWARGS.get(name)
+    if entry is None and hf_declarations.declared().is_loss(name):
+        return _LOSS_RULE
+    return entry
+
+
 def check_kwargs(module: nn.Module, kwargs: dict[str, Any]) -> None:
-    """Refuse what :data:`KWARGS` refuses, and any unknown name whose value is not ``None``."""
+    """Refuse what :func:`classify` refuses, and any name it does not know whose value is not
+    ``None``."""
     for name, value in kwargs.items():
-        entry = KWARGS.get(name)
-        if value is None or (entry is not None and entry.kind != "refused"):
+        if value is None:
+            continue
+        entry = classify(name)
+        if entry is not None and entry.kind != "refused":
             continue
         layer = type(module).__name__
         model_type = getattr(getattr(module, "config", None), "model_type", None)
@@ -222,9 +283,15 @@ def check_kwargs(module: nn.Module, kwargs: dict[str, Any]) -> None:
             )
             expected = f"{name}=None"
         else:
+            where = ", ".join(hf_declarations.declared().where(name))
+            known = (
+                f"which transformers declares in {where} and attnkit does not classify yet"
+                if where
+                else "which attnkit does not know"
+            )
             problem = (
-                f"this model passes {name}=, which attnkit does not know; it may change what "
-                "attention computes, so attnkit does not ignore it."
+                f"this model passes {name}=, {known}; it may change what attention computes, "
+                "so attnkit does not ignore it."
             )
             expected = f"keyword arguments attnkit computes or knows to be harmless ({name}=None)"
         raise AttentionInputError(
@@ -325,16 +392,18 @@ def packed_documents(
 
 
 def markdown_table() -> str:
-    """:data:`KWARGS` as the table of ``docs/hf.md`` (names with the same entry share a row)."""
+    """:data:`KWARGS` and then :data:`RULES` as the table of ``docs/hf.md`` (names with the same
+    entry share a row)."""
     rows: dict[Kwarg, list[str]] = {}
     for name, entry in KWARGS.items():
-        rows.setdefault(entry, []).append(name)
+        rows.setdefault(entry, []).append(f"`{name}`")
+    for rule, entry in RULES:
+        rows.setdefault(entry, []).append(rule)
     lines = [
         "| keyword | attnkit | what it does, or why | models that pass it |",
         "|---|---|---|---|",
     ]
     for entry, names in rows.items():
         what = entry.what if entry.kind != "refused" else f"{entry.what}: {entry.loss}"
-        shown = ", ".join(f"`{n}`" for n in names)
-        lines.append(f"| {shown} | {entry.kind} | {what} | {entry.models} |")
+        lines.append(f"| {', '.join(names)} | {entry.kind} | {what} | {entry.models} |")
     return "\n".join(lines)
