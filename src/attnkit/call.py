@@ -167,20 +167,29 @@ class AttentionCall:
         t = self.mask_tensor
         return t is not None and t.requires_grad and torch.is_grad_enabled()
 
-    def dense_mask_bytes(self) -> int:
-        """The bytes :meth:`dense_mask` would allocate (at most): 0 for no mask, a user's
-        tensor or a mask already built; else what materialising the spec takes
-        (:meth:`~attnkit.masks.MaskSpec.dense_bytes`)."""
-        if self.mask is None or "dense" in self._dense:
-            return 0
-        return self.mask.dense_bytes(self.dims.L, self.dims.S, self.compute_dtype)
+    def _dense_key(self, dtype: torch.dtype | None) -> tuple[str, torch.dtype]:
+        """Where :meth:`dense_mask` keeps its tensor for ``dtype``, and the dtype it means (a
+        spec without a bias materialises as bool whatever the dtype: one tensor)."""
+        dtype = self.compute_dtype if dtype is None else dtype
+        same = dtype == self.compute_dtype or self.mask is None or not self.mask.has_bias
+        return ("dense" if same else f"dense {dtype}"), dtype
 
-    def dense_mask(self) -> torch.Tensor | None:
+    def dense_mask_bytes(self, dtype: torch.dtype | None = None) -> int:
+        """The bytes :meth:`dense_mask` (with the same ``dtype``) would allocate (at most): 0
+        for no mask, a user's tensor or a mask already built; else what materialising the spec
+        takes (:meth:`~attnkit.masks.MaskSpec.dense_bytes`)."""
+        key, dtype = self._dense_key(dtype)
+        if self.mask is None or key in self._dense:
+            return 0
+        return self.mask.dense_bytes(self.dims.L, self.dims.S, dtype)
+
+    def dense_mask(self, dtype: torch.dtype | None = None) -> torch.Tensor | None:
         """The mask as one tensor broadcastable to ``(B, H, L, S)``: bool (True = may attend)
         or float (added to the scores), built once per call; ``None`` for no mask.
 
         A user's tensor comes back unchanged; a spec is materialised with ``to_dense`` (a bias
-        in :attr:`compute_dtype`; once for every layer of a forward where attnkit built the
+        in ``dtype``, :attr:`compute_dtype` unless given: the math backend asks for float32
+        on bfloat16/float16 calls; once for every layer of a forward where attnkit built the
         spec, :func:`attnkit.backends.owned.dense`), which refuses
         (:class:`~attnkit.AttentionMemoryError`) above attnkit's memory limit.
         """
@@ -189,16 +198,16 @@ class AttentionCall:
             return None
         if isinstance(spec, DenseMask):
             return spec.tensor
+        key, dtype = self._dense_key(dtype)
         if self.explaining:  # what to_dense would return, as a zero-stride view of one element
             d = self.dims
-            dtype = self.compute_dtype if spec.has_bias else torch.bool
             heads = (spec.heads or 1) if spec.has_bias else 1
-            one = torch.zeros((), dtype=dtype, device=self.q.device)
+            one = torch.zeros(
+                (), dtype=dtype if spec.has_bias else torch.bool, device=self.q.device
+            )
             return one.expand(spec.batch or 1, heads, d.L, d.S)
-        if "dense" not in self._dense:
+        if key not in self._dense:
             from attnkit.backends import owned  # (at call time: the package imports this one)
 
-            self._dense["dense"] = owned.dense(
-                spec, self.dims.L, self.dims.S, self.q.device, self.compute_dtype
-            )
-        return self._dense["dense"]
+            self._dense[key] = owned.dense(spec, self.dims.L, self.dims.S, self.q.device, dtype)
+        return self._dense[key]
