@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import attnkit
 from attnkit import cpu, masks
 from attnkit.backends import blocked
-from attnkit.backends.blocked import rowspan
+from attnkit.backends.blocked import measured, rowspan
 from attnkit.backends.blocked.tiles import merge
 from attnkit.cpu import hardware_flags
 from attnkit.masks import alibi, alibi_slopes, row_spans, split_alibi
@@ -713,10 +713,12 @@ def test_auto_takes_the_kernel_for_plain_causal_calls_where_it_was_measured_fast
     kv = torch.randn(1, 2, 1024, 16)
     report = attnkit.explain(q, kv, kv, causal=True)
     assert report.chosen == "blocked"
+    measured_rule = measured.select(torch.float32, "causal")[1]
     assert report.rule == (
-        "causal on CPU (torch.float32), L x S >= 1024 x 1024: attnkit's row-span kernel, measured "
-        "1.2-1.6x faster than SDPA's is_causal (benchmarks/kernel_spans.py)"
+        "causal on CPU (torch.float32), L x S >= 1024 x 1024: attnkit's row-span kernel; "
+        + measured_rule
     )
+    assert measured_rule.startswith("measured rule 'float32 on avx")
     want, _ = reference_attention(q, kv, kv, causal=True)
     assert _close(attnkit.attention(q, kv, kv, causal=True), want, 1e-5)
     short = q[:, :, :512]

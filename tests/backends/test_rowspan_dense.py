@@ -15,7 +15,7 @@ import torch
 import attnkit
 from attnkit import cpu, masks
 from attnkit.backends import blocked
-from attnkit.backends.blocked import rowspan
+from attnkit.backends.blocked import measured, rowspan
 from attnkit.backends.blocked.blocks import BlockAt
 from oracle import reference_attention, within_naive
 from span_builds import FP32_ISAS, running
@@ -147,8 +147,8 @@ def test_auto_takes_the_kernel_for_unmasked_calls_from_the_measured_sizes() -> N
     assert report.chosen == "blocked"
     assert report.rule == (
         f"unmasked on CPU (torch.float32), forward, L >= {rows} and L x S >= {pairs}: "
-        "attnkit's row-span kernel (every key of each row), measured faster than SDPA there "
-        "(benchmarks/kernel_spans.py, docs/benchmarks.md)"
+        "attnkit's row-span kernel (every key of each row); "
+        + measured.select(torch.float32, "dense")[1]
     )
     assert (
         f"no mask (every key of every row): forward and backward run {rowspan.status()}"

@@ -175,7 +175,16 @@ class Choice(NamedTuple):
         device = self.call.device_type
         order = auto_order(device)
         on = "" if order == AUTO_ORDER else f" on {device}"
-        return f"the first in auto's order{on} ({' > '.join(order)}) that can serve"
+        why = f"the first in auto's order{on} ({' > '.join(order)}) that can serve"
+        # the rules of the backends before it that serve the call but did not fire (a
+        # measured rule that sends the call to torch, say): what chose
+        before = order[: order.index(self.name)] if self.name in order else ()
+        passed = [
+            f"{n}'s rule: {d.rule[1]}"
+            for n in before
+            if (d := self.decisions.get(n)) is not None and d.reason is None and d.rule is not None
+        ]
+        return "; ".join([why, *passed])
 
     def verdict(self, name: str) -> str | None:
         """``None`` where backend ``name`` can serve the call within the memory limit, else why

@@ -52,7 +52,7 @@ from torch.autograd.function import once_differentiable
 
 from attnkit.backends import nonfinite
 from attnkit.backends.base import Backend, Decision, mask_planning
-from attnkit.backends.blocked import compiled, decode, rowspan
+from attnkit.backends.blocked import compiled, decode, measured, rowspan
 from attnkit.backends.blocked.blocks import (
     WHOLE,
     BlockAt,
@@ -231,22 +231,38 @@ def _kernel_sized(call: AttentionCall, compiling: bool) -> bool:
 
 
 def _kernel_rule(call: AttentionCall, plan: BlockPlan) -> str:
-    """auto's words for a plain causal or unmasked call the row-span kernel runs."""
+    """auto's words for a plain causal or unmasked call the row-span kernel runs (the sizes;
+    the measured rule that it is faster than SDPA on this CPU follows them)."""
     on = str(call.q.dtype)
     if call.upcast:
         on = f"float32 copies of {on}" if _converts(call, plan) else f"{on}, read directly"
     if call.causal:
-        return (
-            f"causal on CPU ({on}), L x S >= 1024 x 1024: attnkit's row-span kernel, "
-            "measured 1.2-1.6x faster than SDPA's is_causal (benchmarks/kernel_spans.py)"
-        )
+        return f"causal on CPU ({on}), L x S >= 1024 x 1024: attnkit's row-span kernel"
     least = rowspan.DENSE_TRAIN_MIN_PAIRS if call.needs_grad else rowspan.DENSE_MIN_PAIRS
     when = "training" if call.needs_grad else "forward"
     return (
         f"unmasked on CPU ({on}), {when}, L >= {rowspan.DENSE_MIN_ROWS} and L x S >= {least}: "
-        "attnkit's row-span kernel (every key of each row), measured faster than SDPA there "
-        "(benchmarks/kernel_spans.py, docs/benchmarks.md)"
+        "attnkit's row-span kernel (every key of each row)"
     )
+
+
+def _decode_rule(call: AttentionCall) -> tuple[bool, str]:
+    """auto's rule for a decode-shaped CPU call the decode kernel serves: the measured rule of
+    the call's dtype on this CPU (:mod:`~attnkit.backends.blocked.measured`) where SDPA would
+    run it without a mask tensor (no mask, or plain causal); with any other mask spec SDPA
+    would need it materialised, and the kernel reads only the keys each row may see."""
+    L, S = call.dims.L, call.dims.S
+    what = (
+        f"a decode-shaped CPU call (L = {L} <= {decode.MAX_L} queries, S = {S} keys): "
+        "attnkit's decode kernel reads each key/value head once for its query heads and only "
+        "the keys each row may see"
+    )
+    if not (_no_mask(call) or call.causal):
+        return True, f"{what} (no dense mask, which SDPA would need for this mask spec)"
+    takes, why = measured.select(call.q.dtype, "decode")
+    if not takes:
+        return False, f"torch's SDPA is faster for this decode-shaped call, by {why}"
+    return True, f"{what}; {why}"
 
 
 def _rule(call: AttentionCall, kernel_plan: BlockPlan | None) -> tuple[bool, str]:
@@ -268,12 +284,7 @@ def _rule(call: AttentionCall, kernel_plan: BlockPlan | None) -> tuple[bool, str
     plan = kernel_plan
     if plan is not None and plan.decode is not None:
         if plan.decode.serves:
-            return True, (
-                f"a decode-shaped CPU call (L = {L} <= {decode.MAX_L} queries, S = {S} "
-                "keys): attnkit's decode kernel reads each key/value head "
-                "once for its query heads and only the keys each row may see (no dense mask), "
-                "measured faster than SDPA (benchmarks/decode_kernel.py)"
-            )
+            return _decode_rule(call)
         if spec is not None and not spec.from_tensor and not call.causal and plan.spans.serves:
             return True, (
                 f"a mask spec on a decode-shaped CPU call (L = {L}, S = {S}; the decode kernel "
@@ -282,7 +293,10 @@ def _rule(call: AttentionCall, kernel_plan: BlockPlan | None) -> tuple[bool, str
             )
     sized = plan is not None and _kernel_sized(call, compiling)  # (not a small decode plan)
     if sized and plan is not None and plan.spans.serves:
-        return True, _kernel_rule(call, plan)
+        takes, why = measured.select(call.q.dtype, "causal" if call.causal else "dense")
+        if not takes:
+            return False, f"torch's SDPA is faster here, by {why}"
+        return True, f"{_kernel_rule(call, plan)}; {why}"
     unmasked = _no_mask(call)
     if not extras and (unmasked or call.causal or (spec is not None and spec.from_tensor)):
         why, kind = "", "plain causal" if call.causal else "unmasked"
