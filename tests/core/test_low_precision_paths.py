@@ -20,7 +20,6 @@ Dk query/key head dim, Dv value head dim.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
@@ -32,31 +31,17 @@ import attnkit
 from attnkit import cpu, masks
 from attnkit.backends.blocked import rowspan
 from attnkit.masks import MaskSpec
+from cpu_paths import PATHS, use_path
 from oracle import reference_attention
 from strategies import Sizes, qkv, specs
 
 RTOL = {torch.bfloat16: 2**-5, torch.float16: 2**-8}
 LOW = [torch.bfloat16, torch.float16]
-PATHS = ["native", "fp32-upcast", "torch", "native-simulated"]
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     scale = max(want.abs().max().item(), 1.0) if want.numel() else 1.0
     return (got.double() - want).abs().max().item() / scale if want.numel() else 0.0
-
-
-def use_path(monkeypatch: pytest.MonkeyPatch, path: str, dtype: torch.dtype) -> None:
-    """Force ``path`` for ``dtype`` calls, or skip with the reason this CPU cannot run it."""
-    if path == "native-simulated":
-        f = cpu.features()
-        flags = f.flags | {"avx512_bf16", "avx512_fp16"}
-        fake = dataclasses.replace(f, flags=flags)
-        monkeypatch.setattr(cpu, "features", lambda: fake)
-        path = "native"
-    reason = cpu.unavailable(path, dtype)
-    if reason is not None:
-        pytest.skip(f"the {path} path cannot run {dtype} here: {reason}")
-    monkeypatch.setenv(cpu.ENV, path)
 
 
 def _oracle(
@@ -342,7 +327,8 @@ def test_other_paths_keep_the_input_dtype(
 ) -> None:
     """On ``torch`` and ``native`` nothing is converted: on ``torch`` the row-span kernel stays
     out; on ``native`` it takes bfloat16 as it is only where its AVX512-BF16 build (bf16 dot
-    products) runs; sdpa's and math's matmuls see bfloat16."""
+    products) runs; sdpa's kernel sees bfloat16 (math converts on every path, as torch's math
+    SDPA does: tests/backends/test_low_precision_math.py)."""
     use_path(monkeypatch, path, torch.bfloat16)
     spec = masks.causal() & masks.sliding_window(32)
     q = torch.randn(1, 2, 256, 32, dtype=torch.bfloat16)
