@@ -34,7 +34,8 @@ PREBUILT = "_kernels"
 MANIFEST = "manifest.json"
 #: flags of every build: optimised, position-independent, OpenMP (torch's runtime, libgomp.so.1,
 #: found at load time by its soname), no debug information (reproducible, no build paths)
-COMMON = ("-O3", "-std=c++17", "-fPIC", "-fopenmp", "-g0")
+#: and the C ABI's version (:data:`ABI`, its one definition: ``abi.h`` reads it)
+COMMON = ("-O3", "-std=c++17", "-fPIC", "-fopenmp", "-g0", f"-DATTNKIT_ABI={ABI}")
 LINK = ("-shared", "-fopenmp")
 #: the compiler, where ``CXX`` names none
 COMPILERS = ("c++", "g++", "clang++")

@@ -151,3 +151,10 @@ inline int32_t low_dtype_bits() {
     if (!(cond)) throw std::runtime_error((msg)); \
   } while (0)
 #define TORCH_CHECK(cond, ...) ABI_CHECK(cond, attnkit_abi::message(__VA_ARGS__))
+
+// The version of the C ABI: native.py refuses a build whose version it does not know. Defined
+// once, as ABI in attnkit/backends/blocked/builds.py, whose compile command passes it here.
+#ifndef ATTNKIT_ABI
+#error "ATTNKIT_ABI is passed by builds.py's compile command (-DATTNKIT_ABI=<builds.ABI>)"
+#endif
+extern "C" int32_t attnkit_abi_version() { return ATTNKIT_ABI; }

@@ -738,8 +738,6 @@ static void forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Ten
 // may see, or an output was not, and 1 with attnkit_last_error() saying why it could not run.
 extern "C" {
 
-int32_t attnkit_abi_version() { return 2; }
-
 const char* attnkit_last_error() { return attnkit_abi::last_error().c_str(); }
 
 // bit 0: reads bfloat16; bit 1: reads float16 (built with F16C)

@@ -1932,9 +1932,6 @@ struct Entry {
 // nthreads: torch.get_num_threads(). Each returns 0, or 1 with attnkit_last_error() saying why.
 extern "C" {
 
-// the version of this interface: native.py refuses a build whose version it does not know
-int32_t attnkit_abi_version() { return 2; }
-
 const char* attnkit_last_error() { return attnkit_abi::last_error().c_str(); }
 
 // bit 0: reads bfloat16; bit 1: reads float16 (built with F16C)
