@@ -814,7 +814,7 @@ def _e2e_specs() -> list[tuple[str, masks.MaskSpec | None, float | None]]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("Dk", "Dv", "Hkv"), [(64, 64, 8), (128, 128, 2), (80, 72, 4)])
 def test_each_build_trains_every_kind_of_run_at_model_head_dims(
-    isa: str, dtype: torch.dtype, Dk: int, Dv: int, Hkv: int
+    isa: str, dtype: torch.dtype, Dk: int, Dv: int, Hkv: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``attnkit.attention`` forward and backward in each float32 build (float32, and bfloat16 /
     float16 read directly on the fp32-upcast path), L = 203 (not a multiple of 6, 16 or 48),
@@ -822,10 +822,11 @@ def test_each_build_trains_every_kind_of_run_at_model_head_dims(
     dq, dk, dv within the tolerance rule of the float64 oracle (the naive run in ``dtype`` sets
     the bound)."""
     L = 203
-    if dtype != torch.float32 and cpu.path_for(torch.empty(1, dtype=dtype), "test") != (
-        "fp32-upcast"
-    ):
-        pytest.skip(f"this CPU's path for {dtype} is not fp32-upcast")
+    if dtype != torch.float32:  # the fp32-upcast path, forced where it is not this CPU's own
+        reason = cpu.unavailable("fp32-upcast", dtype)
+        if reason is not None:
+            pytest.skip(f"the fp32-upcast path cannot run {dtype} here: {reason}")
+        monkeypatch.setenv(cpu.ENV, "fp32-upcast")
     gen = torch.Generator().manual_seed(Dk + Dv + Hkv)
     q = torch.randn(1, 8, L, Dk, generator=gen).to(dtype)
     k = torch.randn(1, Hkv, L, Dk, generator=gen).to(dtype)
