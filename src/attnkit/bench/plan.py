@@ -95,6 +95,19 @@ DECODE_ROWS: list[tuple[str, int, str, str]] = [
     ("prefill-dense", 4096, "float32", "fwd"),
     ("decode-gqa", 64, "float32", "fwd"),
 ]
+#: the ``bf16`` group (``-g bf16``, not in the default run; issue 34's rows): bfloat16 at model
+#: sizes against SDPA and compiled flex in bfloat16 and attnkit's own float32: dense 16 heads of
+#: 64 at 4096, causal GQA 32/8 of 128 at 4096, a causal window of 1024 with GQA 8/2 of 128 at
+#: 8192, a decode step (GQA 32/8 of 128, 4096 keys), causal 16x64 at 4096 and a window of 1024
+#: (8 heads) at 8192 forward + backward
+BF16_ROWS: list[tuple[str, int, str, str]] = [
+    ("prefill-dense", 4096, "bfloat16", "fwd"),
+    ("gqa-128", 4096, "bfloat16", "fwd"),
+    ("gqa-window-1024", 8192, "bfloat16", "fwd"),
+    ("decode-gqa", 4096, "bfloat16", "fwd"),
+    ("causal-16x64", 4096, "bfloat16", "fwd+bwd"),
+    ("window-1024", 8192, "bfloat16", "fwd+bwd"),
+]
 #: the rows of a run with no selection: the acceptance and masks groups, each row once
 DEFAULT_ROWS: list[tuple[str, int, str, str]] = list(dict.fromkeys(ACCEPTANCE_ROWS + MASKS_ROWS))
 #: named sets of rows (``-g/--group``)
@@ -102,6 +115,7 @@ GROUPS: dict[str, list[tuple[str, int, str, str]]] = {
     "acceptance": ACCEPTANCE_ROWS,
     "masks": MASKS_ROWS,
     "decode": DECODE_ROWS,
+    "bf16": BF16_ROWS,
 }
 DEFAULT_PEERS = ["naive", "sdpa", "flex", "attnkit", "attnkit-blocked"]
 #: the seed-style code builds the whole (B, H, L, S) scores: with the default peers it runs

@@ -87,9 +87,9 @@ class Workload:
         g = torch.Generator().manual_seed(L)
         if self.name in ("dense", "decode", "decode-gqa", "prefill-dense"):
             return None, False
-        if self.name in ("causal", "gqa", "module"):
+        if self.name in ("causal", "gqa", "module", "causal-16x64", "gqa-128"):
             return masks.causal(), True
-        if self.name in ("window", "gqa-window", "decode-window"):
+        if self.name in ("window", "gqa-window", "decode-window", "gqa-window-1024", "window-1024"):
             return masks.causal() & masks.sliding_window(self.window), False
         if self.name == "padding":  # the second sequence is half padding: 25% of all keys
             return masks.padding(torch.tensor([S, S // 2], device=device)), False
@@ -220,6 +220,10 @@ def _decode_gqa(name: str, what: str, **kw: Any) -> Workload:
     return Workload(name, f"decode: {what}", H=32, Hkv=8, D=128, queries=1, **kw)
 
 
+#: the peers of the bf16 group's workloads: torch's two (SDPA, compiled flex) and attnkit (a
+#: bfloat16 row adds attnkit on float32 copies of the same call: :func:`row_peers`)
+_BF16_PEERS = ("sdpa", "flex", "attnkit")
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
@@ -270,6 +274,28 @@ WORKLOADS: dict[str, Workload] = {
             peers=("sdpa", "attnkit", "attnkit-blocked"),
         ),
         Workload("module", "module row: causal self-attention, E=512, 8 heads", module=True),
+        # the bf16 group's (issue 34's rows: model-sized heads, torch's peers in bf16)
+        Workload("causal-16x64", "causal, 16 heads of 64", H=16, Hkv=16, peers=_BF16_PEERS),
+        Workload(
+            "gqa-128",
+            "grouped-query 32/8 heads of 128, causal",
+            H=32,
+            Hkv=8,
+            D=128,
+            peers=_BF16_PEERS,
+        ),
+        Workload(
+            "gqa-window-1024",
+            "grouped-query 8/2 heads of 128, causal sliding window of 1024",
+            H=8,
+            Hkv=2,
+            D=128,
+            window=1024,
+            peers=_BF16_PEERS,
+        ),
+        Workload(
+            "window-1024", "causal sliding window of 1024, 8 heads", window=1024, peers=_BF16_PEERS
+        ),
     )
 }
 

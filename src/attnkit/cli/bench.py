@@ -72,7 +72,8 @@ WorkloadOption = Annotated[
         "-w",
         metavar="<workload>",
         help="dense, causal, padding, window, document, document-equal, "
-        "prefix, gqa, gqa-window, decode, module (repeat for several)",
+        "prefix, gqa, gqa-window, decode, module, and the bf16 group's causal-16x64, gqa-128, "
+        "gqa-window-1024, window-1024 (repeat for several)",
     ),
 ]
 LengthOption = Annotated[
@@ -103,7 +104,8 @@ GroupOption = Annotated[
         metavar="<group>",
         help="only the rows of a group: acceptance (the suite's own), masks (every mask kind "
         "through one kernel, and bfloat16 against float32), decode (decode steps, ragged "
-        "batch, windowed decode, dense prefill; K/V GB/s) (repeat; "
+        "batch, windowed decode, dense prefill; K/V GB/s), bf16 (bfloat16 at model sizes "
+        "against SDPA and flex in bfloat16) (repeat; "
         "not with -w, -L, --full or --quick)",
     ),
 ]
@@ -170,7 +172,8 @@ def bench(
     masks: equal
     documents 16k, grouped-query 32/8 window 16k forward and backward, bfloat16 against
     attnkit's float32 and SDPA), about 13 to 21 minutes on a quiet 2-core machine
-    (docs/benchmarks.md). ``-g decode`` runs the decode group (not in the default run).
+    (docs/benchmarks.md). ``-g decode`` and ``-g bf16`` run the decode and bfloat16 groups
+    (not in the default run).
     """
     from attnkit import bench as api
     from attnkit.bench.plan import CUDA_WHERE
