@@ -550,3 +550,21 @@ def test_register_hf_imports_transformers_only_when_called() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True"]
+
+
+def test_doctor_names_auto_s_measured_rule_for_each_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnkit import cpu
+
+    flags = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_bf16"}
+    fake = cpu.CpuFeatures("x86_64", frozenset(flags), "AVX512")
+    monkeypatch.setattr(cpu, "features", lambda: fake)
+    out = _invoke("doctor").stdout
+    assert "  bfloat16 rule   amx-bf16: causal -> SDPA, dense -> SDPA, decode -> attnkit (" in out
+    assert (
+        "  float32 rule    avx512: causal -> attnkit, dense -> attnkit, decode -> attnkit (" in out
+    )
+    assert "  float16 rule    avx512: causal -> attnkit" in out
+    arm = cpu.CpuFeatures("aarch64", frozenset(), "DEFAULT")
+    monkeypatch.setattr(cpu, "features", lambda: arm)
+    out = _invoke("doctor").stdout
+    assert "  float32 rule    no class: no measured rule; auto does what torch does (SDPA)\n" in out

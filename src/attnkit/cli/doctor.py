@@ -110,6 +110,26 @@ def _span_kernel() -> list[tuple[str, str]]:
     ]
 
 
+def _rule_rows() -> list[tuple[str, str]]:
+    """auto's measured rule for each dtype on this CPU (attnkit's kernels or torch's SDPA for
+    plain causal, unmasked and decode calls), or that none was measured here."""
+    from attnkit.backends.blocked import measured
+
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        name = str(dtype).removeprefix("torch.")
+        isa = measured.isa_class(dtype) or "no class"
+        rule = measured.rule_for(dtype)
+        if rule is None:
+            line = f"{isa}: no measured rule; auto does what torch does (SDPA)"
+        else:
+            who = {k: "attnkit" if rule.takes(k) else "SDPA" for k in measured.KINDS}
+            kinds = ", ".join(f"{k} -> {w}" for k, w in who.items())
+            line = f"{isa}: {kinds} ({rule.figures}; {rule.host})"
+        rows.append((f"{name} rule", line))
+    return rows
+
+
 @command()
 def doctor() -> None:
     """Versions, threads, CUDA, the model weights, and which backends work here."""
@@ -146,6 +166,7 @@ def doctor() -> None:
             ("MiniLM weights", weights),
             *_span_kernel(),
             *_cpu_rows(),
+            *_rule_rows(),
         ]
     )
 
