@@ -28,6 +28,7 @@ import attnkit
 import attnkit.interop.hf_attention as hfa
 from attnkit import AttentionInputError
 from attnkit.interop import register_hf
+from attnkit.interop.hf_lazy_mask import LazyMask, spec_of
 from attnkit.masks import MaskSpec, causal, sliding_window
 
 transformers = pytest.importorskip("transformers")
@@ -260,13 +261,13 @@ def test_attnkit_ran_and_structured_masks_reached_it_as_specs(
 def test_a_decoder_made_bidirectional_stays_bidirectional() -> None:
     ref, ours = _pair("llama", is_causal=False)  # create_causal_mask -> bidirectional
     ids = _batch()[0]
-    spec = hfa.hf_mask(B, T, T, mask_function=mu.bidirectional_mask_function, config=ref.config)
-    assert spec is hfa.UNMASKED  # not None: the layers' is_causal=True must not decide
+    made = hfa.hf_mask(B, T, T, mask_function=mu.bidirectional_mask_function, config=ref.config)
+    assert spec_of(made) is hfa.UNMASKED  # not None: the layers' is_causal=True must not decide
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, ref(ids).logits, atol=ATOL_LOGITS, rtol=0)
 
 
-def test_packed_sequences_get_a_dense_mask_and_match_eager(
+def test_packed_sequences_get_documents_and_match_eager(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     ref, ours = _pair("mistral")
@@ -276,9 +277,9 @@ def test_packed_sequences_get_a_dense_mask_and_match_eager(
     with torch.no_grad():  # transformers detects packing only without a cache
         expected = ref(ids, position_ids=position_ids, use_cache=False).logits
         got = ours(ids, position_ids=position_ids, use_cache=False).logits
-    assert all(isinstance(m, torch.Tensor) and m.dtype == torch.bool for m in masks.seen)
-    assert masks.seen[0].shape == (B, 1, T, T)
-    assert not masks.seen[0][0, 0, 5, 4]  # the second document does not see the first
+    assert all(isinstance(m, MaskSpec) for m in masks.seen)
+    assert repr(masks.seen[0]) == f"causal() & sliding_window({WINDOW}) & document(<ids (2, 9)>)"
+    assert not masks.seen[0].to_dense(T, T)[0, 0, 5, 4]  # document 2 does not see document 1
     torch.testing.assert_close(got, expected, atol=ATOL_LOGITS, rtol=0)
 
 
@@ -358,6 +359,14 @@ SPEC_CASES = {
         mu.sliding_window_bidirectional_mask_function(2), 6, 6, 0, 0, None,
         "sliding_window(3)",
     ),
+    "chunked attention": (
+        mu.chunked_causal_mask_function(2, torch.zeros(B, dtype=torch.long)), 5, 5, 0, 0,
+        None, "causal() & document(<ids (2, 5)>)",
+    ),
+    "image-token overlay (or_masks)": (
+        mu.or_masks(mu.causal_mask_function, mu.bidirectional_mask_function), 5, 5, 0, 0,
+        None, "unmasked()",
+    ),
 }  # fmt: skip
 
 
@@ -366,29 +375,25 @@ def test_mask_function_returns_a_spec_equal_to_transformers_mask(case: str) -> N
     fn, L, S, q_off, kv_off, pad, expected = SPEC_CASES[case]
     kw = {"batch_size": B, "q_length": L, "kv_length": S, "q_offset": q_off}
     kw |= {"kv_offset": kv_off, "mask_function": fn, "attention_mask": pad}
-    spec = hfa.hf_mask(**kw, config=LLAMA)
+    made = hfa.hf_mask(**kw, config=LLAMA)
+    assert isinstance(made, LazyMask)  # a tensor of sdpa's shape, carrying the spec
+    assert made.shape == (B, 1, L, S)
+    assert made.dtype == torch.bool
+    spec = spec_of(made)
     assert isinstance(spec, MaskSpec)
     assert repr(spec) == expected
     reference = _dense_reference(**kw)  # (B, 1, L, S)
     assert torch.equal(spec.to_dense(L, S).expand(B, 1, L, S), reference)
 
 
-def _chunked() -> Any:
-    return mu.chunked_causal_mask_function(2, torch.zeros(B, dtype=torch.long))
-
-
 DENSE_CASES = {
     # name: (mask_function, q_length, kv_length, q_offset, kv_offset, config)
     "static cache (tensor offset)": (mu.causal_mask_function, 2, 8, torch.tensor(3), 0, LLAMA),
     "offsets that do not line up": (mu.causal_mask_function, 2, 8, 3, 0, LLAMA),
-    "chunked attention": (_chunked(), 5, 5, 0, 0, LLAMA),
-    "image-token overlay (or_masks)": (
-        mu.or_masks(mu.causal_mask_function, mu.bidirectional_mask_function), 5, 5, 0, 0, LLAMA
-    ),
     "a window without causal": (mu.sliding_window_overlay(2), 5, 5, 0, 0, LLAMA),
     "an unknown rule": (lambda b, h, q, kv: kv <= q, 5, 5, 0, 0, LLAMA),
-    "a model not verified for specs": (
-        mu.causal_mask_function, 5, 5, 0, 0, transformers.GPT2Config()
+    "a union with an unknown rule": (
+        mu.or_masks(mu.causal_mask_function, lambda b, h, q, kv: q >= 0), 5, 5, 0, 0, LLAMA
     ),
 }  # fmt: skip
 

@@ -21,6 +21,7 @@ import attnkit.interop
 from attnkit import KVCache
 from attnkit.backends import owned
 from attnkit.interop.hf_attention import hf_attention
+from attnkit.interop.hf_lazy_mask import spec_of
 from attnkit.interop.hf_mask import hf_mask
 from attnkit.masks import MaskSpec
 from hf_tiny import ATOL_LOGITS, VOCAB, B, T, batch, pair
@@ -50,11 +51,11 @@ def recorded() -> Any:
     def mask_fn(*args: Any, **kwargs: Any) -> Any:
         made = hf_mask(*args, **kwargs)
         sizes = (kwargs["q_length"], kwargs["kv_length"], kwargs["q_offset"])
-        seen["masks"].append((sizes, made))
+        seen["masks"].append((sizes, spec_of(made)))
         return made
 
     def attention_fn(module: Any, q: Any, k: Any, v: Any, mask: Any, **kwargs: Any) -> Any:
-        seen["layers"].append(mask)
+        seen["layers"].append(spec_of(mask))
         return hf_attention(module, q, k, v, mask, **kwargs)
 
     ALL_MASK_ATTENTION_FUNCTIONS.register("attnkit_rec", mask_fn)
@@ -112,10 +113,10 @@ def test_explain_of_a_padded_call_names_the_spec() -> None:
     takes blocked, which evaluates it block by block."""
     keep = torch.ones(2, 128, dtype=torch.bool)
     keep[0, :40] = False
-    spec = hf_mask(
+    spec = spec_of(hf_mask(
         batch_size=2, q_length=128, kv_length=128, q_offset=0, kv_offset=0,
         attention_mask=keep, config=_llama(),
-    )  # fmt: skip
+    ))  # fmt: skip
     assert isinstance(spec, MaskSpec)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 128, 16, generator=g)

@@ -15,7 +15,7 @@ both under one name:
   :mod:`attnkit.interop.hf_mask`) gets, once per forward,
   the mask *rule* (transformers' ``mask_function``: causal, sliding window, bidirectional ...),
   the 2-D padding mask and where the queries and keys start (``q_offset``, ``kv_offset``).
-  Where attnkit can prove the rule, it returns an attnkit mask spec
+  Where attnkit can prove the rule, it returns a lazy mask carrying an attnkit mask spec
   (``causal() & sliding_window(w) & key_mask(keep)``) and block-sparse backends skip the
   empty blocks; anywhere else it returns transformers' own dense bool mask ``(B, 1, L, S)``
   (``sdpa_mask``): a causal or window rule is never dropped or guessed.
@@ -30,10 +30,12 @@ both under one name:
   before (:func:`attnkit.backends.memo.run_direct`: every layer after the first of a decode
   step), before the keyword table is read.
 
-The mask object flows through the model's code between the two. Models that hand it on
-untouched get specs (:data:`SPEC_MODEL_TYPES`, each verified by a test against ``eager``);
-every other model gets the dense mask, which is what its ``sdpa`` path gets too (eager's float
-form for the models whose code adds float biases to it: ``FLOAT_MASK_MODEL_TYPES``). A model
+The mask object flows through the model's code between the two: it is a
+:class:`~attnkit.interop.hf_lazy_mask.LazyMask`, a tensor without values that carries the spec.
+A model that hands it on untouched runs attnkit on the spec; a model that operates on it
+(slices it, adds a bias) makes transformers' dense mask first, the one its ``sdpa`` path gets
+(eager's float form for the models whose code adds float biases to it:
+``FLOAT_MASK_MODEL_TYPES``), and attnkit runs with what the model made of it. A model
 whose attention layers do not call the attention interface is refused by the mask function:
 attnkit would never run, and its own attention would read attnkit's masks.
 """
@@ -60,8 +62,8 @@ from attnkit.interop.hf_kwargs import (
     collecting_attentions,
     packed_documents,
 )
+from attnkit.interop.hf_lazy_mask import LazyMask, spec_of
 from attnkit.interop.hf_mask import (
-    SPEC_MODEL_TYPES,
     SUPPORTED,
     UNMASKED,
     WHERE,
@@ -71,7 +73,6 @@ from attnkit.interop.hf_mask import (
 from attnkit.masks import DenseMask, MaskSpec, causal, sliding_window
 
 __all__ = [
-    "SPEC_MODEL_TYPES",
     "SUPPORTED",
     "UNMASKED",
     "attention_arguments",
@@ -194,6 +195,7 @@ def attention_arguments(
     True
     """
     check_kwargs(module, kwargs)
+    attention_mask = spec_of(attention_mask)  # type: ignore[assignment]
     mask, causal_flag = _mask_and_causal(module, attention_mask, is_causal, sliding_window)
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
         if sizes is None:  # the lengths the cumulative lengths end at
@@ -227,9 +229,9 @@ def hf_attention(
         module: the calling attention layer (its ``is_causal`` and ``config`` are read).
         query: ``(B, H, L, D)``.
         key, value: ``(B, Hkv, S, D)``, not repeated (``H % Hkv == 0``).
-        attention_mask: what :func:`hf_mask` returned (a spec, or a bool mask ``(B, 1, L,
-            S)``, True = may attend, or eager's float one), a mask the caller built (bool,
-            or float added to the scores), or ``None`` (then ``is_causal``, else
+        attention_mask: what :func:`hf_mask` returned (a lazy mask carrying a spec, or a
+            bool mask ``(B, 1, L, S)``, True = may attend, or eager's float one), a mask the
+            caller built (bool, or float added to the scores), or ``None`` (then ``is_causal``, else
             ``module.is_causal``, decides).
         **kwargs: what the layer passes by keyword, read by :func:`attention_arguments`:
             ``dropout`` (on the weights; models pass 0 outside training), ``scaling``
@@ -254,6 +256,8 @@ def hf_attention(
     Returns:
         ``(output (B, L, H, D) contiguous, weights (B, H, L, S) or None)``.
     """
+    if isinstance(attention_mask, LazyMask):  # hf_mask's: its spec, unless values were written
+        attention_mask = spec_of(attention_mask)  # type: ignore[assignment]
     want = _wants_weights(module, kwargs)
     if not want and isinstance(attention_mask, MaskSpec) and _plain(kwargs):
         # a call like an earlier one (every layer after the first, every decode step): run
