@@ -41,6 +41,7 @@ same in any process for the same mask (``digest.py``): ring attention compares i
 Where things live: the protocol every rule answers and :func:`block_states` in ``base.py``;
 :class:`MaskSpec`, its combinators and its drawing in ``spec.py``; cache keys in ``keys.py``;
 runs of keys per row in ``runs.py``; the built-in rules in ``rules.py``; ALiBi in ``alibi.py``;
+a mask function as a spec (:func:`from_function`) in ``function.py``;
 the KV cache's per-sequence causal rule in ``sequence.py``; a mask tensor as a spec in
 ``dense.py``; :func:`row_spans` (a spec as one run of keys per query row, where it is one: what
 attnkit's row-span kernel runs) in ``spans.py``; a spec's fields for ``torch.compile`` in
@@ -55,6 +56,7 @@ refuses, before allocating, a dense form above attnkit's memory limit (:mod:`att
 from attnkit.masks.alibi import alibi, alibi_slopes, split_alibi
 from attnkit.masks.base import EMPTY, FULL, PARTIAL, BlockMap, block_states
 from attnkit.masks.dense import DenseMask
+from attnkit.masks.function import from_function
 from attnkit.masks.keys import tensor_key
 from attnkit.masks.normalize import as_spec
 from attnkit.masks.rules import (
@@ -88,6 +90,7 @@ __all__ = [
     "causal_mask",
     "causal_window",
     "document",
+    "from_function",
     "is_causal",
     "key_holes",
     "key_mask",

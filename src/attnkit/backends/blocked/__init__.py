@@ -456,6 +456,7 @@ class BlockedBackend(Backend):
         tiles = plan.tiles(q, k, v)
         L, S = call.dims.L, call.dims.S
         done = tiles.computed_pairs / tiles.maps
+        full = 1.0 - tiles.empty_fraction - tiles.partial_fraction
         kernel = "matmul kernel"
         if fused(q, v):
             kernel = (
@@ -463,6 +464,7 @@ class BlockedBackend(Backend):
             )
         return prefix + (
             f"{len(tiles.calls)} kernel calls ({kernel}), tiles of {tiles.rows} rows; "
-            f"{tiles.empty_fraction:.1%} of {tiles.grain}x{tiles.grain} blocks empty; "
+            f"{tiles.empty_fraction:.1%} of {tiles.grain}x{tiles.grain} blocks empty "
+            f"({tiles.partial_fraction:.1%} partial, {full:.1%} full); "
             f"computes {done / max(L * S, 1):.1%} of the L x S pairs"
         )

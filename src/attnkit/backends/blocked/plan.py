@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attnkit.backends.blocked.config import BlockedConfig
-from attnkit.masks import EMPTY, FULL, MaskSpec, block_states
+from attnkit.masks import EMPTY, FULL, PARTIAL, MaskSpec, block_states
 
 __all__ = ["Call", "Plan", "allowed", "make_plan", "tile_index"]
 
@@ -84,6 +84,7 @@ class Plan:
     maps: int = 1  #: block map rows (B' x H'): the batch entries / heads planned apart
     covers: bool = False  #: the first calls write every query row (no row is left at 0)
     keep: tuple[torch.Tensor, ...] = ()  #: the spec's tensors, alive while the plan is cached
+    partial_fraction: float = 0.0  #: fraction of g x g blocks the mask leaves partial
 
     @property
     def computed_pairs(self) -> int:
@@ -389,6 +390,7 @@ def make_plan(
         Bm * Hm,
         written == L * Bm * Hm,
         tuple(spec.tensors()),
+        float((state == PARTIAL).float().mean()),
     )
     _fill_masks(cfg, plan, device)
     return plan

@@ -1,0 +1,317 @@
+"""Mask functions as specs: ``attnkit.masks.from_function(fn)``.
+
+A function written to mean a built-in rule gives the built-in rule's block map, output and
+gradients on the blocked backend, and both match the float64 oracle; blocks are classified from
+the function's values, cached, and evaluated only inside partial blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit.backends.blocked.blocks import clear_plans
+from attnkit.masks import EMPTY, FULL, PARTIAL, causal, document, from_function, sliding_window
+from attnkit.masks import function as fmod
+from oracle import reference_attention, within_naive
+
+Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _causal_fn(L: int, S: int) -> Fn:
+    return lambda b, h, q, kv: kv <= q + (S - L)
+
+
+def _window_fn(L: int, S: int, w: int) -> Fn:
+    return lambda b, h, q, kv: (kv <= q + (S - L)) & (q + (S - L) - kv < w)
+
+
+def _document_fn(ids: torch.Tensor, L: int, S: int) -> Fn:
+    pos = lambda q: q + (S - L)  # noqa: E731 (end-aligned query position)
+    return lambda b, h, q, kv: (ids[pos(q).clamp(0, S - 1)] == ids[kv]) & (kv <= pos(q))
+
+
+def _pairs(L: int, S: int, kind: str) -> tuple[Fn, attnkit.masks.MaskSpec]:
+    """A function and the built-in spec it is written to equal."""
+    if kind == "causal":
+        return _causal_fn(L, S), causal()
+    if kind == "window":
+        return _window_fn(L, S, 7), causal() & sliding_window(7)
+    ids = torch.arange(S) // 11
+    return _document_fn(ids, L, S), document(ids) & causal()
+
+
+def _qkv(B: int, H: int, Hkv: int, L: int, S: int, D: int = 16) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(L * 131 + S * 7 + H)
+    q = torch.randn(B, H, L, D, generator=g, requires_grad=True)
+    k = torch.randn(B, Hkv, S, D, generator=g, requires_grad=True)
+    v = torch.randn(B, Hkv, S, D, generator=g, requires_grad=True)
+    return q, k, v
+
+
+@pytest.mark.parametrize("kind", ["causal", "window", "document"])
+@pytest.mark.parametrize(
+    ("B", "H", "Hkv", "L", "S"),
+    [(1, 2, 2, 64, 64), (2, 4, 2, 70, 150), (1, 6, 3, 130, 45), (2, 4, 1, 97, 97)],
+)
+def test_a_function_equals_the_built_in_spec_and_the_oracle(
+    kind: str, B: int, H: int, Hkv: int, L: int, S: int
+) -> None:
+    fn, builtin = _pairs(L, S, kind)
+    spec = from_function(fn)
+    assert torch.equal(spec.to_dense(L, S), builtin.to_dense(L, S))
+    q, k, v = _qkv(B, H, Hkv, L, S)
+    dout = torch.randn(B, H, L, 16, generator=torch.Generator().manual_seed(1))
+    results = []
+    for s in (spec, builtin):
+        out = attnkit.attention(q, k, v, mask=s, backend="blocked")
+        results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+    dense = builtin.to_dense(L, S)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = reference_attention(q64, k64, v64, mask=dense)[0]
+    wants = (want, *torch.autograd.grad(want, (q64, k64, v64), dout.double()))
+    qn, kn, vn = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    naive = reference_attention(qn, kn, vn, mask=dense, dtype=torch.float32)[0]
+    naives = (naive, *torch.autograd.grad(naive, (qn, kn, vn), dout))
+    for got_fn, got_spec, w, n, name in zip(*results, wants, naives, "oqkv", strict=True):
+        torch.testing.assert_close(got_fn, got_spec, atol=2e-6, rtol=1e-5)
+        within_naive(got_fn, w, n, grad=name != "o", what=f"{kind} {name}")
+
+
+def _dense_states(spec: attnkit.masks.MaskSpec, L: int, S: int, bq: int, bk: int) -> torch.Tensor:
+    d = spec.to_dense(L, S)[0, 0]
+    nq, nk = -(-L // bq), -(-S // bk)
+    out = torch.empty(nq, nk, dtype=torch.uint8)
+    for i in range(nq):
+        for j in range(nk):
+            t = d[i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
+            out[i, j] = FULL if bool(t.all()) else (PARTIAL if bool(t.any()) else EMPTY)
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    L=st.integers(1, 90),
+    S=st.integers(1, 90),
+    bq=st.sampled_from([4, 8, 16, 32]),
+    bk=st.sampled_from([4, 8, 16]),
+    a=st.integers(1, 9),
+    c=st.integers(0, 40),
+)
+def test_the_block_map_classifies_blocks_as_the_dense_mask_does(
+    L: int, S: int, bq: int, bk: int, a: int, c: int
+) -> None:
+    def fn(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return ((q * a + kv) % 7 != 0) & (kv < q + c) | (kv > q + 3 * c)
+
+    spec = from_function(fn)
+    got = spec.block_map(L, S, bq, bk).state[0, 0]
+    assert torch.equal(got, _dense_states(spec, L, S, bq, bk))
+
+
+def test_combinations_with_built_in_specs_match_the_oracle() -> None:
+    L = S = 96
+    f = from_function(lambda b, h, q, kv: (q // 16) == (kv // 16))  # bidirectional 16-blocks
+    q, k, v = _qkv(1, 2, 2, L, S)
+    for spec in (f & causal(), f | (causal() & sliding_window(5)), causal() & f & f):
+        dense = spec.to_dense(L, S)
+        a = causal().to_dense(L, S)
+        blocks = (torch.arange(L)[:, None] // 16) == (torch.arange(S)[None] // 16)
+        assert dense.shape == (1, 1, L, S)
+        assert bool((dense[0, 0] <= (blocks | a[0, 0])).all())
+        out = attnkit.attention(q, k, v, mask=spec, backend="blocked")
+        want = reference_attention(q.double(), k.double(), v.double(), mask=dense)[0]
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)
+    assert torch.equal((f & causal()).to_dense(L, S)[0, 0], blocks & a[0, 0])
+
+
+def test_functions_of_the_batch_and_the_head_need_them_declared() -> None:
+    B, H, L = 2, 4, 40
+    ids = torch.stack([torch.arange(L) // 10, torch.arange(L) // 4])  # (B, S)
+    per_batch = from_function(lambda b, h, q, kv: ids[b, q] == ids[b, kv], batch=B)
+    per_head = from_function(lambda b, h, q, kv: (q - kv).abs() <= h, heads=H)
+    q, k, v = _qkv(B, H, H, L, L)
+    for spec in (per_batch, per_head, per_batch & per_head & causal()):
+        dense = spec.to_dense(L, L) if not spec.heads else _dense_bh(spec, B, H, L)
+        out = attnkit.attention(q, k, v, mask=spec, backend="blocked")
+        want = reference_attention(q.double(), k.double(), v.double(), mask=dense)[0]
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)
+    with pytest.raises(attnkit.AttentionInputError, match="depends on `b` but no `batch`"):
+        from_function(lambda b, h, q, kv: ids[b, q] == ids[b, kv])
+    with pytest.raises(attnkit.AttentionInputError, match="depends on `h` but no `heads`"):
+        from_function(lambda b, h, q, kv: (q - kv).abs() <= h)
+
+
+def _dense_bh(spec: attnkit.masks.MaskSpec, B: int, H: int, L: int) -> torch.Tensor:
+    b = torch.arange(B).view(B, 1, 1, 1)
+    h = torch.arange(H).view(1, H, 1, 1)
+    i = torch.arange(L)
+    return spec.allowed(b, h, i.view(1, 1, L, 1), i.view(1, 1, 1, L), 0).expand(B, H, L, L)
+
+
+def test_the_block_map_is_cached_per_function_and_captured_tensors() -> None:
+    calls = Counter()
+    lengths = torch.tensor([300])
+
+    def fn(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        calls.n += 1
+        return (kv <= q) & (kv < lengths[0])
+
+    clear_plans()
+    fmod.clear_cache()
+    spec = from_function(fn)
+    L = 512
+    q, k, v = _qkv(1, 2, 2, L, L)
+    attnkit.attention(q, k, v, mask=spec, backend="blocked").sum().backward()
+    first = calls.n
+    assert first > 0
+    attnkit.attention(q, k, v, mask=spec, backend="blocked").sum().backward()
+    assert calls.n == first  # plans and block states cached: fn not called again
+    # a new spec of the same function and tensors (each layer building its own), with the
+    # plans forgotten: the block states come from the cache
+    clear_plans()
+    hits = fmod.cache_info()["hits"]
+    attnkit.attention(q, k, v, mask=from_function(fn), backend="blocked")
+    assert fmod.cache_info()["hits"] > hits
+    # an in-place edit of a captured tensor is another mask: classified again, same spec
+    misses = fmod.cache_info()["misses"]
+    lengths.fill_(100)
+    out = attnkit.attention(q, k, v, mask=spec, backend="blocked")
+    assert fmod.cache_info()["misses"] > misses
+    m = torch.ones(L, L, dtype=torch.bool).tril() & (torch.arange(L) < 100)
+    want = reference_attention(q.double(), k.double(), v.double(), mask=m)[0]
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)
+
+
+class Counter:
+    """Calls of a mask function (captured by identity: its count is no part of the key)."""
+
+    n = 0
+
+
+def test_no_call_of_the_function_spans_l_by_s() -> None:
+    seen: list[int] = []
+
+    def fn(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.broadcast_tensors(b, h, q, kv)[0].numel())
+        return (kv <= q) & (q - kv < 64)
+
+    L = 4096
+    clear_plans()
+    fmod.clear_cache()
+    spec = from_function(fn)
+    q, k, v = _qkv(1, 1, 1, L, L, D=8)
+    out = attnkit.attention(q, k, v, mask=spec, backend="blocked")
+    assert out.shape == (1, 1, L, 8)
+    assert max(seen) <= fmod.CHUNK_PAIRS < L * L
+    assert not spec.allows_all(L, L)  # one L x S block: not evaluated (would be L x S work)
+
+
+def test_explain_shows_the_density_of_the_block_map() -> None:
+    L = 256
+    q, k, v = _qkv(1, 2, 2, L, L)
+    spec = from_function(_window_fn(L, L, 40))
+    text = str(attnkit.explain(q, k, v, mask=spec, backend="blocked"))
+    assert "from_function(" in text
+    assert "blocks empty (" in text
+    assert "% partial, " in text
+    assert "% full)" in text
+
+
+def test_str_repr_key_and_digest_never_materialise() -> None:
+    def window(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return (kv <= q) & (q - kv < 3)
+
+    spec = from_function(window)
+    assert (
+        repr(spec)
+        == "from_function(test_str_repr_key_and_digest_never_materialise.<locals>.window)"
+    )
+    assert str(spec).splitlines()[4] == ". 1 1 1 . . . ."  # row 3: keys 1 to 3
+    assert spec.key() == from_function(window).key()
+    assert spec.digest() == from_function(window).digest()
+    assert repr(from_function(window, heads=4)).endswith(", heads=4)")
+    assert hash(spec.key()) == hash(from_function(window).key())
+
+
+def test_under_torch_compile_the_blocked_op_runs_it() -> None:
+    L = 80
+    spec = from_function(_window_fn(L, L, 9))
+    q, k, v = _qkv(1, 2, 1, L, L)
+    graphs: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]):  # type: ignore[no-untyped-def]
+        graphs.append(gm.code)
+        return gm.forward
+
+    def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attnkit.attention(q, k, v, mask=spec, backend="blocked")
+
+    out = torch.compile(f, fullgraph=True, backend=backend)(q, k, v)
+    assert any("blocked_attention" in g for g in graphs)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    eager = attnkit.attention(q, k, v, mask=causal() & sliding_window(9), backend="blocked")
+    want = torch.autograd.grad(eager.sum(), (q, k, v))
+    torch.testing.assert_close(out, eager, atol=1e-6, rtol=1e-5)
+    for a, b in zip(grads, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+def test_dense_backends_take_its_dense_form(backend: str) -> None:
+    L, S = 33, 50
+    q, k, v = _qkv(2, 4, 2, L, S)
+    fn, builtin = _pairs(L, S, "window")
+    got = attnkit.attention(q, k, v, mask=from_function(fn), backend=backend)
+    want = attnkit.attention(q, k, v, mask=builtin, backend=backend)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def _two(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    return torch.ones(3, 5, dtype=torch.bool)  # not the shape it was called with
+
+
+def _raises(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    raise KeyError("no such table")
+
+
+@pytest.mark.parametrize(
+    ("fn", "argument", "message"),
+    [
+        (42, "fn", "`fn` must be a callable fn(b, h, q_idx, kv_idx)"),
+        (lambda b, h, q, kv: (kv <= q).int(), "fn", "`fn` must return a bool tensor"),
+        (lambda b, h, q, kv: True, "fn", "returned bool"),
+        (_two, "fn", "the result of `fn` does not broadcast to the (b, h, q, kv) shape"),
+        (_raises, "fn", "the mask function `fn` raised KeyError: 'no such table'"),
+    ],
+)
+def test_bad_functions_are_refused(fn: object, argument: str, message: str) -> None:
+    with pytest.raises(attnkit.AttentionInputError) as info:
+        from_function(fn)  # type: ignore[arg-type]
+    text = str(info.value)
+    assert f"`{argument}`" in text
+    assert message in text
+    for part in ("got:", "expected:", "fix:"):
+        assert part in text
+
+
+def test_a_function_that_fails_on_some_block_is_refused_when_it_runs() -> None:
+    table = torch.zeros(50, dtype=torch.bool)
+    spec = from_function(lambda b, h, q, kv: table[kv] | (kv <= q))  # 50 keys only
+    q, k, v = _qkv(1, 1, 1, 64, 64)
+    with pytest.raises(
+        attnkit.AttentionInputError, match="the mask function `fn` raised IndexError"
+    ):
+        attnkit.attention(q, k, v, mask=spec, backend="blocked")
+
+
+def test_bad_batch_and_heads_are_refused() -> None:
+    with pytest.raises(attnkit.AttentionInputError, match="`batch` must be a positive int"):
+        from_function(lambda b, h, q, kv: kv <= q, batch=0)
+    with pytest.raises(attnkit.AttentionInputError, match="`heads` must be a positive int"):
+        from_function(lambda b, h, q, kv: kv <= q, heads=True)  # type: ignore[arg-type]
