@@ -6,7 +6,8 @@ shrunk in place (2 layers, hidden 32, 4 heads of 8, 2 key/value heads, vocabular
 of 4, small experts and ranks: :data:`SHRINK`) and its ``AutoModelForCausalLM`` (else
 ``AutoModel``) is built twice with one state dict (weights drawn with std 0.3, so that attention
 matters). A batch of 2 rows of 9 token ids, the first left-padded by 3, runs through both with
-``output_attentions=True``. Each type gets one line:
+``output_attentions=True``. Each type gets one line, with what its layers' masks were
+(:func:`mask_kind`: ``spec``, ``none``, ``dense rule``, ``tensor``):
 
 - ``match``: logits (or hidden states) within 1e-4 on real tokens, the same number of attention
   maps, and the maps within 1e-5 on real query rows;
@@ -15,8 +16,9 @@ matters). A batch of 2 rows of 9 token ids, the first left-padded by 3, runs thr
 - ``skip``: the shrunk model could not be built or run on ``eager`` (vision or audio inputs, a
   config the shrink breaks, a missing package): nothing is said about it.
 
-Also printed: every keyword argument that reached attnkit's attention function, with the types
-that passed it (the survey behind ``attnkit.interop.hf_kwargs.KWARGS``). Nothing is
+Also printed: how many of the types attnkit ran got no L x S mask tensor in any layer, and
+what the others got; and every keyword argument that reached attnkit's attention function,
+with the types that passed it (the survey behind ``attnkit.interop.hf_kwargs.KWARGS``). Nothing is
 downloaded. Slow (every model file is imported): about 15 minutes on 2 cores for all types.
 
     python benchmarks/hf_sweep.py [TYPE ...] [--json out.json]
@@ -195,6 +197,28 @@ def run_type(transformers: Any, model_type: str) -> tuple[str, str]:
     return ("match" if ok else "DIFFER"), detail
 
 
+def mask_kind(mask: Any, lazy: type) -> str:
+    """What a layer's mask was: ``spec`` (a lazy mask handed on untouched, or a spec),
+    ``none``, ``edited`` (a lazy mask the model's code operated on, so a dense tensor),
+    ``dense rule`` (transformers' dense mask: a rule attnkit could not prove) or ``tensor``
+    (another L x S tensor: made from attnkit's lazy mask by the model's code, the caller's,
+    or one the model built itself)."""
+    if mask is None:
+        return "none"
+    if isinstance(mask, lazy):
+        return "edited" if mask.made else "spec"  # type: ignore[attr-defined]
+    if not isinstance(mask, torch.Tensor):
+        return "spec"
+    if any(mask is d for d in DENSE_MADE):
+        return "dense rule"
+    return "tensor"
+
+
+#: the dense masks attnkit's mask function returned for the type being run (rules it could
+#: not prove as specs)
+DENSE_MADE: list[torch.Tensor] = []
+
+
 class _TimeoutError(Exception):
     pass
 
@@ -218,7 +242,10 @@ def main() -> None:
 
     transformers.logging.set_verbosity_error()
     register_hf()
+    from attnkit.interop.hf_lazy_mask import LazyMask
+
     seen: dict[str, dict[str, list[str]]] = {}
+    masks: dict[str, set[str]] = {}  # per type, what its masks were (mask_kind)
     current = [""]
     real = hfa.hf_attention
 
@@ -229,14 +256,26 @@ def main() -> None:
             passed = seen.setdefault(name, {}).setdefault(shown, [])
             if current[0] not in passed:
                 passed.append(current[0])
+        masks.setdefault(current[0], set()).add(mask_kind(attention_mask, LazyMask))
         return real(module, query, key, value, attention_mask, **kwargs)
 
     transformers.AttentionInterface._global_mapping["attnkit"] = recording
+    mask_interface = transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    real_mask = mask_interface["attnkit"]
+
+    def recording_mask(*args: Any, **kwargs: Any) -> Any:
+        made = real_mask(*args, **kwargs)
+        if isinstance(made, torch.Tensor) and not isinstance(made, LazyMask):
+            DENSE_MADE.append(made)
+        return made
+
+    mask_interface["attnkit"] = recording_mask
     signal.signal(signal.SIGALRM, _alarm)
     types = args.types or sorted(transformers.CONFIG_MAPPING.keys())
     verdicts: dict[str, tuple[str, str]] = {}
     for model_type in types:
         current[0] = model_type
+        DENSE_MADE.clear()
         signal.alarm(args.timeout)
         try:
             verdicts[model_type] = run_type(transformers, model_type)
@@ -245,12 +284,19 @@ def main() -> None:
         finally:
             signal.alarm(0)
         verdict, detail = verdicts[model_type]
-        print(f"{model_type:34s} {verdict:8s} {detail}", flush=True)
+        kinds = ", ".join(sorted(masks.get(model_type, set())))
+        print(f"{model_type:34s} {verdict:8s} {detail}; masks: {kinds or '-'}", flush=True)
     transformers.AttentionInterface._global_mapping["attnkit"] = real
+    mask_interface["attnkit"] = real_mask
 
     counts = {v: sum(1 for r in verdicts.values() if r[0] == v) for v in ("match", "DIFFER")}
     counts |= {v: sum(1 for r in verdicts.values() if r[0] == v) for v in ("refused", "skip")}
     print("\n" + ", ".join(f"{n} {v}" for v, n in counts.items()) + f" of {len(verdicts)} types")
+    ran = [t for t, r in verdicts.items() if r[0] in ("match", "DIFFER")]
+    lean = [t for t in ran if masks.get(t, set()) <= {"spec", "none"}]
+    print(f"without an L x S mask tensor: {len(lean)} of the {len(ran)} types attnkit ran")
+    for t in sorted(set(ran) - set(lean)):
+        print(f"  {t}: {', '.join(sorted(masks.get(t, set()) - {'spec', 'none'}))}")
     print("\nkeywords that reached the attention function (value type: model types):")
     for name in sorted(seen):
         parts = [f"{t}: {len(ms)} ({', '.join(ms[:4])}{', ...' if len(ms) > 4 else ''})"
@@ -258,7 +304,8 @@ def main() -> None:
         print(f"  {name}: " + "; ".join(parts))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"verdicts": verdicts, "keywords": seen}, f, indent=1)
+            kinds = {t: sorted(k) for t, k in masks.items()}
+            json.dump({"verdicts": verdicts, "keywords": seen, "masks": kinds}, f, indent=1)
 
 
 if __name__ == "__main__":
