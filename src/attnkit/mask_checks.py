@@ -18,6 +18,7 @@ import torch
 from attnkit.call import Dims
 from attnkit.errors import DTYPE_NAMES, AttentionInputError, dtype_error, shape_str
 from attnkit.masks import MaskSpec
+from attnkit.masks.selected import check_selected
 from attnkit.validate import can_read_values
 
 __all__ = ["check_mask", "check_mask_values", "mask_dims_str"]
@@ -48,6 +49,8 @@ def _built_for_error(mask: MaskSpec, dims: Dims, dim: str, where: str) -> Attent
 
 
 def _check_spec(mask: MaskSpec, q: torch.Tensor, dims: Dims, where: str, key_shards: int) -> None:
+    if mask.selects_keys:  # its own words: indices against B, L, Hkv, H and S
+        check_selected(mask, dims._replace(S=dims.S * key_shards), where)
     if mask.batch is not None and mask.batch != dims.B:
         raise _built_for_error(mask, dims, "B", where)
     if mask.heads is not None and mask.heads != dims.H:

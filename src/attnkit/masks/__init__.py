@@ -42,7 +42,8 @@ Where things live: the protocol every rule answers and :func:`block_states` in `
 :class:`MaskSpec`, its combinators and its drawing in ``spec.py``; cache keys in ``keys.py``;
 runs of keys per row in ``runs.py``; the built-in rules in ``rules.py``; ALiBi in ``alibi.py``;
 a mask function as a spec (:func:`from_function`) in ``function.py``;
-the KV cache's per-sequence causal rule in ``sequence.py``; a mask tensor as a spec in
+the KV cache's per-sequence causal rule in ``sequence.py``; each query's own
+keys (DeepSeek-V3.2's top-k, :func:`selected_keys`) in ``selected.py``; a mask tensor as a spec in
 ``dense.py``; :func:`row_spans` (a spec as one run of keys per query row, where it is one: what
 attnkit's row-span kernel runs) in ``spans.py``; a spec's fields for ``torch.compile`` in
 ``fields.py``; and :func:`as_spec`, the one place
@@ -71,6 +72,7 @@ from attnkit.masks.rules import (
     sliding_window,
     unmasked,
 )
+from attnkit.masks.selected import selected_keys
 from attnkit.masks.sequence import sequence_causal
 from attnkit.masks.spans import key_holes, local_keys, row_spans
 from attnkit.masks.spec import MaskSpec
@@ -98,6 +100,7 @@ __all__ = [
     "padding",
     "prefix_lm",
     "row_spans",
+    "selected_keys",
     "sequence_causal",
     "sliding_window",
     "split_alibi",

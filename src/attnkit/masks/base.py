@@ -109,6 +109,9 @@ class SpecBase(Digestible):
     #: bytes per ``(b, h, q, kv)`` pair that evaluating :meth:`allowed` over a whole grid
     #: allocates besides the mask itself, at most (int64 index arithmetic); see :meth:`dense_bytes`
     scratch_bytes: int = 16
+    #: the spec holds (or joins with ``&``) :func:`~attnkit.masks.selected_keys`: each query's
+    #: own list of keys, which ``|`` and ``~`` refuse
+    selects_keys: bool = False
 
     def key(self) -> Hashable | None:
         """What identifies this spec in a cache (``None``: do not cache it)."""
@@ -236,7 +239,8 @@ class SpecBase(Digestible):
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
-        """The mask as a bool tensor ``(B', 1, L, S)`` (``B' = 1`` unless batch-dependent).
+        """The mask as a bool tensor ``(B', 1, L, S)`` (``B' = 1`` unless batch-dependent;
+        ``(B', H', L, S)`` for selected keys per key/value head).
 
         A spec with a score bias (``has_bias``) gives a float mask ``(B', H', L, S)`` of
         ``dtype`` instead (``H'`` = ``heads``, or 1): the bias where allowed, ``-inf`` elsewhere.
@@ -244,7 +248,7 @@ class SpecBase(Digestible):
         dev = torch.device(device) if device is not None else self.device
         self.check_dense(L, S, dev or torch.device("cpu"), dtype)
         B = self.batch or 1
-        H = (self.heads or 1) if self.has_bias else 1
+        H = (self.heads or 1) if self.has_bias or self.selects_keys else 1
         b = torch.arange(B, device=dev).view(B, 1, 1, 1)
         h = torch.arange(H, device=dev).view(1, H, 1, 1)
         q = torch.arange(L, device=dev).view(1, 1, L, 1)

@@ -79,6 +79,8 @@ class MaskSpec(SpecBase):
         pairs are evaluated (batch row 0, head 0), never the whole ``L x S`` mask; a spec
         holding a user's mask tensor draws the corner of its dense form."""
         n = 8 if self.length is None else self.length
+        if self.selects_keys:  # drawn for the queries the indices list keys for
+            n = min(n, _query_rows(self))
         where = f"L = S = {n}" + ("" if n <= 8 else ", its first 8 x 8 pairs")
         rows = [" ".join("1" if x else "." for x in row) for row in self._corner(n).tolist()]
         return "\n".join([f"{self!r}, drawn for {where} (1 = may attend):", *rows])
@@ -94,6 +96,15 @@ class MaskSpec(SpecBase):
         idx = torch.arange(m, device=dev)
         allowed = self.allowed(zero, zero, idx.view(1, 1, m, 1), idx.view(1, 1, 1, m), 0)
         return allowed.expand(1, 1, m, m)[0, 0]
+
+
+def _query_rows(spec: SpecBase) -> int:
+    """The query rows of the selected keys inside ``spec`` (``rows``), 8 if none."""
+    rows = getattr(spec, "rows", None)
+    if isinstance(rows, int):
+        return rows
+    parts = [v for v in vars(spec).values() if isinstance(v, SpecBase) and v.selects_keys]
+    return _query_rows(parts[0]) if parts else 8
 
 
 def _spec(x: object, op: str, left: bool = False) -> MaskSpec:
@@ -145,6 +156,7 @@ class _Combined(MaskSpec):
         self.from_tensor = a.from_tensor or b.from_tensor
         self.reads_query_position = a.reads_query_position or b.reads_query_position
         self.scratch_bytes = a.scratch_bytes + b.scratch_bytes + 2  # the parts' bool masks
+        self.selects_keys = a.selects_keys or b.selects_keys
 
     def key(self) -> Hashable | None:
         return _combined_key(self.op, self.a, self.b)
@@ -232,6 +244,15 @@ class _Or(_Combined):
                 expected="specs without a bias on both sides of |",
                 fix="combine the bias last: (a | b) & alibi(H)",
             )
+        if a.selects_keys or b.selects_keys:
+            spec_error(
+                "|",
+                "other",
+                "selected_keys(indices) combines with & only: it lists each query's own keys.",
+                got=f"{a!r} | {b!r}",
+                expected="selected_keys(...) & other rules",
+                fix="add the keys to the indices instead (or use a dense mask tensor)",
+            )
         super().__init__(a, b)
 
     def allowed(self, b, h, q, kv, off):  # type: ignore[no-untyped-def]
@@ -261,6 +282,15 @@ class _Not(MaskSpec):
                 got=f"~{a!r}",
                 expected="a spec without a bias",
                 fix="invert the mask part only, then combine: ~mask & alibi(H)",
+            )
+        if a.selects_keys:
+            spec_error(
+                "~",
+                "spec",
+                "selected_keys(indices) cannot be inverted: it lists each query's own keys.",
+                got=f"~{a!r}",
+                expected="selected_keys(...) & other rules",
+                fix="list the keys the queries may attend to in the indices",
             )
         self.a = a
         self.batch, self.heads, self.length = a.batch, a.heads, a.length
@@ -292,6 +322,7 @@ class _HeadSlice(MaskSpec):
         self.a, self.start, self.stop = a, start, stop
         self.batch, self.length = a.batch, a.length
         self.heads = stop - start
+        self.selects_keys = a.selects_keys
         self.has_bias = a.has_bias
         self.from_tensor = a.from_tensor
         self.reads_query_position = a.reads_query_position

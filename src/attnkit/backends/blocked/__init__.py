@@ -52,7 +52,7 @@ from torch.autograd.function import once_differentiable
 
 from attnkit.backends import nonfinite
 from attnkit.backends.base import Backend, Decision, mask_planning
-from attnkit.backends.blocked import compiled, decode, measured, rowspan
+from attnkit.backends.blocked import compiled, decode, gather, measured, rowspan
 from attnkit.backends.blocked.blocks import (
     WHOLE,
     BlockAt,
@@ -109,9 +109,13 @@ def _plan(call: AttentionCall) -> BlockPlan:
     the call then converts to (the same plan where the mask has no runs of keys: tiles are
     planned from shapes only). On ``native``: the kernel's AVX512-BF16 build on bfloat16 where
     it serves, else torch's kernels on the tensors as they are (the plan says why not)."""
+    L, S = call.dims.L, call.dims.S
+    g = gather.plan(call.mask, call.softcap, L, S)
+    if g is not None:  # selected keys: the gather kernel, decode-shaped or not
+        spans = rowspan.NOT_SPANS.refuse("the gather kernel runs the call")
+        return BlockPlan(call.mask, 0, 0, S - L, spans, call.softcap, None, g)
     d = decode.plan(call)
     if d is not None and d.serves:
-        L, S = call.dims.L, call.dims.S
         spans = rowspan.NOT_SPANS.refuse("the decode kernel runs the call")
         return BlockPlan(call.mask, 0, 0, S - L, spans, call.softcap, d)
     p = _block_plan(call)
@@ -281,6 +285,11 @@ def _rule(call: AttentionCall, kernel_plan: BlockPlan | None) -> tuple[bool, str
     extras = call.softcap is not None or call.sinks is not None
     L, S = call.dims.L, call.dims.S
     compiling = torch.compiler.is_compiling()
+    if spec is not None and spec.selects_keys:
+        return True, (
+            "selected keys (selected_keys): blocked's gather kernel reads only each query's "
+            "selected keys, where SDPA would need the scattered L x S mask"
+        )
     plan = kernel_plan
     if plan is not None and plan.decode is not None:
         if plan.decode.serves:
@@ -406,6 +415,11 @@ class BlockedBackend(Backend):
         """The plan in one line, and what changes under ``torch.compile``, for
         :func:`attnkit.explain`."""
         reason = compiled.unsupported(call)
+        if plan is not None and plan.gather is not None and reason is None:
+            return self._plan_note(call, plan) + (
+                f"; under torch.compile it runs as one custom op ({compiled.OP}) on the tiles, "
+                "which evaluate the selected keys block by block (L x S work), not this kernel"
+            )
         if plan is not None and plan.decodes:
             return self._plan_note(call, plan) + (
                 "; under torch.compile it runs as one custom op "
@@ -446,6 +460,8 @@ class BlockedBackend(Backend):
         if _converts(call, plan):
             q, k, v = _stand_in(q), _stand_in(k), _stand_in(v)
         sp = plan.spans
+        if plan.gather is not None:
+            return gather.describe(plan.gather, call.dims.L, call.dims.S)
         if plan.decode is not None and plan.decode.serves:
             return decode.describe(call, plan.decode)
         if sp.serves:

@@ -24,6 +24,7 @@ import torch
 import attnkit.backends.blocked.rowspan as rowspan
 import attnkit.backends.blocked.tiles as tiles
 from attnkit.backends import nonfinite
+from attnkit.backends.blocked import gather
 from attnkit.backends.blocked.config import current
 from attnkit.backends.blocked.decode import DecodePlan
 from attnkit.backends.blocked.plan import Plan, make_plan
@@ -67,6 +68,8 @@ class BlockPlan:
     spans: SpanPlan
     softcap: float | None = None  #: logit soft-cap ``c``: scores become ``c tanh(s / c)``
     decode: DecodePlan | None = None  #: the decode kernel's plan (decode-shaped calls only)
+    #: the gather kernel's plan (a spec of selected keys: :mod:`~attnkit.backends.blocked.gather`)
+    gather: gather.GatherPlan | None = None
 
     @property
     def decodes(self) -> bool:
@@ -205,6 +208,8 @@ def forward_with_lse(
     (torch.Size([1, 4, 8, 16]), torch.Size([1, 4, 8]))
     """
     p = plan or plan_blocks(q, k, v, mask, at)
+    if p.gather is not None:  # each query's selected keys
+        return gather.forward(p.gather, q, k, v, float(scale))
     with torch.no_grad():
         sp = p.spans
         if sp.serves:  # attnkit's row-span kernel
@@ -253,6 +258,8 @@ def backward_from_lse(
     torch.Size([1, 2, 8, 16])
     """
     p = plan or plan_blocks(q, k, v, mask, at)
+    if p.gather is not None:
+        return gather.backward(p.gather, q, k, v, out, dout, lse, float(scale))
     with torch.no_grad():
         sp = p.spans
         same = q.dtype == out.dtype == dout.dtype == sp.dtype and lse.dtype == torch.float32

@@ -1,0 +1,250 @@
+"""The gather kernel of the ``blocked`` backend: attention over each query's own selected keys
+(:func:`attnkit.masks.selected_keys`, DeepSeek-V3.2's sparse attention), O(L·k·D) work and
+memory, never ``L x S``.
+
+Dimension legend: B batch, H query heads, Hkv key/value heads, g = H // Hkv, L query length,
+S key length, k keys selected per query, c query rows per chunk, Dk / Dv head dims.
+
+A first version in torch operations: the query rows go in chunks of ``c`` rows; each chunk
+gathers its rows' selected K and V rows (``(B, Hkv, c, k, D)``, bounded by
+:data:`CHUNK_BYTES`; K and V are read in place, as they are laid out, and never copied whole
+or repeated per query head), scores them against the chunk's ``g`` query heads per key/value
+head (one small matmul per row), applies the other rules of the spec to the gathered (query,
+key) pairs only (their predicate, evaluated at ``(b, h, q, indices)``), and keeps the softmax
+in float32 (float64 for float64 q). A key listed twice in a row counts once (eager's scatter
+into a bool mask): duplicates and ``-1`` entries are dropped once per call, from the indices
+alone. A row left with no key gives output 0, log-sum-exp ``-inf`` and gradient 0.
+
+The backward recomputes each chunk's scores from the saved log-sum-exp (the flash-attention
+backward on the gathered pairs) and adds the chunk's dK and dV rows into ``dk``/``dv`` with
+``index_add_`` (sums over the query heads of a key/value head and over repeated selections of a
+key by different queries). Soft-capped calls are not served here (the tiles run them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attnkit.masks import MaskSpec
+from attnkit.masks.selected import SelectedKeys, find_selected
+from attnkit.masks.spec import _And, _HeadSlice
+
+__all__ = ["CHUNK_BYTES", "GatherPlan", "backward", "describe", "forward", "plan"]
+
+#: the most bytes one chunk's gathered K and V rows take (the kernel's working set)
+CHUNK_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """The gather kernel's plan of one call: the selected keys, the spec's other rules (``None``:
+    none), and ``keep`` ``(B, Hkv', L, k)`` bool: the index entries that name a key once."""
+
+    selected: SelectedKeys
+    rest: MaskSpec | None
+    keep: torch.Tensor
+    off: int
+
+    #: the kernel does not report NaN/inf itself (the dispatcher's rule sums first)
+    checks_finite = False
+
+
+def _without(spec: MaskSpec) -> MaskSpec | bool | None:
+    """``spec`` with its selected keys taken out of its ``&``s (``None``: nothing left), or
+    ``False`` where they sit elsewhere (under a head slice)."""
+    if isinstance(spec, SelectedKeys):
+        return None
+    if not spec.selects_keys:
+        return spec
+    if isinstance(spec, _And):
+        a, b = _without(spec.a), _without(spec.b)
+        if a is False or b is False:
+            return False
+        if a is None or b is None:
+            return b if a is None else a
+        assert isinstance(a, MaskSpec)
+        assert isinstance(b, MaskSpec)
+        return a & b
+    assert isinstance(spec, _HeadSlice) or spec.selects_keys
+    return False
+
+
+def _first(ind: torch.Tensor) -> torch.Tensor:
+    """``(ind >= 0)`` and the first of equal entries in each row (the order the entries come
+    in does not matter: one of each key is kept)."""
+    if ind.shape[-1] == 0:
+        return ind >= 0
+    srt, order = ind.sort(-1)
+    first = torch.ones_like(srt, dtype=torch.bool)
+    first[..., 1:] = srt[..., 1:] != srt[..., :-1]
+    keep = torch.empty_like(first).scatter_(-1, order, first)
+    return keep & (ind >= 0)
+
+
+def plan(spec: MaskSpec | None, softcap: float | None, L: int, S: int) -> GatherPlan | None:
+    """The gather kernel's plan where ``spec`` holds :func:`~attnkit.masks.selected_keys`
+    joined by ``&`` and there is no soft-cap, else ``None``."""
+    sel = find_selected(spec)
+    if sel is None or spec is None or softcap is not None or sel.indices.device.type == "meta":
+        return None
+    rest = _without(spec)
+    if rest is False:
+        return None
+    assert rest is None or isinstance(rest, MaskSpec)
+    return GatherPlan(sel, rest, _first(sel.ind), S - L)
+
+
+def describe(p: GatherPlan, L: int, S: int) -> str:
+    """The plan in explain's words."""
+    k = p.selected.topk
+    rest = "" if p.rest is None else f", {p.rest!r} applied to the selected pairs"
+    return (
+        f"selected keys: attnkit's gather kernel reads the {k} selected keys of each of the "
+        f"{L} queries (of S = {S}; {k * L} pairs, never L x S){rest}; chunks of query rows in "
+        "torch operations, forward and backward"
+    )
+
+
+def _chunk_rows(p: GatherPlan, k: torch.Tensor, v: torch.Tensor, L: int) -> int:
+    B, Hkv = k.shape[0], k.shape[1]
+    per_row = B * Hkv * max(p.selected.topk, 1) * (k.shape[3] + v.shape[3]) * k.element_size()
+    return max(1, min(L, CHUNK_BYTES // max(per_row, 1)))
+
+
+@dataclass
+class _Chunk:
+    """One chunk of query rows: its gathered K/V rows, its allowed pairs and its flat indices."""
+
+    ks: torch.Tensor  # (B, Hkv, c, k, Dk)
+    vs: torch.Tensor  # (B, Hkv, c, k, Dv)
+    ok: torch.Tensor  # (B, Hkv, c, g | 1, k) bool
+    bias: torch.Tensor | None  # (B, Hkv, c, g, k) or None
+    flat: torch.Tensor  # (B, Hkv, c, k) int64: row of (B * Hkv * S) in k / v
+
+
+def _rows(
+    t: torch.Tensor, bi: torch.Tensor, hi: torch.Tensor, safe: torch.Tensor, flat: torch.Tensor
+) -> torch.Tensor:
+    """The rows ``t[b, h, safe[b, h, r, i]]`` ``(B, Hkv, c, k, D)``, read in place: one
+    ``index_select`` of whole rows where ``t`` is contiguous, else advanced indexing (strided
+    caches)."""
+    if t.is_contiguous():
+        D = t.shape[3]
+        return t.view(-1, D).index_select(0, flat.reshape(-1)).view(*flat.shape, D)
+    return t[bi, hi, safe]
+
+
+def _gather(p: GatherPlan, k: torch.Tensor, v: torch.Tensor, r0: int, r1: int, H: int) -> _Chunk:
+    B, Hkv, S = k.shape[0], k.shape[1], k.shape[2]
+    g = H // Hkv
+    ind = p.selected.ind[:, :, r0:r1].long()  # (B, Hkv' , c, k)
+    keep = p.keep[:, :, r0:r1]
+    safe = ind.clamp(min=0).expand(B, Hkv, -1, -1)
+    bi = torch.arange(B, device=k.device).view(B, 1, 1, 1)
+    hi = torch.arange(Hkv, device=k.device).view(1, Hkv, 1, 1)
+    flat = (bi * Hkv + hi) * S + safe
+    ks, vs = _rows(k, bi, hi, safe, flat), _rows(v, bi, hi, safe, flat)
+    ok = keep.unsqueeze(3)  # (B, Hkv', c, 1, k)
+    bias = None
+    if p.rest is not None:
+        c = r1 - r0
+        kv = ind.repeat_interleave(g, dim=1) if ind.shape[1] > 1 else ind  # (B, H|1, c, k)
+        b = torch.arange(B, device=k.device).view(B, 1, 1, 1)
+        h = torch.arange(H, device=k.device).view(1, H, 1, 1)
+        q = torch.arange(r0, r1, device=k.device).view(1, 1, c, 1)
+        rest = p.rest.allowed(b, h, q, kv.clamp(min=0), p.off).expand(B, H, c, kv.shape[-1])
+        ok = ok & rest.reshape(B, Hkv, g, c, -1).transpose(2, 3)
+        if p.rest.has_bias:
+            extra = p.rest.bias(b, h, q, kv.clamp(min=0), p.off)
+            if extra is not None:
+                full = extra.expand(B, H, c, kv.shape[-1]).reshape(B, Hkv, g, c, -1)
+                bias = full.transpose(2, 3)
+    return _Chunk(ks, vs, ok, bias, flat)
+
+
+def _scores(ch: _Chunk, qc: torch.Tensor, scale: float) -> torch.Tensor:
+    """Masked, scaled scores ``(B, Hkv, c, g, k)`` (``-inf`` where not allowed)."""
+    s = torch.matmul(qc, ch.ks.transpose(-1, -2)) * scale
+    if ch.bias is not None:
+        s = s + ch.bias.to(s.dtype)
+    return s.masked_fill(~ch.ok, float("-inf"))
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def forward(
+    p: GatherPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out (B, H, L, Dv)`` and ``lse (B, H, L)`` over each row's selected keys."""
+    B, H, L, _ = q.shape
+    Hkv, Dv = k.shape[1], v.shape[3]
+    g = H // Hkv
+    acc = _lse_dtype(q)
+    out = q.new_zeros(B, Hkv, L, g, Dv, dtype=acc)
+    lse = q.new_full((B, Hkv, L, g), float("-inf"), dtype=acc)
+    qg = q.view(B, Hkv, g, L, -1).transpose(2, 3)  # (B, Hkv, L, g, Dk), a view
+    step = _chunk_rows(p, k, v, L)
+    with torch.no_grad():
+        for r0 in range(0, L if p.selected.topk else 0, step):  # k = 0: no key
+            r1 = min(L, r0 + step)
+            ch = _gather(p, k, v, r0, r1, H)
+            s = _scores(ch, qg[:, :, r0:r1], scale).to(acc)
+            m = s.amax(-1, keepdim=True)
+            m = torch.where(torch.isfinite(m), m, 0.0)
+            e = torch.exp(s - m)
+            den = e.sum(-1, keepdim=True)
+            o = torch.matmul(e.to(v.dtype), ch.vs).to(acc)
+            out[:, :, r0:r1] = torch.where(den > 0, o / den.clamp(min=1e-30), 0.0)
+            lse[:, :, r0:r1] = (m + den.log()).squeeze(-1)
+    return out.transpose(2, 3).flatten(1, 2), lse.transpose(2, 3).flatten(1, 2)
+
+
+def backward(
+    p: GatherPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dq``, ``dk``, ``dv`` from the saved ``out`` and ``lse`` (``dk``/``dv`` summed over
+    the query heads of each key/value head and over every query that selected a key)."""
+    B, H, L, Dk = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    g = H // Hkv
+    acc = _lse_dtype(q)
+    dq = q.new_zeros(B, Hkv, L, g, Dk, dtype=acc)
+    dk = k.new_zeros(B * Hkv * S, Dk, dtype=acc)
+    dv = v.new_zeros(B * Hkv * S, Dv, dtype=acc)
+
+    def grouped(t: torch.Tensor) -> torch.Tensor:  # (B, H, L, X) -> (B, Hkv, L, g, X)
+        return t.view(B, Hkv, g, L, t.shape[3]).transpose(2, 3)
+
+    qg, og, dog = grouped(q), grouped(out), grouped(dout)
+    lg = lse.view(B, Hkv, g, L).transpose(2, 3).unsqueeze(-1)  # (B, Hkv, L, g, 1)
+    step = _chunk_rows(p, k, v, L)
+    with torch.no_grad():
+        for r0 in range(0, L if p.selected.topk else 0, step):  # k = 0: no key
+            r1 = min(L, r0 + step)
+            ch = _gather(p, k, v, r0, r1, H)
+            qc, doc = qg[:, :, r0:r1].to(acc), dog[:, :, r0:r1].to(acc)
+            s = _scores(ch, qg[:, :, r0:r1], scale).to(acc)
+            lc = lg[:, :, r0:r1].to(acc)
+            pr = torch.exp(s - torch.where(torch.isfinite(lc), lc, 0.0))  # 0 where masked
+            dp = torch.matmul(doc, ch.vs.to(acc).transpose(-1, -2))
+            d = (doc * og[:, :, r0:r1].to(acc)).sum(-1, keepdim=True)
+            ds = pr * (dp - d)
+            dq[:, :, r0:r1] = torch.matmul(ds, ch.ks.to(acc)) * scale
+            dks = torch.matmul(ds.transpose(-1, -2), qc) * scale  # (B, Hkv, c, k, Dk)
+            dvs = torch.matmul(pr.transpose(-1, -2), doc)  # (B, Hkv, c, k, Dv)
+            flat = ch.flat.reshape(-1)
+            dk.index_add_(0, flat, dks.reshape(-1, Dk))
+            dv.index_add_(0, flat, dvs.reshape(-1, Dv))
+    dqo = dq.transpose(2, 3).flatten(1, 2)
+    return dqo, dk.view(B, Hkv, S, Dk), dv.view(B, Hkv, S, Dv)

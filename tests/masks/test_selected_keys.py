@@ -1,0 +1,227 @@
+"""selected_keys (DeepSeek-V3.2's sparse attention): the spec, its dense form against eager's
+scatter, the gather kernel's forward and backward against the float64 oracle, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit import masks
+from attnkit.backends.blocked import gather
+from oracle import reference_attention
+
+
+def _scatter(indices: torch.Tensor, S: int, H: int) -> torch.Tensor:
+    """Eager's meaning: the indices scattered into a bool mask (B, H | 1, L, S)."""
+    ind = indices if indices.dim() == 4 else indices.unsqueeze(1)
+    m = torch.zeros(*ind.shape[:3], S + 1, dtype=torch.bool)
+    m.scatter_(-1, torch.where(ind < 0, S, ind), True)
+    m = m[..., :S]
+    return m.repeat_interleave(H // ind.shape[1], dim=1) if ind.shape[1] > 1 else m
+
+
+def _indices(B: int, Hi: int | None, L: int, S: int, k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (B, L, k) if Hi is None else (B, Hi, L, k)
+    ind = torch.randint(-1, S, shape, generator=gen)
+    if k >= 2:  # a duplicate in some row
+        ind[..., 0, 1] = ind[..., 0, 0].clamp(min=0)
+    return ind
+
+
+def _check(q, k, v, spec, dense, *, backend="blocked", tol=2e-5):  # type: ignore[no-untyped-def]
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = attnkit.attention(q, k, v, mask=spec, backend=backend)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want, _ = reference_attention(qd, kd, vd, mask=dense)
+    want_g = torch.autograd.grad(want, (qd, kd, vd), g.double())
+    assert (out.double() - want).abs().max() < tol
+    for a, b in zip(got, want_g, strict=True):
+        assert torch.isfinite(a).all()
+        assert (a.double() - b).abs().max() < tol
+
+
+CASES = [  # B, H, Hkv, per-kv-head indices, L, S, k, other rules
+    (2, 4, 2, False, 9, 23, 5, "causal"),
+    (2, 4, 2, True, 9, 23, 5, "causal"),
+    (1, 6, 3, True, 7, 30, 8, "padding"),
+    (2, 2, 2, False, 12, 12, 4, "window"),
+    (1, 8, 1, False, 5, 40, 40, "none"),
+    (2, 8, 2, True, 1, 300, 32, "causal"),  # a decode step
+    (1, 4, 4, True, 16, 300, 64, "padding"),  # a few speculative tokens
+]
+
+
+@pytest.mark.parametrize(("B", "H", "Hkv", "per_head", "L", "S", "k", "rule"), CASES)
+def test_gather_matches_oracle(B, H, Hkv, per_head, L, S, k, rule):  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(L * S + k)
+    q = torch.randn(B, H, L, 16, generator=gen)
+    kk = torch.randn(B, Hkv, S, 16, generator=gen)
+    v = torch.randn(B, Hkv, S, 12, generator=gen)
+    ind = _indices(B, Hkv if per_head else None, L, S, k, seed=k)
+    spec = masks.selected_keys(ind, heads=H)
+    extra = {
+        "causal": masks.causal(),
+        "padding": masks.padding(torch.tensor([S - 3] + [S] * (B - 1))),
+        "window": masks.causal() & masks.sliding_window(5),
+        "none": None,
+    }[rule]
+    full = spec if extra is None else extra & spec
+    dense = _scatter(ind, S, H) & (torch.ones(1, 1, L, S, dtype=torch.bool))
+    if extra is not None:
+        dense = dense & extra.to_dense(L, S)
+    assert torch.equal(full.to_dense(L, S).expand_as(dense), dense)  # eager's meaning
+    assert "gather kernel" in str(attnkit.explain(q, kk, v, mask=full))
+    _check(q, kk, v, full, dense)
+
+
+@pytest.mark.parametrize("backend", ["math", "sdpa"])
+def test_dense_backends_take_the_scattered_mask(backend: str) -> None:
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
+    ind = _indices(2, 2, 6, 10, 3, seed=1)
+    spec = masks.causal() & masks.selected_keys(ind, heads=4)
+    dense = _scatter(ind, 10, 4) & masks.causal().to_dense(6, 10)
+    _check(q, k, v, spec, dense, backend=backend)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    L=st.integers(1, 12),
+    S=st.integers(1, 24),
+    k=st.integers(0, 6),
+    g=st.sampled_from([1, 2]),
+    per_head=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
+def test_sweep(L: int, S: int, k: int, g: int, per_head: bool, seed: int) -> None:
+    B, Hkv = 2, 2
+    H = Hkv * g
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, 8, generator=gen)
+    kk, v = torch.randn(B, Hkv, S, 8, generator=gen), torch.randn(B, Hkv, S, 8, generator=gen)
+    ind = _indices(B, Hkv if per_head else None, L, S, k, seed)
+    spec = masks.selected_keys(ind, heads=H) & masks.causal()
+    dense = _scatter(ind, S, H) & masks.causal().to_dense(L, S)
+    _check(q, kk, v, spec, dense)
+
+
+def test_empty_rows_give_zero_and_no_nan() -> None:
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    ind = torch.full((1, 4, 3), -1)
+    ind[0, 1] = torch.tensor([5, 5, -1])  # causal blocks key 5 for query 1 (off = 2): empty
+    ind[0, 3] = torch.tensor([0, 5, 5])
+    spec = masks.causal() & masks.selected_keys(ind)
+    q.requires_grad_()
+    out = attnkit.attention(q, k, v, mask=spec, backend="blocked")
+    assert torch.equal(out[0, :, :3], torch.zeros(2, 3, 8))
+    (dq,) = torch.autograd.grad(out.sum(), q)
+    assert torch.isfinite(dq).all()
+    assert torch.equal(dq[0, :, :3], torch.zeros(2, 3, 8))
+
+
+def test_duplicates_count_once() -> None:
+    q, k, v = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)
+    twice = masks.selected_keys(torch.tensor([[[1, 1, 1, 2]]]))
+    once = masks.selected_keys(torch.tensor([[[1, 2, -1, -1]]]))
+    a = attnkit.attention(q, k, v, mask=twice, backend="blocked")
+    b = attnkit.attention(q, k, v, mask=once, backend="blocked")
+    torch.testing.assert_close(a, b)
+
+
+def test_key_str_and_explain_never_build_l_by_s() -> None:
+    ind = torch.randint(0, 100_000, (1, 3, 4))
+    spec = masks.selected_keys(ind)
+    key = spec.key()
+    assert key == spec.key()
+    assert hash(key) is not None
+    assert not any(isinstance(x, bytes) for x in key)  # the index bytes are not copied
+    ind.add_(0)  # an in-place edit changes the key (version)
+    assert spec.key() != key
+    assert "selected_keys(<(B=1, L=3, k=4) int64>)" in repr(spec)
+    assert "query 0: 4 keys" in str(spec) or "query 0:" in str(spec)
+    assert str(masks.causal() & masks.selected_keys(torch.tensor([[[0], [1]]]))).endswith(
+        "1 .\n. 1"
+    )
+    assert not spec.allows_all(3, 100_000)
+
+
+def test_or_and_not_are_refused() -> None:
+    spec = masks.selected_keys(torch.zeros(1, 2, 1, dtype=torch.long))
+    with pytest.raises(attnkit.AttentionInputError, match="combines with & only"):
+        _ = masks.causal() | spec
+    with pytest.raises(attnkit.AttentionInputError, match="combines with & only"):
+        _ = spec | masks.causal()
+    with pytest.raises(attnkit.AttentionInputError, match="cannot be inverted"):
+        _ = ~(spec & masks.causal())
+
+
+def test_softcap_runs_on_the_tiles_and_matches_oracle() -> None:
+    spec = masks.selected_keys(torch.zeros(1, 2, 1, dtype=torch.long))
+    assert gather.plan(spec, 30.0, 2, 4) is None
+    assert gather.plan(spec, None, 2, 4) is not None
+    ind = _indices(2, 2, 30, 40, 6, seed=3)
+    full = masks.selected_keys(ind, heads=4) & masks.causal()
+    q, k = torch.randn(2, 4, 30, 8, requires_grad=True), torch.randn(2, 2, 40, 8)
+    out = attnkit.attention(q, k, k, mask=full, backend="blocked", softcap=5.0)
+    want, _ = reference_attention(q.double(), k, k, mask=full.to_dense(30, 40), softcap=5.0)
+    assert (out.double() - want).abs().max() < 2e-5
+
+
+def _q_k(B: int = 1, H: int = 4, Hkv: int = 2, L: int = 3, S: int = 5):  # type: ignore[no-untyped-def]
+    return torch.randn(B, H, L, 8), torch.randn(B, Hkv, S, 8), torch.randn(B, Hkv, S, 8)
+
+
+BAD = [
+    (torch.zeros(1, 3, 2), "must be an integer tensor", "dtype=torch.float32"),
+    (torch.zeros(3, 2, dtype=torch.long), "is 2-D", "indices (2-D: 3, 2)"),
+]
+
+
+@pytest.mark.parametrize(("indices", "problem", "got"), BAD)
+def test_constructor_refuses(indices: torch.Tensor, problem: str, got: str) -> None:
+    with pytest.raises(attnkit.AttentionInputError) as e:
+        masks.selected_keys(indices)
+    msg = str(e.value)
+    assert problem in msg
+    assert got in msg
+    assert "expected:" in msg
+    assert "fix:" in msg
+    assert "argument" in msg or "indices" in msg
+
+
+def test_heads_refused_when_not_a_multiple() -> None:
+    with pytest.raises(attnkit.AttentionInputError, match="not a multiple") as e:
+        masks.selected_keys(torch.zeros(1, 2, 3, 2, dtype=torch.long), heads=3)
+    assert "q.shape[1]" in str(e.value)
+
+
+CALL_BAD = [  # indices, heads, what the message says, the expected part
+    (torch.zeros(2, 3, 2, dtype=torch.long), None, "for a batch of 2 but q has B=1", "B=1"),
+    (torch.zeros(1, 4, 2, dtype=torch.long), None, "for 4 queries but q has L=3", "L=3"),
+    (torch.zeros(1, 3, 3, 2, dtype=torch.long), 6, "for 3 heads but k has Hkv=2", "Hkv=2"),
+    (torch.zeros(1, 2, 3, 2, dtype=torch.long), None, "built for 2 query heads", "heads=4"),
+    (torch.tensor([[[0, 5], [0, 1], [1, 2]]]), None, "hold 5, outside the 5 keys", "S=5"),
+    (torch.tensor([[[0, -2], [0, 1], [1, 2]]]), None, "hold -2, outside", "-1 <= indices"),
+]
+
+
+@pytest.mark.parametrize(("indices", "heads", "problem", "expected"), CALL_BAD)
+def test_call_refuses(
+    indices: torch.Tensor, heads: int | None, problem: str, expected: str
+) -> None:
+    q, k, v = _q_k()
+    spec = masks.causal() & masks.selected_keys(indices, heads=heads)
+    for backend in ("blocked", "math"):
+        with pytest.raises(attnkit.AttentionInputError) as e:
+            attnkit.attention(q, k, v, mask=spec, backend=backend)
+        msg = str(e.value)
+        assert problem in msg, msg
+        assert expected in msg
+        assert "got:" in msg
+        assert "indices (" in msg
+        assert "fix:" in msg
