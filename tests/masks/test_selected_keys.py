@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import masks
-from attnkit.backends.blocked import gather
+from attnkit.backends.blocked import gather, gather_native
 from oracle import reference_attention
 
 
@@ -78,6 +78,24 @@ def test_gather_matches_oracle(B, H, Hkv, per_head, L, S, k, rule):  # type: ign
     assert torch.equal(full.to_dense(L, S).expand_as(dense), dense)  # eager's meaning
     assert "gather kernel" in str(attnkit.explain(q, kk, v, mask=full))
     _check(q, kk, v, full, dense)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[5]])
+def test_torch_ops_path_matches_oracle(case, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The gather kernel's torch operations (where the C++ forward does not run)."""
+    monkeypatch.setattr(gather_native, "kernel", lambda: None)
+    test_gather_matches_oracle(*case)
+
+
+def test_native_forward_runs_float32() -> None:
+    if gather_native.kernel() is None:
+        pytest.skip(f"the C++ gather kernel is not built here: {gather_native._gather.reason}")
+    ind = _indices(1, None, 4, 9, 3, seed=0)
+    p = gather.plan(masks.selected_keys(ind), None, 4, 9)
+    assert p is not None
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 9, 8)
+    assert gather._native(p, q, k, k, 0.3) is not None
+    assert gather._native(p, q.double(), k.double(), k.double(), 0.3) is None
 
 
 @pytest.mark.parametrize("backend", ["math", "sdpa"])

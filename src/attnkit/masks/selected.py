@@ -22,16 +22,12 @@ bytes are not copied). The ``blocked`` backend runs it with a gather kernel
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 
 from attnkit.errors import AttentionInputError, is_int_tensor, tensor_got
 from attnkit.masks.base import SpecBase, spec_error
 from attnkit.masks.spec import MaskSpec
-
-if TYPE_CHECKING:  # (attnkit.call imports attnkit.masks)
-    from attnkit.call import Dims
 
 __all__ = ["SelectedKeys", "check_selected", "find_selected", "selected_keys"]
 
@@ -250,11 +246,11 @@ def find_selected(spec: SpecBase | None) -> SelectedKeys | None:
     return next((p for p in _parts(spec) if isinstance(p, SelectedKeys)), None)
 
 
-def check_selected(spec: SpecBase, dims: Dims, where: str) -> None:
-    """:meth:`SelectedKeys.check_call` of every selected-keys part of ``spec`` for ``dims``
-    (``S``: every key of the sequence)."""
+def check_selected(spec: SpecBase, B: int, H: int, Hkv: int, L: int, S: int, where: str) -> None:
+    """:meth:`SelectedKeys.check_call` of every selected-keys part of ``spec`` for a call of
+    these sizes (``S``: every key of the sequence)."""
     if not spec.selects_keys:
         return
     for p in _parts(spec):
         if isinstance(p, SelectedKeys):
-            p.check_call(dims.L, dims.S, dims.H, dims.Hkv, dims.B, where)
+            p.check_call(L, S, H, Hkv, B, where)

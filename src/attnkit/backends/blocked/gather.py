@@ -176,10 +176,48 @@ def _lse_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
+def _allowed_entries(p: GatherPlan, H: int) -> torch.Tensor:
+    """Bool ``(B, 1 | H, L, k)`` contiguous: the index entries that count (``keep``) and that
+    the spec's other rules allow, per query head where either depends on it."""
+    ind, keep = p.selected.ind, p.keep
+    B, Hi, L, _ = ind.shape
+    per_head = Hi > 1 or (p.rest is not None and p.rest.heads is not None)
+    Hm = H if per_head else 1
+    if Hi > 1:
+        ind, keep = ind.repeat_interleave(H // Hi, 1), keep.repeat_interleave(H // Hi, 1)
+    if p.rest is None:
+        return keep.expand(B, Hm, L, -1).contiguous()
+    b = torch.arange(B, device=ind.device).view(B, 1, 1, 1)
+    h = torch.arange(Hm, device=ind.device).view(1, Hm, 1, 1)
+    q = torch.arange(L, device=ind.device).view(1, 1, L, 1)
+    rest = p.rest.allowed(b, h, q, ind.long().clamp(min=0), p.off)
+    return (keep & rest).expand(B, Hm, L, -1).contiguous()
+
+
+def _native(
+    p: GatherPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The C++ forward (:mod:`~attnkit.backends.blocked.gather_native`) where it runs the
+    call: float32 on the CPU, no score bias among the other rules."""
+    if q.device.type != "cpu" or q.dtype != torch.float32 or p.selected.topk == 0:
+        return None
+    if p.rest is not None and p.rest.has_bias:
+        return None
+    from attnkit.backends.blocked import gather_native
+
+    if gather_native.kernel() is None:
+        return None
+    idx = p.selected.ind.long().clamp(min=0).contiguous()
+    return gather_native.forward(q, k, v, idx, _allowed_entries(p, q.shape[1]), scale)
+
+
 def forward(
     p: GatherPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``out (B, H, L, Dv)`` and ``lse (B, H, L)`` over each row's selected keys."""
+    done = _native(p, q, k, v, scale)
+    if done is not None:
+        return done
     B, H, L, _ = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]
     g = H // Hkv

@@ -1,0 +1,93 @@
+// attnkit's gather kernel (attnkit/backends/blocked/gather.py): the forward of attention over
+// each query's own selected keys (attnkit.masks.selected_keys, DeepSeek-V3.2's top-k), float32.
+//
+// One task per (batch row, key/value head, query row): its k selected keys are read in place
+// (K and V rows at their indices, any strides with a contiguous last dim; never gathered into
+// a copy) for each of the g query heads of the key/value head: scores, their max, exp, sum and
+// the weighted sum of the V rows, all in float32. `ok` (bool, 1 byte) says which of the k
+// entries count (the index names a key once, and the spec's other rules allow the pair; made by
+// gather.py), per query head or for every head. A row with no entry allowed gets out 0 and
+// lse -inf. O(L * k * D) work, memory O(1) per task besides out and lse.
+#include <cmath>
+#include <limits>
+#include <vector>
+
+extern "C" {
+
+const char* attnkit_last_error() { return attnkit_abi::last_error().c_str(); }
+
+int32_t attnkit_low_dtypes() { return 0; }  // float32 only
+
+// a: q, k, v, idx (int64), ok (bool), out, lse (float32, contiguous) addresses (0-6); threads
+// (7); B, H, L, Dk (8-11); Hkv, S, Dv (12-14); q's strides (15-18); k's (19-22); v's (23-26);
+// idx heads (27: 1 or Hkv), ok heads (28: 1 or H), k selected per row (29)
+int32_t attnkit_gather_forward(const int64_t* a, double scale) {
+  return attnkit_abi::guarded([&] {
+    auto ptr = [&](int i) { return reinterpret_cast<void*>(static_cast<intptr_t>(a[i])); };
+    const float* q = static_cast<const float*>(ptr(0));
+    const float* k = static_cast<const float*>(ptr(1));
+    const float* v = static_cast<const float*>(ptr(2));
+    const int64_t* idx = static_cast<const int64_t*>(ptr(3));
+    const uint8_t* ok = static_cast<const uint8_t*>(ptr(4));
+    float* out = static_cast<float*>(ptr(5));
+    float* lse = static_cast<float*>(ptr(6));
+    const int64_t nthreads = a[7], B = a[8], H = a[9], L = a[10], Dk = a[11];
+    const int64_t Hkv = a[12], Dv = a[14];
+    const int64_t *qs = a + 15, *ks = a + 19, *vs = a + 23;
+    const int64_t IH = a[27], OH = a[28], K = a[29];
+    ABI_CHECK(Hkv > 0 && H % Hkv == 0, "gather: H % Hkv != 0");
+    ABI_CHECK(qs[3] == 1 && ks[3] == 1 && vs[3] == 1, "gather: q, k, v need a contiguous last dim");
+    const int64_t g = H / Hkv, tasks = B * Hkv * L;
+    const float sc = static_cast<float>(scale);
+    const float ninf = -std::numeric_limits<float>::infinity();
+#pragma omp parallel num_threads(static_cast<int>(nthreads > 0 ? nthreads : 1))
+    {
+      std::vector<float> s(static_cast<size_t>(K > 0 ? K : 1));
+#pragma omp for schedule(dynamic, 8)
+      for (int64_t t = 0; t < tasks; ++t) {
+        const int64_t b = t / (Hkv * L), hk = (t / L) % Hkv, r = t % L;
+        const int64_t* ix = idx + ((b * IH + (IH > 1 ? hk : 0)) * L + r) * K;
+        const float* kb = k + b * ks[0] + hk * ks[1];
+        const float* vb = v + b * vs[0] + hk * vs[1];
+        for (int64_t j = 0; j < g; ++j) {
+          const int64_t h = hk * g + j;
+          const uint8_t* okr = ok + ((b * OH + (OH > 1 ? h : 0)) * L + r) * K;
+          const float* qp = q + b * qs[0] + h * qs[1] + r * qs[2];
+          float* op = out + ((b * H + h) * L + r) * Dv;
+          float m = ninf;
+          for (int64_t i = 0; i < K; ++i) {
+            if (!okr[i]) {
+              s[i] = ninf;
+              continue;
+            }
+            const float* kp = kb + ix[i] * ks[2];
+            float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t d = 0; d < Dk; ++d) acc += qp[d] * kp[d];
+            s[i] = acc * sc;
+            m = s[i] > m ? s[i] : m;
+          }
+          for (int64_t d = 0; d < Dv; ++d) op[d] = 0.0f;
+          if (m == ninf) {
+            lse[(b * H + h) * L + r] = ninf;
+            continue;
+          }
+          float sum = 0.0f;
+          for (int64_t i = 0; i < K; ++i) {
+            if (s[i] == ninf) continue;
+            const float p = std::exp(s[i] - m);
+            sum += p;
+            const float* vp = vb + ix[i] * vs[2];
+#pragma omp simd
+            for (int64_t d = 0; d < Dv; ++d) op[d] += p * vp[d];
+          }
+          const float inv = 1.0f / sum;
+          for (int64_t d = 0; d < Dv; ++d) op[d] *= inv;
+          lse[(b * H + h) * L + r] = m + std::log(sum);
+        }
+      }
+    }
+  });
+}
+
+}  // extern "C"

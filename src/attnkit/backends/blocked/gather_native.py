@@ -1,0 +1,72 @@
+"""The gather kernel's C++ forward (``csrc/gather.cpp``), loaded as attnkit's other kernels
+are (:mod:`~attnkit.backends.blocked.native`): float32, the selected K and V rows read in place,
+one task per (batch row, key/value head, query row) on torch's threads.
+
+Not one of the wheel's prebuilt builds yet: it is compiled here on first use (the system's C++
+compiler, :mod:`~attnkit.backends.blocked.jit`); without one, or with
+``ATTNKIT_SPAN_KERNEL=0``, :mod:`~attnkit.backends.blocked.gather` runs its torch operations.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from array import array
+from typing import Any, ClassVar
+
+import torch
+
+from attnkit.backends.blocked import builds, native, rowspan
+
+__all__ = ["GATHER", "GatherKernel", "forward", "kernel"]
+
+#: the build (AVX2 and FMA; not in :data:`~attnkit.backends.blocked.builds.ALL` yet)
+GATHER = builds.Build(
+    "attnkit_gather_avx2", "gather.cpp", "avx2", ("-mavx2", "-mfma"), ("avx2", "fma")
+)
+
+
+class GatherKernel(native.Library):
+    """``attnkit_gather_forward(args, scale)``: see ``csrc/gather.cpp``."""
+
+    FUNCTIONS: ClassVar[dict[str, list[Any]]] = {
+        "attnkit_gather_forward": [ctypes.c_void_p, ctypes.c_double]
+    }
+
+
+_gather = native.Lazy(GATHER, GatherKernel, rowspan._cpu_reason)
+
+
+def kernel() -> Any:
+    """The loaded kernel, or ``None`` (``_gather.reason`` says why)."""
+    return _gather.get()
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    idx: torch.Tensor,
+    ok: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``out (B, H, L, Dv)`` and ``lse (B, H, L)`` float32, or ``None`` where the kernel does
+    not run (not loaded, not float32, rows not contiguous). ``idx`` int64 ``(B, 1 | Hkv, L,
+    k)`` contiguous with no ``-1`` (clamped), ``ok`` bool ``(B, 1 | H, L, k)`` contiguous."""
+    lib = kernel()
+    ts = (q, k, v)
+    if lib is None or any(t.dtype != torch.float32 or t.stride(3) != 1 for t in ts):
+        return None
+    B, H, L, _ = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    out = torch.empty(B, H, L, Dv, dtype=torch.float32)
+    lse = torch.empty(B, H, L, dtype=torch.float32)
+    args = array(
+        "q",
+        (q.data_ptr(), k.data_ptr(), v.data_ptr(), idx.data_ptr(), ok.data_ptr(),
+         out.data_ptr(), lse.data_ptr(), torch.get_num_threads(), *q.shape, Hkv, S, Dv,
+         *q.stride(), *k.stride(), *v.stride(), idx.shape[1], ok.shape[1], idx.shape[3]),
+    )  # fmt: skip
+    rc = lib._lib.attnkit_gather_forward(args.buffer_info()[0], float(scale))
+    if rc != 0:
+        raise lib.error()
+    return out, lse
