@@ -63,12 +63,20 @@ def test_a_prebuilt_kernel_serves_only_the_sources_it_was_built_from(
 def test_each_build_has_its_own_fingerprint(tmp_path: Path) -> None:
     prints = {builds.fingerprint(b) for b in builds.ALL}
     assert len(prints) == len(builds.ALL)
-    for name in (*builds.HEADERS, "row_span.cpp"):
+    files = builds.parts("row_span.cpp")
+    assert files[:3] == (*builds.HEADERS, "row_span.cpp")
+    assert "row_span_fp32_avx512.h" in files  # each instruction set's micro-kernels: a part
+    for name in files:
         shutil.copy(builds.CSRC / name, tmp_path / name)
     assert builds.fingerprint(builds.ROW_SPAN, tmp_path) == builds.fingerprint(builds.ROW_SPAN)
-    with (tmp_path / "row_span.cpp").open("a") as f:
-        f.write("\n// an edit\n")
-    assert builds.fingerprint(builds.ROW_SPAN, tmp_path) != builds.fingerprint(builds.ROW_SPAN)
+    for name in ("row_span.cpp", "row_span_bf16dot.h"):  # an edit of the source or of a part
+        before = builds.fingerprint(builds.ROW_SPAN, tmp_path)
+        with (tmp_path / name).open("a") as f:
+            f.write("\n// an edit\n")
+        assert builds.fingerprint(builds.ROW_SPAN, tmp_path) != before
+    text = builds.source_text("row_span.cpp")
+    assert '#include "row_span_' not in text  # one translation unit, the parts in place
+    assert "static void forward_impl(" in text
     assert builds.ROW_SPAN.without_f16c().flags == ("-mavx2", "-mfma")
 
 

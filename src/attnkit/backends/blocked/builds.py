@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass, replace
@@ -93,9 +94,35 @@ DECODE = Build(
 ALL = (ROW_SPAN, ROW_SPAN_AVX512, ROW_SPAN_DOT, DECODE)
 
 
+#: a line of a source that names one of its parts in ``root`` (``#include "row_span_driver.h"``)
+_PART = re.compile(r'^#include "([A-Za-z0-9_]+\.h)"$', re.MULTILINE)
+
+
+def _inlined(name: str, root: Path) -> str:
+    """The text of ``root/name`` with each ``#include "part.h"`` line of a part in ``root``
+    replaced by that part's text (a source split into files, one instruction set's
+    micro-kernels each, still compiles as one translation unit: the build writes one file)."""
+    text = (root / name).read_text()
+
+    def part(m: re.Match[str]) -> str:
+        return (
+            (root / m.group(1)).read_text().rstrip("\n") if (root / m.group(1)).is_file() else m[0]
+        )
+
+    return _PART.sub(part, text)
+
+
+def parts(csrc: str, root: Path = CSRC) -> tuple[str, ...]:
+    """The files of ``root`` whose text a build of ``csrc`` compiles, in order: :data:`HEADERS`,
+    the source and the parts it includes."""
+    found = _PART.findall((root / csrc).read_text())
+    return (*HEADERS, csrc, *(f for f in found if (root / f).is_file()))
+
+
 def source_text(csrc: str, root: Path = CSRC) -> str:
-    """The text a build of ``csrc`` compiles: :data:`HEADERS`, then the source."""
-    return "\n".join((root / f).read_text() for f in (*HEADERS, csrc))
+    """The text a build of ``csrc`` compiles: :data:`HEADERS`, then the source with its parts
+    in place of their ``#include`` lines."""
+    return "\n".join([*((root / f).read_text() for f in HEADERS), _inlined(csrc, root)])
 
 
 def fingerprint(build: Build, root: Path = CSRC) -> str:
