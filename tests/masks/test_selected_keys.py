@@ -98,6 +98,16 @@ def test_native_forward_runs_float32() -> None:
     assert gather._native(p, q.double(), k.double(), k.double(), 0.3) is None
 
 
+def test_strided_cache_views() -> None:
+    """K/V as views of a longer cache buffer (the rows read in place, strides as given)."""
+    q = torch.randn(1, 4, 3, 8)
+    cache_k, cache_v = torch.randn(1, 2, 50, 8), torch.randn(1, 2, 50, 6)
+    k, v = cache_k[:, :, :20], cache_v[:, :, :20]
+    ind = _indices(1, 2, 3, 20, 7, seed=5)
+    spec = masks.selected_keys(ind, heads=4) & masks.causal()
+    _check(q, k, v, spec, _scatter(ind, 20, 4) & masks.causal().to_dense(3, 20))
+
+
 @pytest.mark.parametrize("backend", ["math", "sdpa"])
 def test_dense_backends_take_the_scattered_mask(backend: str) -> None:
     q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)

@@ -461,7 +461,7 @@ class BlockedBackend(Backend):
             q, k, v = _stand_in(q), _stand_in(k), _stand_in(v)
         sp = plan.spans
         if plan.gather is not None:
-            return gather.describe(plan.gather, call.dims.L, call.dims.S)
+            return gather.describe(plan.gather, call.dims.L, call.dims.S, q.dtype)
         if plan.decode is not None and plan.decode.serves:
             return decode.describe(call, plan.decode)
         if sp.serves:

@@ -96,14 +96,22 @@ def plan(spec: MaskSpec | None, softcap: float | None, L: int, S: int) -> Gather
     return GatherPlan(sel, rest, _first(sel.ind), S - L)
 
 
-def describe(p: GatherPlan, L: int, S: int) -> str:
+def describe(p: GatherPlan, L: int, S: int, dtype: torch.dtype) -> str:
     """The plan in explain's words."""
     k = p.selected.topk
     rest = "" if p.rest is None else f", {p.rest!r} applied to the selected pairs"
+    from attnkit.backends.blocked import gather_native
+
+    lib = gather_native.kernel() if dtype == torch.float32 else None
+    how = (
+        "forward and backward in C++ (float32; the backward one task per batch row and key/value "
+        "head, which owns its dK/dV rows)"
+        if lib is not None
+        else "forward and backward in chunks of query rows in torch operations"
+    )
     return (
         f"selected keys: attnkit's gather kernel reads the {k} selected keys of each of the "
-        f"{L} queries (of S = {S}; {k * L} pairs, never L x S){rest}; chunks of query rows in "
-        "torch operations, forward and backward"
+        f"{L} queries (of S = {S}; {k * L} pairs, never L x S){rest}; {how}"
     )
 
 
@@ -194,11 +202,9 @@ def _allowed_entries(p: GatherPlan, H: int) -> torch.Tensor:
     return (keep & rest).expand(B, Hm, L, -1).contiguous()
 
 
-def _native(
-    p: GatherPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The C++ forward (:mod:`~attnkit.backends.blocked.gather_native`) where it runs the
-    call: float32 on the CPU, no score bias among the other rules."""
+def _native_inputs(p: GatherPlan, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The C++ kernel's ``idx`` and ``ok`` (:mod:`~attnkit.backends.blocked.gather_native`)
+    where it runs the call: float32 on the CPU, no score bias among the other rules."""
     if q.device.type != "cpu" or q.dtype != torch.float32 or p.selected.topk == 0:
         return None
     if p.rest is not None and p.rest.has_bias:
@@ -208,7 +214,17 @@ def _native(
     if gather_native.kernel() is None:
         return None
     idx = p.selected.ind.long().clamp(min=0).contiguous()
-    return gather_native.forward(q, k, v, idx, _allowed_entries(p, q.shape[1]), scale)
+    return idx, _allowed_entries(p, q.shape[1])
+
+
+def _native(
+    p: GatherPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The C++ forward where it runs the call (:func:`_native_inputs`), else ``None``."""
+    from attnkit.backends.blocked import gather_native
+
+    inputs = _native_inputs(p, q)
+    return None if inputs is None else gather_native.forward(q, k, v, *inputs, scale)
 
 
 def forward(
@@ -253,6 +269,13 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq``, ``dk``, ``dv`` from the saved ``out`` and ``lse`` (``dk``/``dv`` summed over
     the query heads of each key/value head and over every query that selected a key)."""
+    inputs = _native_inputs(p, q)
+    if inputs is not None:
+        from attnkit.backends.blocked import gather_native
+
+        done = gather_native.backward(q, k, v, out, dout, lse, *inputs, scale)
+        if done is not None:
+            return done
     B, H, L, Dk = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     g = H // Hkv

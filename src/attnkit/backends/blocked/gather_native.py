@@ -17,7 +17,7 @@ import torch
 
 from attnkit.backends.blocked import builds, native, rowspan
 
-__all__ = ["GATHER", "GatherKernel", "forward", "kernel"]
+__all__ = ["GATHER", "GatherKernel", "backward", "forward", "kernel"]
 
 #: the build (AVX2 and FMA; not in :data:`~attnkit.backends.blocked.builds.ALL` yet)
 GATHER = builds.Build(
@@ -29,7 +29,8 @@ class GatherKernel(native.Library):
     """``attnkit_gather_forward(args, scale)``: see ``csrc/gather.cpp``."""
 
     FUNCTIONS: ClassVar[dict[str, list[Any]]] = {
-        "attnkit_gather_forward": [ctypes.c_void_p, ctypes.c_double]
+        "attnkit_gather_forward": [ctypes.c_void_p, ctypes.c_double],
+        "attnkit_gather_backward": [ctypes.c_void_p, ctypes.c_double],
     }
 
 
@@ -70,3 +71,40 @@ def forward(
     if rc != 0:
         raise lib.error()
     return out, lse
+
+
+def backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    idx: torch.Tensor,
+    ok: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``dq``, ``dk``, ``dv`` float32, or ``None`` where the kernel does not run (as
+    :func:`forward`; ``out``, ``dout``, ``lse`` float32). One task per (batch row, key/value
+    head): it owns its dK and dV rows."""
+    lib = kernel()
+    ts = (q, k, v, out, dout, lse)
+    if lib is None or any(t.dtype != torch.float32 or t.stride(-1) != 1 for t in ts):
+        return None
+    B, H, L, Dk = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    out, dout, lse = out.contiguous(), dout.contiguous(), lse.contiguous()
+    dq = torch.zeros(B, H, L, Dk, dtype=torch.float32)
+    dk = torch.zeros(B, Hkv, S, Dk, dtype=torch.float32)
+    dv = torch.zeros(B, Hkv, S, Dv, dtype=torch.float32)
+    args = array(
+        "q",
+        (q.data_ptr(), k.data_ptr(), v.data_ptr(), idx.data_ptr(), ok.data_ptr(),
+         out.data_ptr(), dout.data_ptr(), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(),
+         dv.data_ptr(), torch.get_num_threads(), *q.shape, Hkv, S, Dv, *q.stride(),
+         *k.stride(), *v.stride(), idx.shape[1], ok.shape[1], idx.shape[3]),
+    )  # fmt: skip
+    rc = lib._lib.attnkit_gather_backward(args.buffer_info()[0], float(scale))
+    if rc != 0:
+        raise lib.error()
+    return dq, dk, dv

@@ -90,4 +90,82 @@ int32_t attnkit_gather_forward(const int64_t* a, double scale) {
   });
 }
 
+// The backward: one task per (batch row, key/value head), its rows in turn, so that the task
+// owns its dK and dV rows (no two threads add to one). a: q, k, v, idx, ok, out, dout, lse,
+// dq, dk, dv addresses (0-10; out, dout, lse contiguous float32; dq (B, H, L, Dk), dk
+// (B, Hkv, S, Dk), dv (B, Hkv, S, Dv) contiguous float32, zeroed by the caller); threads (11);
+// B, H, L, Dk (12-15); Hkv, S, Dv (16-18); q's strides (19-22); k's (23-26); v's (27-30);
+// idx heads (31), ok heads (32), k (33).
+int32_t attnkit_gather_backward(const int64_t* a, double scale) {
+  return attnkit_abi::guarded([&] {
+    auto ptr = [&](int i) { return reinterpret_cast<void*>(static_cast<intptr_t>(a[i])); };
+    const float* q = static_cast<const float*>(ptr(0));
+    const float* k = static_cast<const float*>(ptr(1));
+    const float* v = static_cast<const float*>(ptr(2));
+    const int64_t* idx = static_cast<const int64_t*>(ptr(3));
+    const uint8_t* ok = static_cast<const uint8_t*>(ptr(4));
+    const float* out = static_cast<const float*>(ptr(5));
+    const float* dout = static_cast<const float*>(ptr(6));
+    const float* lse = static_cast<const float*>(ptr(7));
+    float* dq = static_cast<float*>(ptr(8));
+    float* dk = static_cast<float*>(ptr(9));
+    float* dv = static_cast<float*>(ptr(10));
+    const int64_t nthreads = a[11], B = a[12], H = a[13], L = a[14], Dk = a[15];
+    const int64_t Hkv = a[16], S = a[17], Dv = a[18];
+    const int64_t *qs = a + 19, *ks = a + 23, *vs = a + 27;
+    const int64_t IH = a[31], OH = a[32], K = a[33];
+    ABI_CHECK(Hkv > 0 && H % Hkv == 0, "gather: H % Hkv != 0");
+    ABI_CHECK(qs[3] == 1 && ks[3] == 1 && vs[3] == 1, "gather: q, k, v need a contiguous last dim");
+    const int64_t g = H / Hkv, tasks = B * Hkv;
+    const float sc = static_cast<float>(scale);
+    const float ninf = -std::numeric_limits<float>::infinity();
+#pragma omp parallel for num_threads(static_cast<int>(nthreads > 0 ? nthreads : 1)) \
+    schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t b = t / Hkv, hk = t % Hkv;
+      const float* kb = k + b * ks[0] + hk * ks[1];
+      const float* vb = v + b * vs[0] + hk * vs[1];
+      float* dkb = dk + (b * Hkv + hk) * S * Dk;
+      float* dvb = dv + (b * Hkv + hk) * S * Dv;
+      for (int64_t r = 0; r < L; ++r) {
+        const int64_t* ix = idx + ((b * IH + (IH > 1 ? hk : 0)) * L + r) * K;
+        for (int64_t j = 0; j < g; ++j) {
+          const int64_t h = hk * g + j, row = (b * H + h) * L + r;
+          const float l = lse[row];
+          if (l == ninf) continue;  // no key: gradient 0
+          const uint8_t* okr = ok + ((b * OH + (OH > 1 ? h : 0)) * L + r) * K;
+          const float* qp = q + b * qs[0] + h * qs[1] + r * qs[2];
+          const float* op = out + row * Dv;
+          const float* gp = dout + row * Dv;
+          float* dqp = dq + row * Dk;
+          float D = 0.0f;
+#pragma omp simd reduction(+ : D)
+          for (int64_t d = 0; d < Dv; ++d) D += gp[d] * op[d];
+          for (int64_t i = 0; i < K; ++i) {
+            if (!okr[i]) continue;
+            const float* kp = kb + ix[i] * ks[2];
+            const float* vp = vb + ix[i] * vs[2];
+            float s = 0.0f, dp = 0.0f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < Dk; ++d) s += qp[d] * kp[d];
+#pragma omp simd reduction(+ : dp)
+            for (int64_t d = 0; d < Dv; ++d) dp += gp[d] * vp[d];
+            const float p = std::exp(s * sc - l);
+            const float ds = p * (dp - D) * sc;
+            float* dkp = dkb + ix[i] * Dk;
+            float* dvp = dvb + ix[i] * Dv;
+#pragma omp simd
+            for (int64_t d = 0; d < Dk; ++d) {
+              dqp[d] += ds * kp[d];
+              dkp[d] += ds * qp[d];
+            }
+#pragma omp simd
+            for (int64_t d = 0; d < Dv; ++d) dvp[d] += p * gp[d];
+          }
+        }
+      }
+    }
+  });
+}
+
 }  // extern "C"
