@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 import attnkit
 from attnkit import masks
+from attnkit.bench.machine import cpu_line
 
 Fn = Callable[[], object]
 
@@ -151,6 +152,7 @@ def main() -> None:
     big = torch.randn(128 * 1024 * 1024)
     big.sum()
     t = _time({"sum": big.sum}, 5, 2)["sum"]
+    print(cpu_line())  # the CPU and its flags: every figure below depends on them
     print(
         f"threads {torch.get_num_threads()}, read GB/s (torch.sum of 512 MiB) "
         f"{big.numel() * 4 / t / 1e9:.1f}"

@@ -23,6 +23,7 @@ import torch
 from torch.utils.cpp_extension import load_inline
 
 from attnkit.backends.blocked import decode
+from attnkit.bench.machine import cpu_line
 
 
 def load_base(path: str) -> Any:
@@ -51,6 +52,7 @@ def main() -> None:
     if decode.build() is None:
         raise SystemExit(f"the decode kernel does not run here: {decode.status()}")
     kernels = {"pybind": load_base(args.base_source), "C ABI": decode.kernel()}
+    print(cpu_line())  # the CPU and its flags: every figure below depends on them
     print(f"torch {torch.__version__}, {args.threads} threads; median CPU us of {args.reps}")
     print("| S | pybind | C ABI | C ABI / pybind |\n|---|---|---|---|")
     for S in (256, 512, 1024, 4096):

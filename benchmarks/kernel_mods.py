@@ -26,6 +26,7 @@ from torch.utils.cpp_extension import load_inline
 from attnkit import masks
 from attnkit.backends import blocked
 from attnkit.backends.blocked import rowspan
+from attnkit.bench.machine import cpu_line
 
 SCALE = 0.125
 WINDOW = masks.causal() & masks.sliding_window(256)
@@ -127,6 +128,7 @@ def main() -> None:
     if not rowspan.available():
         raise SystemExit(f"the row-span kernel does not run here: {rowspan.status()}")
     torch.manual_seed(0)
+    print(cpu_line())  # the CPU and its flags: every figure below depends on them
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median ms of {args.reps}")
     print("| row | first | second | first / second |\n|---|---|---|---|")
     if args.base_source:

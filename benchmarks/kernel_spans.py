@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 import attnkit
 from attnkit import files, masks
+from attnkit.bench.machine import cpu_line
 
 BACKWARD_FACTOR = 3.5
 
@@ -186,6 +187,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     wanted = [w for w in args.rows.split(",") if w]
     chosen = [c for c in cases() if not wanted or any(w in c.name for w in wanted)]
+    print(cpu_line())  # the CPU and its flags: every figure below depends on them
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{platform.processor() or platform.machine()}; median of {args.reps} interleaved reps"

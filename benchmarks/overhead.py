@@ -32,6 +32,7 @@ from hf_layer_call import HF_CASES, measure_hf
 
 import attnkit
 from attnkit import files
+from attnkit.bench.machine import cpu_line
 
 CASES = [
     # name, (B, H, L, Dk), causal
@@ -116,6 +117,7 @@ def main() -> None:
         "--decode-only", action="store_true", help="only the decode-step and HF layer rows"
     )
     args = parser.parse_args()
+    print(cpu_line())  # the CPU and its flags: every figure below depends on them
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{platform.processor() or platform.machine()}; median of {args.reps}, interleaved"

@@ -21,7 +21,7 @@ import torch
 from typer.testing import CliRunner
 
 from attnkit import AttentionInputError, bench
-from attnkit.bench import runner, worker
+from attnkit.bench import machine, runner, worker
 from attnkit.bench.machine import bf16_class, cpu_features, describe_features
 from attnkit.bench.peers import PEERS
 from attnkit.bench.results import BenchResult, Entry, Row, acceptance, criteria
@@ -244,12 +244,14 @@ def test_masks_rows_in_a_tiny_run(tmp_path: Path) -> None:
 def test_cpu_features_and_the_bf16_class() -> None:
     info = "processor\t: 0\nflags\t\t: fpu avx2 fma avx512f avx512_bf16 amx_tile amx_bf16\n"
     assert cpu_features(info) == ["avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"]
+    assert machine.cpu_line().startswith("CPU: ")
+    assert describe_features(cpu_features()) in machine.cpu_line()
     assert bf16_class(cpu_features(info)) == "bf16"
     assert bf16_class(["avx2", "fma", "avx512f"]) == "no-bf16"  # AVX-512 without BF16
     assert bf16_class(["avx2", "fma"]) == "no-bf16"
     assert bf16_class(None) == "unknown"
     assert describe_features(["avx2", "fma"]) == (
-        "avx2 fma (no avx512f, avx512_bf16, amx_tile, amx_bf16)"
+        "avx2 fma (no avx512f, avx512_bf16, avx512_fp16, amx_tile, amx_bf16, amx_fp16)"
     )
     assert cpu_features("model name\t: some ARM\n") == []
 

@@ -22,6 +22,7 @@ __all__ = [
     "READ_BYTES",
     "bf16_class",
     "cpu_features",
+    "cpu_line",
     "describe_features",
     "last_level_cache_bytes",
     "machine",
@@ -33,7 +34,9 @@ GiB = 1 << 30
 READ_BYTES = 1 << 29
 
 #: the flags a record names, in this order: what attnkit's kernels and torch's may use
-CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+CPU_FLAGS = (
+    "avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16"
+)  # fmt: skip
 #: the flags that give bfloat16 dot products in hardware
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
@@ -72,6 +75,21 @@ def describe_features(features: list[str] | None) -> str:
     missing = [f for f in CPU_FLAGS if f not in features]
     have = " ".join(features) or "none of " + " ".join(CPU_FLAGS)
     return have + (f" (no {', '.join(missing)})" if missing and features else "")
+
+
+def cpu_line() -> str:
+    """One line for a benchmark's header: the CPU's model name and which of :data:`CPU_FLAGS` it
+    has (every figure a benchmark prints depends on them)."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and ":" in line:
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"CPU: {name}, {os.cpu_count()} cores; flags: {describe_features(cpu_features())}"
 
 
 def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
