@@ -49,7 +49,7 @@ typecheck: setup
 	$(VENV)/bin/mypy
 
 pytest: setup browser
-	$(PY) -m pytest -q --hypothesis-profile=ci --hypothesis-show-statistics
+	$(PY) -m pytest -q -rs --hypothesis-profile=ci --hypothesis-show-statistics
 
 bench: setup
 	$(PY) benchmarks/overhead.py
