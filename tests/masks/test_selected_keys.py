@@ -96,6 +96,11 @@ def test_native_forward_runs_float32() -> None:
     q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 9, 8)
     assert gather._native(p, q, k, k, 0.3) is not None
     assert gather._native(p, q.double(), k.double(), k.double(), 0.3) is None
+    out, lse = gather._native(p, q, k, k, 0.3)  # type: ignore[misc]
+    inputs = gather._native_inputs(p, q)
+    assert inputs is not None
+    dout = torch.ones(()).expand_as(out)  # what out.sum().backward() hands over
+    assert gather_native.backward(q, k, k, out, dout, lse, *inputs, 0.3) is not None
 
 
 def test_strided_cache_views() -> None:

@@ -88,12 +88,12 @@ def backward(
     :func:`forward`; ``out``, ``dout``, ``lse`` float32). One task per (batch row, key/value
     head): it owns its dK and dV rows."""
     lib = kernel()
+    out, dout, lse = out.contiguous(), dout.contiguous(), lse.contiguous()  # (sum(): expanded)
     ts = (q, k, v, out, dout, lse)
     if lib is None or any(t.dtype != torch.float32 or t.stride(-1) != 1 for t in ts):
         return None
     B, H, L, Dk = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
-    out, dout, lse = out.contiguous(), dout.contiguous(), lse.contiguous()
     dq = torch.zeros(B, H, L, Dk, dtype=torch.float32)
     dk = torch.zeros(B, Hkv, S, Dk, dtype=torch.float32)
     dv = torch.zeros(B, Hkv, S, Dv, dtype=torch.float32)

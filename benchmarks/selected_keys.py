@@ -1,0 +1,170 @@
+"""DeepSeek-V3.2's sparse attention (DSA): attnkit's gather kernel for
+:func:`attnkit.masks.selected_keys` against torch's SDPA with the scattered dense bool mask
+(what transformers builds for ``sdpa``), forward, side by side in one run.
+
+Every query selects its top-k keys by random scores (no locality between queries), causal
+(the top-k of the keys it may see, as DSA's indexer chooses them); attnkit runs
+``causal() & selected_keys(indices)``; SDPA gets the indices scattered into an ``(B, 1, L, S)``
+bool mask. Each figure is the median of ``--reps`` timed runs after a warm-up, interleaved
+(A, B, A, B) so that a shared machine's noise hits both alike. ``peak MiB`` is the growth of the
+process's peak resident memory over each side's first call (ru_maxrss; attnkit runs first), the
+dense mask's own size beside it. The outputs are compared (max abs difference).
+
+``--backward`` adds attnkit's forward + backward time (its gradients against SDPA's at
+``--check-L`` = 1024, where SDPA's backward through the dense mask is quick).
+
+    python benchmarks/selected_keys.py [--L 8192] [--k 256] [--heads 16] [--dim 128] [--reps 3]
+                                      [--backward]
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+import attnkit
+from attnkit import masks
+
+
+def _peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _indices(B: int, L: int, S: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Each query's top-k keys by random scores among the keys causal lets it see (-1 where
+    it sees fewer than k), ``(B, L, k)`` int64; chosen in slices of rows (no L x S)."""
+    out = torch.empty(B, L, k, dtype=torch.long)
+    rows = torch.arange(L).view(L, 1) + (S - L)
+    for r0 in range(0, L, 512):
+        r1 = min(L, r0 + 512)
+        scores = torch.rand(B, r1 - r0, S, generator=gen)
+        scores.masked_fill_(torch.arange(S).view(1, 1, S) > rows[r0:r1].view(1, -1, 1), -1.0)
+        top, idx = scores.topk(k, dim=-1)
+        out[:, r0:r1] = torch.where(top >= 0, idx, -1)
+    return out
+
+
+def _dense(indices: torch.Tensor, S: int) -> torch.Tensor:
+    """The indices scattered into a bool mask ``(B, 1, L, S)``, as eager does."""
+    B, L, _k = indices.shape
+    m = torch.zeros(B, L, S + 1, dtype=torch.bool)
+    m.scatter_(-1, torch.where(indices < 0, S, indices), True)
+    return m[..., :S].unsqueeze(1)
+
+
+def _time(fns: dict[str, Callable[[], torch.Tensor]], reps: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    for _ in range(reps):
+        for n, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[n].append(time.perf_counter() - t0)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def _cpu_flags() -> str:
+    try:
+        text = subprocess.run(
+            ["grep", "-o", "-E", "avx512_bf16|amx_bf16|avx512f|avx2", "/proc/cpuinfo"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+    except OSError:
+        return "unknown"
+    return " ".join(sorted(set(text.split()))) or "none of avx2/avx512f/avx512_bf16/amx_bf16"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--L", type=int, default=8192)
+    ap.add_argument("--k", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--backward", action="store_true")
+    args = ap.parse_args()
+    B, L, H, Hkv, D, k = 1, args.L, args.heads, args.kv_heads, args.dim, args.k
+    S = L
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, L, D, generator=gen)
+    kk = torch.randn(B, Hkv, S, D, generator=gen)
+    v = torch.randn(B, Hkv, S, D, generator=gen)
+    ind = _indices(B, L, S, k, gen)
+    spec = masks.causal() & masks.selected_keys(ind)
+    plan = attnkit.explain(q, kk, v, mask=spec)
+    assert "gather kernel" in str(plan), plan
+
+    def ours() -> torch.Tensor:
+        return attnkit.attention(q, kk, v, mask=spec)
+
+    def sdpa() -> torch.Tensor:  # transformers' sdpa path: the scattered mask, every call
+        mask = _dense(ind, S)
+        return F.scaled_dot_product_attention(q, kk, v, attn_mask=mask, enable_gqa=Hkv != H)
+
+    base = _peak_mib()
+    a = ours()
+    ours_peak = _peak_mib() - base
+    base = _peak_mib()
+    b = sdpa()
+    sdpa_peak = _peak_mib() - base
+    err = (a - b).abs().max().item()
+    t = _time({"attnkit": ours, "sdpa": sdpa}, args.reps)
+    mask_mib = B * L * S / 2**20
+    print(
+        f"CPU flags: {_cpu_flags()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+    print(f"B={B} H={H} Hkv={Hkv} L=S={L} D={D} top-{k}, float32, forward; max |diff| {err:.1e}")
+    print("| path | forward s | vs sdpa | peak MiB (growth) |")
+    print("|---|---|---|---|")
+    print(
+        f"| attnkit gather kernel | {t['attnkit']:.3f} | {t['sdpa'] / t['attnkit']:.2f}x | "
+        f"{ours_peak:.0f} |"
+    )
+    print(
+        f"| sdpa + scattered bool mask ({mask_mib:.0f} MiB) | {t['sdpa']:.3f} | 1.00x | "
+        f"{sdpa_peak:.0f} |"
+    )
+    if args.backward:
+        _backward(q, kk, v, spec, ind, args.reps)
+
+
+def _backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    spec: masks.MaskSpec,
+    ind: torch.Tensor,
+    reps: int,
+) -> None:
+    """attnkit's forward + backward time at the full size, and its gradients against SDPA's
+    (through the scattered mask) on the first 1024 queries and keys."""
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+
+    def step() -> torch.Tensor:
+        out = attnkit.attention(qg, kg, vg, mask=spec)
+        torch.autograd.backward(out.sum())
+        return out
+
+    t = _time({"attnkit": step}, reps)["attnkit"]
+    n = 1024
+    small = masks.causal() & masks.selected_keys(ind[:, :n].clamp(max=n - 1))
+    a = [x[:, :, :n].detach().clone().requires_grad_() for x in (q, k, v)]
+    b = [x.detach().clone().requires_grad_() for x in a]
+    torch.autograd.backward(attnkit.attention(a[0], a[1], a[2], mask=small).sum())
+    dense = small.to_dense(n, n)
+    torch.autograd.backward(F.scaled_dot_product_attention(b[0], b[1], b[2], attn_mask=dense).sum())
+    err = max((x.grad - y.grad).abs().max().item() for x, y in zip(a, b, strict=True))  # type: ignore[operator]
+    print(f"| attnkit forward + backward | {t:.3f} | (grads vs sdpa at L=S={n}: {err:.1e}) | |")
+
+
+if __name__ == "__main__":
+    main()
