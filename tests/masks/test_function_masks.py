@@ -16,7 +16,16 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit.backends.blocked.blocks import clear_plans
-from attnkit.masks import EMPTY, FULL, PARTIAL, causal, document, from_function, sliding_window
+from attnkit.masks import (
+    EMPTY,
+    FULL,
+    PARTIAL,
+    as_spec,
+    causal,
+    document,
+    from_function,
+    sliding_window,
+)
 from attnkit.masks import function as fmod
 from oracle import reference_attention, within_naive
 
@@ -42,8 +51,15 @@ def _pairs(L: int, S: int, kind: str) -> tuple[Fn, attnkit.masks.MaskSpec]:
         return _causal_fn(L, S), causal()
     if kind == "window":
         return _window_fn(L, S, 7), causal() & sliding_window(7)
-    ids = torch.arange(S) // 11
-    return _document_fn(ids, L, S), document(ids) & causal()
+    if kind == "document":
+        ids = torch.arange(S) // 11
+        return _document_fn(ids, L, S), document(ids) & causal()
+    fn = _holes_fn(L, S)  # not one run per row: tiles, the function evaluated in partial blocks
+    return fn, as_spec(from_function(fn).to_dense(L, S))
+
+
+def _holes_fn(L: int, S: int) -> Fn:
+    return lambda b, h, q, kv: (kv <= q + (S - L)) & ((q + (S - L) - kv) % 5 != 2)
 
 
 def _qkv(B: int, H: int, Hkv: int, L: int, S: int, D: int = 16) -> tuple[torch.Tensor, ...]:
@@ -54,7 +70,7 @@ def _qkv(B: int, H: int, Hkv: int, L: int, S: int, D: int = 16) -> tuple[torch.T
     return q, k, v
 
 
-@pytest.mark.parametrize("kind", ["causal", "window", "document"])
+@pytest.mark.parametrize("kind", ["causal", "window", "document", "holes"])
 @pytest.mark.parametrize(
     ("B", "H", "Hkv", "L", "S"),
     [(1, 2, 2, 64, 64), (2, 4, 2, 70, 150), (1, 6, 3, 130, 45), (2, 4, 1, 97, 97)],
@@ -160,7 +176,7 @@ def test_the_block_map_is_cached_per_function_and_captured_tensors() -> None:
 
     def fn(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         calls.n += 1
-        return (kv <= q) & (kv < lengths[0])
+        return (kv <= q) & (kv < lengths[0]) & (kv % 3 != 1)  # holes: tiles, block states
 
     clear_plans()
     fmod.clear_cache()
@@ -183,7 +199,8 @@ def test_the_block_map_is_cached_per_function_and_captured_tensors() -> None:
     lengths.fill_(100)
     out = attnkit.attention(q, k, v, mask=spec, backend="blocked")
     assert fmod.cache_info()["misses"] > misses
-    m = torch.ones(L, L, dtype=torch.bool).tril() & (torch.arange(L) < 100)
+    keys = torch.arange(L)
+    m = torch.ones(L, L, dtype=torch.bool).tril() & (keys < 100) & (keys % 3 != 1)
     want = reference_attention(q.double(), k.double(), v.double(), mask=m)[0]
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=0)
 
@@ -215,12 +232,29 @@ def test_no_call_of_the_function_spans_l_by_s() -> None:
 def test_explain_shows_the_density_of_the_block_map() -> None:
     L = 256
     q, k, v = _qkv(1, 2, 2, L, L)
-    spec = from_function(_window_fn(L, L, 40))
+    spec = from_function(_holes_fn(L, L))
     text = str(attnkit.explain(q, k, v, mask=spec, backend="blocked"))
     assert "from_function(" in text
     assert "blocks empty (" in text
     assert "% partial, " in text
     assert "% full)" in text
+
+
+def test_one_run_of_keys_per_row_runs_on_the_row_span_kernel() -> None:
+    L, S = 300, 340
+    q, k, v = _qkv(1, 4, 2, L, S)
+    window = from_function(_window_fn(L, S, 50))
+    text = str(attnkit.explain(q, k, v, mask=window, backend="blocked"))
+    assert "row spans of from_function(" in text
+    assert "no tiles" in text
+    for spec in (window & document(torch.arange(S) // 40), window | causal()):
+        text = str(attnkit.explain(q, k, v, mask=spec, backend="blocked"))
+        assert "row spans of " in text
+        out = attnkit.attention(q, k, v, mask=spec, backend="blocked")
+        want = reference_attention(q.double(), k.double(), v.double(), mask=spec.to_dense(L, S))
+        torch.testing.assert_close(out.double(), want[0], atol=1e-5, rtol=0)
+    holes = from_function(_holes_fn(L, S))
+    assert "row spans" not in str(attnkit.explain(q, k, v, mask=holes, backend="blocked"))
 
 
 def test_str_repr_key_and_digest_never_materialise() -> None:

@@ -5,8 +5,13 @@ indices; ``B'``, ``H'`` are 1 unless the function is declared to depend on the b
 
 ``fn(b, h, q_idx, kv_idx)`` returns a bool tensor, True = may attend: flex_attention's
 ``mask_mod`` convention, and the form transformers' mask functions take. It is called with
-broadcastable integer index tensors (raw query and key indices: ``q_idx`` is the query's row,
-not its end-aligned position, so a causal rule for ``L != S`` is ``kv_idx <= q_idx + S - L``).
+broadcastable int32 index tensors (as flex's kernels pass them; int32 arithmetic is a third
+of int64's cost over L x S pairs), raw query and key indices: ``q_idx`` is the query's row,
+not its end-aligned position, so a causal rule for ``L != S`` is ``kv_idx <= q_idx + S - L``.
+
+Where a row's allowed keys are one run (a window, causal, documents), the run is found from
+the function's values once (:meth:`FunctionMask.key_runs`, cached with the spec's key by the
+row-span kernel's plan) and attnkit's row-span kernel runs it, as it runs the built-in rules.
 
 Block states (empty / partial / full) come from evaluating ``fn`` on each block's tile, a
 group of block rows at a time (at most :data:`CHUNK_PAIRS` pairs per call of ``fn``), never on
@@ -17,25 +22,35 @@ The blocked backend then evaluates ``fn`` only inside partial blocks, a tile at 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import itertools
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
 
 from attnkit.errors import AttentionInputError
 from attnkit.masks.base import spec_error
+from attnkit.masks.runs import Spans
 from attnkit.masks.spec import MaskSpec
 
-__all__ = ["CHUNK_PAIRS", "FunctionMask", "cache_info", "clear_cache", "from_function"]
+__all__ = [
+    "CHUNK_PAIRS",
+    "FunctionMask",
+    "cache_info",
+    "clear_cache",
+    "from_function",
+    "key_extent",
+]
 
 MaskFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 #: (b, h, q, kv) pairs one call of the function evaluates at most while blocks are classified
-CHUNK_PAIRS = 1 << 22
+CHUNK_PAIRS = 1 << 20
 
 #: block states per (spec key, block grid, sizes, device): (spec, any, all)
 _BOUNDS: OrderedDict[Hashable, tuple[MaskSpec, torch.Tensor, torch.Tensor]] = OrderedDict()
@@ -49,6 +64,24 @@ _FUNCTIONS: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary(
 _STRONG: dict[str, Any] = {}  # functions that take no weak reference
 _TOKENS = itertools.count()
 _Spec = TypeVar("_Spec", bound="FunctionMask")
+
+
+#: the keys a :meth:`FunctionMask.key_runs` searches: ``(first global key, count)``, set by
+#: :func:`attnkit.masks.row_spans` (a rule of formulas needs no key count; a function does)
+_KEYS: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "attnkit_function_keys", default=None
+)
+
+
+@contextlib.contextmanager
+def key_extent(k_start: int, S: int) -> Iterator[None]:
+    """Within it, a function mask's :meth:`~FunctionMask.key_runs` searches keys ``k_start ..
+    k_start + S - 1`` (outside it, it answers ``None``: not one run it can tell)."""
+    token = _KEYS.set((k_start, S))
+    try:
+        yield
+    finally:
+        _KEYS.reset(token)
 
 
 def clear_cache() -> None:
@@ -171,7 +204,9 @@ class FunctionMask(MaskSpec):
     def call(
         self, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
     ) -> torch.Tensor:
-        """``fn(b, h, q, kv)``, checked: a bool tensor that broadcasts to the indices' shape."""
+        """``fn(b, h, q, kv)`` on int32 indices, checked: a bool tensor that broadcasts to the
+        indices' shape."""
+        b, h, q, kv = (t if t.dtype == torch.int32 else t.to(torch.int32) for t in (b, h, q, kv))
         try:
             out = self.fn(b, h, q, kv)
         except AttentionInputError:
@@ -213,6 +248,35 @@ class FunctionMask(MaskSpec):
             "attnkit.masks.from_function", "fn", problem, got=got, expected=expected, fix=fix
         )
         raise err from cause
+
+    def key_runs(self, pos: torch.Tensor, off: int) -> Spans | None:
+        """Each row's allowed keys as one run, found by evaluating the function on the rows
+        against the keys :func:`key_extent` names (a group of rows at a time); ``None`` where a
+        row's keys are not one run, the function reads the head, or no extent is set. Rows
+        that see nothing get ``lo > hi``."""
+        extent = _KEYS.get()
+        if extent is None or self.heads is not None:
+            return None
+        k0, S = extent
+        Bm, L = self.batch or 1, pos.shape[1]
+        dev = self.device or torch.device("cpu")
+        b = torch.arange(Bm, device=dev).view(Bm, 1, 1, 1)
+        zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev)
+        kv = torch.arange(k0, k0 + S, device=dev).view(1, 1, 1, S)
+        step = max(1, CHUNK_PAIRS // max(Bm * S, 1))
+        los, his = [], []
+        for r in range(0, L, step):
+            q = pos[0, r : r + step].to(dev).view(1, 1, -1, 1)
+            ok = self.call(b, zero, q, kv).expand(Bm, 1, q.shape[2], S)[:, 0]
+            count = ok.sum(-1, dtype=torch.int32)
+            first = ok.view(torch.uint8).argmax(-1)
+            last = S - 1 - ok.flip(-1).view(torch.uint8).argmax(-1)
+            seen = count > 0
+            if not bool((~seen | (count == last - first + 1)).all()):
+                return None  # a row with a hole: not one run
+            los.append(torch.where(seen, first + k0, k0 + S).cpu())
+            his.append(torch.where(seen, last + k0, k0 - 1).cpu())
+        return torch.cat(los, dim=1), torch.cat(his, dim=1)
 
     def block_bounds(self, q_lo, q_hi, k_lo, k_hi, off):  # type: ignore[no-untyped-def]
         dev = q_lo.device

@@ -29,6 +29,7 @@ from typing import cast
 
 import torch
 
+from attnkit.masks.function import key_extent
 from attnkit.masks.runs import Spans
 from attnkit.masks.spec import MaskSpec
 
@@ -57,7 +58,8 @@ def row_spans(
     if spec.has_bias:
         return None
     pos = torch.arange(q_start, q_start + L, dtype=torch.long)[None]  # (1, L)
-    spans = spec.key_runs(pos, off)
+    with key_extent(k_start, S):  # the keys a function mask searches
+        spans = spec.key_runs(pos, off)
     if spans is None:
         return None
     lo, hi = spans
