@@ -52,7 +52,7 @@ from torch.autograd.function import once_differentiable
 
 from attnkit.backends import nonfinite
 from attnkit.backends.base import Backend, Decision, mask_planning
-from attnkit.backends.blocked import compiled, decode, gather, measured, rowspan
+from attnkit.backends.blocked import compiled, decode, kernels, measured, rowspan
 from attnkit.backends.blocked.blocks import (
     WHOLE,
     BlockAt,
@@ -110,10 +110,10 @@ def _plan(call: AttentionCall) -> BlockPlan:
     planned from shapes only). On ``native``: the kernel's AVX512-BF16 build on bfloat16 where
     it serves, else torch's kernels on the tensors as they are (the plan says why not)."""
     L, S = call.dims.L, call.dims.S
-    g = gather.plan(call.mask, call.softcap, L, S)
-    if g is not None:  # selected keys: the gather kernel, decode-shaped or not
-        spans = rowspan.NOT_SPANS.refuse("the gather kernel runs the call")
-        return BlockPlan(call.mask, 0, 0, S - L, spans, call.softcap, None, g)
+    whole = kernels.plan(call.mask, call.softcap, L, S)
+    if whole is not None:  # a whole-call kernel (selected keys), decode-shaped or not
+        spans = rowspan.NOT_SPANS.refuse(f"{whole.name} runs the call")
+        return BlockPlan(call.mask, 0, 0, S - L, spans, call.softcap, None, whole)
     d = decode.plan(call)
     if d is not None and d.serves:
         spans = rowspan.NOT_SPANS.refuse("the decode kernel runs the call")
@@ -415,11 +415,8 @@ class BlockedBackend(Backend):
         """The plan in one line, and what changes under ``torch.compile``, for
         :func:`attnkit.explain`."""
         reason = compiled.unsupported(call)
-        if plan is not None and plan.gather is not None and reason is None:
-            return self._plan_note(call, plan) + (
-                f"; under torch.compile it runs as one custom op ({compiled.OP}) on the tiles, "
-                "which evaluate the selected keys block by block (L x S work), not this kernel"
-            )
+        if plan is not None and plan.kernel is not None and reason is None:
+            return f"{self._plan_note(call, plan)}; {plan.kernel.under_compile}"
         if plan is not None and plan.decodes:
             return self._plan_note(call, plan) + (
                 "; under torch.compile it runs as one custom op "
@@ -460,8 +457,8 @@ class BlockedBackend(Backend):
         if _converts(call, plan):
             q, k, v = _stand_in(q), _stand_in(k), _stand_in(v)
         sp = plan.spans
-        if plan.gather is not None:
-            return gather.describe(plan.gather, call.dims.L, call.dims.S, q.dtype)
+        if plan.kernel is not None:
+            return plan.kernel.describe(call.dims.L, call.dims.S, q.dtype)
         if plan.decode is not None and plan.decode.serves:
             return decode.describe(call, plan.decode)
         if sp.serves:

@@ -24,9 +24,9 @@ import torch
 import attnkit.backends.blocked.rowspan as rowspan
 import attnkit.backends.blocked.tiles as tiles
 from attnkit.backends import nonfinite
-from attnkit.backends.blocked import gather
 from attnkit.backends.blocked.config import current
 from attnkit.backends.blocked.decode import DecodePlan
+from attnkit.backends.blocked.kernels import KernelPlan
 from attnkit.backends.blocked.plan import Plan, make_plan
 from attnkit.backends.blocked.rowspan import SpanPlan
 from attnkit.masks import MaskSpec
@@ -68,8 +68,9 @@ class BlockPlan:
     spans: SpanPlan
     softcap: float | None = None  #: logit soft-cap ``c``: scores become ``c tanh(s / c)``
     decode: DecodePlan | None = None  #: the decode kernel's plan (decode-shaped calls only)
-    #: the gather kernel's plan (a spec of selected keys: :mod:`~attnkit.backends.blocked.gather`)
-    gather: gather.GatherPlan | None = None
+    #: a whole-call kernel's plan (:mod:`~attnkit.backends.blocked.kernels`: the gather kernel
+    #: of selected keys), which runs the forward and the backward where it is set
+    kernel: KernelPlan | None = None
 
     @property
     def decodes(self) -> bool:
@@ -83,6 +84,8 @@ class BlockPlan:
         :class:`~attnkit.backends.nonfinite.NonFinite` while
         :func:`~attnkit.backends.nonfinite.reporting`); read by
         :func:`attnkit.backends.nonfinite.serve`, which then sums nothing first."""
+        if self.kernel is not None:
+            return self.kernel.checks_finite
         return self.decodes or self.spans.serves
 
     def tiles(
@@ -208,8 +211,8 @@ def forward_with_lse(
     (torch.Size([1, 4, 8, 16]), torch.Size([1, 4, 8]))
     """
     p = plan or plan_blocks(q, k, v, mask, at)
-    if p.gather is not None:  # each query's selected keys
-        return gather.forward(p.gather, q, k, v, float(scale))
+    if p.kernel is not None:  # a whole-call kernel (selected keys)
+        return p.kernel.forward(q, k, v, float(scale))
     with torch.no_grad():
         sp = p.spans
         if sp.serves:  # attnkit's row-span kernel
@@ -258,8 +261,8 @@ def backward_from_lse(
     torch.Size([1, 2, 8, 16])
     """
     p = plan or plan_blocks(q, k, v, mask, at)
-    if p.gather is not None:
-        return gather.backward(p.gather, q, k, v, out, dout, lse, float(scale))
+    if p.kernel is not None:
+        return p.kernel.backward(q, k, v, out, dout, lse, float(scale))
     with torch.no_grad():
         sp = p.spans
         same = q.dtype == out.dtype == dout.dtype == sp.dtype and lse.dtype == torch.float32

@@ -39,16 +39,47 @@ CHUNK_BYTES = 32 << 20
 
 @dataclass(frozen=True)
 class GatherPlan:
-    """The gather kernel's plan of one call: the selected keys, the spec's other rules (``None``:
-    none), and ``keep`` ``(B, Hkv', L, k)`` bool: the index entries that name a key once."""
+    """The gather kernel's plan of one call (a :class:`~attnkit.backends.blocked.kernels.
+    KernelPlan`): the selected keys, the spec's other rules (``None``: none), and ``keep``
+    ``(B, Hkv', L, k)`` bool: the index entries that name a key once."""
 
     selected: SelectedKeys
     rest: MaskSpec | None
     keep: torch.Tensor
     off: int
 
+    #: the kernel in explain's words
+    name = "the gather kernel"
     #: the kernel does not report NaN/inf itself (the dispatcher's rule sums first)
     checks_finite = False
+    #: what runs a compiled call (the custom op plans blocks; it has no gather plan)
+    under_compile = (
+        "under torch.compile it runs as one custom op (attnkit::blocked_attention) on the "
+        "tiles, which evaluate the selected keys block by block (L x S work), not this kernel"
+    )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`forward` of this plan."""
+        return forward(self, q, k, v, scale)
+
+    def backward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        dout: torch.Tensor,
+        lse: torch.Tensor,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:func:`backward` of this plan."""
+        return backward(self, q, k, v, out, dout, lse, scale)
+
+    def describe(self, L: int, S: int, dtype: torch.dtype) -> str:
+        """:func:`describe` of this plan."""
+        return describe(self, L, S, dtype)
 
 
 def _without(spec: MaskSpec) -> MaskSpec | bool | None:
