@@ -24,6 +24,7 @@ from attnkit.masks import (
     causal,
     document,
     from_function,
+    row_spans,
     sliding_window,
 )
 from attnkit.masks import function as fmod
@@ -128,6 +129,40 @@ def test_the_block_map_classifies_blocks_as_the_dense_mask_does(
     spec = from_function(fn)
     got = spec.block_map(L, S, bq, bk).state[0, 0]
     assert torch.equal(got, _dense_states(spec, L, S, bq, bk))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    L=st.integers(1, 60),
+    S=st.integers(1, 60),
+    starts=st.tuples(st.integers(0, 30), st.integers(0, 30)),
+    a=st.integers(0, 8),
+    c=st.integers(-20, 20),
+    d=st.integers(-20, 20),
+    hole=st.booleans(),
+)
+def test_runs_of_keys_are_the_dense_masks_runs(
+    L: int, S: int, starts: tuple[int, int], a: int, c: int, d: int, hole: bool
+) -> None:
+    def fn(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        ok = (kv >= q * a // 4 + c) & (kv <= q + d)
+        return ok & (kv != q + 2) if hole else ok
+
+    q0, k0 = starts
+    spec = from_function(fn)
+    rows = torch.arange(q0, q0 + L).view(1, 1, L, 1)
+    keys = torch.arange(k0, k0 + S).view(1, 1, 1, S)
+    dense = fn(rows, rows, rows, keys)[0, 0]  # (L, S) at global positions
+    spans = row_spans(spec, L, S, q_start=q0, k_start=k0)
+    idx = torch.arange(S)
+    one_run = all(
+        not bool(r.any()) or bool(r[idx[r].min() : idx[r].max() + 1].all()) for r in dense
+    )
+    assert (spans is not None) == one_run
+    if spans is not None:
+        lo, hi = spans
+        got = (idx[None] >= lo[0][:, None]) & (idx[None] <= hi[0][:, None])
+        assert torch.equal(got, dense)
 
 
 def test_combinations_with_built_in_specs_match_the_oracle() -> None:
