@@ -91,7 +91,12 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--decode", action="store_true", help="decode steps only (see _decode)")
+    ap.add_argument("--cache", type=int, default=32768, help="--decode: the cached keys S")
     args = ap.parse_args()
+    if args.decode:
+        _decode(args.cache, args.heads, args.kv_heads, args.dim, 2048, max(args.reps, 21))
+        return
     B, L, H, Hkv, D, k = 1, args.L, args.heads, args.kv_heads, args.dim, args.k
     S = L
     gen = torch.Generator().manual_seed(0)
@@ -164,6 +169,34 @@ def _backward(
     torch.autograd.backward(F.scaled_dot_product_attention(b[0], b[1], b[2], attn_mask=dense).sum())
     err = max((x.grad - y.grad).abs().max().item() for x, y in zip(a, b, strict=True))  # type: ignore[operator]
     print(f"| attnkit forward + backward | {t:.3f} | (grads vs sdpa at L=S={n}: {err:.1e}) | |")
+
+
+def _decode(S: int, H: int, Hkv: int, D: int, k: int, reps: int) -> None:
+    """Decode steps (L = 1, 4, 16 new queries against S cached keys, DeepSeek-V3.2's top-2048),
+    forward: attnkit against SDPA with the scattered mask, in milliseconds."""
+    gen = torch.Generator().manual_seed(1)
+    kk = torch.randn(1, Hkv, S, D, generator=gen)
+    v = torch.randn(1, Hkv, S, D, generator=gen)
+    print(f"decode steps: B=1 H={H} Hkv={Hkv} S={S} D={D} top-{k}, float32, forward")
+    print("| L | attnkit ms | sdpa + scattered mask ms | vs sdpa |")
+    print("|---|---|---|---|")
+    for L in (1, 4, 16):
+        q = torch.randn(1, H, L, D, generator=gen)
+        ind = _indices(1, L, S, k, gen)
+        spec = masks.causal() & masks.selected_keys(ind)
+        assert "gather kernel" in str(attnkit.explain(q, kk, v, mask=spec))
+
+        def ours(q: torch.Tensor = q, spec: masks.MaskSpec = spec) -> torch.Tensor:
+            return attnkit.attention(q, kk, v, mask=spec)
+
+        def sdpa(q: torch.Tensor = q, ind: torch.Tensor = ind) -> torch.Tensor:
+            mask = _dense(ind, S)
+            return F.scaled_dot_product_attention(q, kk, v, attn_mask=mask, enable_gqa=Hkv != H)
+
+        ours(), sdpa()
+        t = _time({"attnkit": ours, "sdpa": sdpa}, reps)
+        a, b = t["attnkit"] * 1e3, t["sdpa"] * 1e3
+        print(f"| {L} | {a:.2f} | {b:.2f} | {b / a:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -91,12 +91,14 @@ def test_native_forward_runs_float32() -> None:
     if gather_native.kernel() is None:
         pytest.skip(f"the C++ gather kernel is not built here: {gather_native._gather.reason}")
     ind = _indices(1, None, 4, 9, 3, seed=0)
-    p = gather.plan(masks.selected_keys(ind), None, 4, 9)
+    p = gather.plan(masks.selected_keys(ind), None, 4, 9, torch.float32)
     assert p is not None
+    assert p.checks_finite
     q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 9, 8)
     assert gather._native(p, q, k, k, 0.3) is not None
     assert gather._native(p, q.double(), k.double(), k.double(), 0.3) is None
-    out, lse = gather._native(p, q, k, k, 0.3)  # type: ignore[misc]
+    out, lse, finite = gather._native(p, q, k, k, 0.3)  # type: ignore[misc]
+    assert finite
     inputs = gather._native_inputs(p, q)
     assert inputs is not None
     dout = torch.ones(()).expand_as(out)  # what out.sum().backward() hands over
@@ -258,3 +260,27 @@ def test_call_refuses(
         assert "got:" in msg
         assert "indices (" in msg
         assert "fix:" in msg
+
+
+@pytest.mark.parametrize("where", ["selected key", "unselected key", "value", "query"])
+def test_nan_and_inf_follow_the_rule(where: str) -> None:
+    """A NaN/inf key or value reaches only the rows that select it (and may attend to it); a
+    bad query row is NaN: the C++ forward reports it, the dispatcher's exact rule runs."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=gen), torch.randn(1, 2, 10, 8, generator=gen),
+               torch.randn(1, 2, 10, 8, generator=gen))  # fmt: skip
+    ind = torch.tensor([[[9, 0, 1], [2, 3, -1], [3, 3, 4], [5, 6, 9]]])
+    spec = masks.causal() & masks.selected_keys(ind)
+    if where == "selected key":
+        k[0, 1, 3] = float("nan")
+    elif where == "unselected key":
+        k[0, 0, 8] = float("inf")
+    elif where == "value":
+        v[0, 0, 9] = float("nan")
+    else:
+        q[0, 1, 2] = float("inf")
+    got = attnkit.attention(q, k, v, mask=spec, backend="blocked")
+    want = attnkit.attention(q, k, v, mask=spec, backend="math")
+    assert torch.equal(got.isnan(), want.isnan())
+    assert got.isnan().any() == (where != "unselected key")
+    torch.testing.assert_close(got.nan_to_num(), want.nan_to_num())

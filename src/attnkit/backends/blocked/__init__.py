@@ -110,7 +110,8 @@ def _plan(call: AttentionCall) -> BlockPlan:
     planned from shapes only). On ``native``: the kernel's AVX512-BF16 build on bfloat16 where
     it serves, else torch's kernels on the tensors as they are (the plan says why not)."""
     L, S = call.dims.L, call.dims.S
-    whole = kernels.plan(call.mask, call.softcap, L, S)
+    seen = torch.float32 if call.upcast else call.q.dtype  # what the kernels will see
+    whole = kernels.plan(call.mask, call.softcap, L, S, seen, call.q.device)
     if whole is not None:  # a whole-call kernel (selected keys), decode-shaped or not
         spans = rowspan.NOT_SPANS.refuse(f"{whole.name} runs the call")
         return BlockPlan(call.mask, 0, 0, S - L, spans, call.softcap, None, whole)

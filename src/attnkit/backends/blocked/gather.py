@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attnkit.backends import nonfinite
 from attnkit.masks import MaskSpec
 from attnkit.masks.selected import SelectedKeys, find_selected
 from attnkit.masks.spec import _And, _HeadSlice
@@ -47,11 +48,18 @@ class GatherPlan:
     rest: MaskSpec | None
     keep: torch.Tensor
     off: int
+    #: the C++ kernel runs the call (float32 on the CPU, loaded, no score bias)
+    native: bool = False
 
     #: the kernel in explain's words
     name = "the gather kernel"
-    #: the kernel does not report NaN/inf itself (the dispatcher's rule sums first)
-    checks_finite = False
+
+    @property
+    def checks_finite(self) -> bool:
+        """The C++ forward reports NaN/inf itself (a query, a score of an allowed pair, an
+        output); the torch operations do not (the dispatcher's rule sums first)."""
+        return self.native
+
     #: what runs a compiled call (the custom op plans blocks; it has no gather plan)
     under_compile = (
         "under torch.compile it runs as one custom op (attnkit::blocked_attention) on the "
@@ -114,9 +122,17 @@ def _first(ind: torch.Tensor) -> torch.Tensor:
     return keep & (ind >= 0)
 
 
-def plan(spec: MaskSpec | None, softcap: float | None, L: int, S: int) -> GatherPlan | None:
+def plan(
+    spec: MaskSpec | None,
+    softcap: float | None,
+    L: int,
+    S: int,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+) -> GatherPlan | None:
     """The gather kernel's plan where ``spec`` holds :func:`~attnkit.masks.selected_keys`
-    joined by ``&`` and there is no soft-cap, else ``None``."""
+    joined by ``&`` and there is no soft-cap, else ``None``; ``dtype`` and ``device``: what the
+    kernels will see (the C++ kernel runs float32 on the CPU)."""
     sel = find_selected(spec)
     if sel is None or spec is None or softcap is not None or sel.indices.device.type == "meta":
         return None
@@ -124,7 +140,13 @@ def plan(spec: MaskSpec | None, softcap: float | None, L: int, S: int) -> Gather
     if rest is False:
         return None
     assert rest is None or isinstance(rest, MaskSpec)
-    return GatherPlan(sel, rest, _first(sel.ind), S - L)
+    native = dtype == torch.float32 and (device is None or device.type == "cpu")
+    native = native and sel.topk > 0 and not (rest is not None and rest.has_bias)
+    if native:
+        from attnkit.backends.blocked import gather_native
+
+        native = gather_native.kernel() is not None
+    return GatherPlan(sel, rest, _first(sel.ind), S - L, native)
 
 
 def describe(p: GatherPlan, L: int, S: int, dtype: torch.dtype) -> str:
@@ -133,7 +155,7 @@ def describe(p: GatherPlan, L: int, S: int, dtype: torch.dtype) -> str:
     rest = "" if p.rest is None else f", {p.rest!r} applied to the selected pairs"
     from attnkit.backends.blocked import gather_native
 
-    lib = gather_native.kernel() if dtype == torch.float32 else None
+    lib = gather_native.kernel() if p.native and dtype == torch.float32 else None
     how = (
         "forward and backward in C++ (float32; the backward one task per batch row and key/value "
         "head, which owns its dK/dV rows)"
@@ -235,14 +257,8 @@ def _allowed_entries(p: GatherPlan, H: int) -> torch.Tensor:
 
 def _native_inputs(p: GatherPlan, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The C++ kernel's ``idx`` and ``ok`` (:mod:`~attnkit.backends.blocked.gather_native`)
-    where it runs the call: float32 on the CPU, no score bias among the other rules."""
-    if q.device.type != "cpu" or q.dtype != torch.float32 or p.selected.topk == 0:
-        return None
-    if p.rest is not None and p.rest.has_bias:
-        return None
-    from attnkit.backends.blocked import gather_native
-
-    if gather_native.kernel() is None:
+    where the plan runs it (``native``: float32 on the CPU, no score bias)."""
+    if not p.native or q.device.type != "cpu" or q.dtype != torch.float32:
         return None
     idx = p.selected.ind.long().clamp(min=0).contiguous()
     return idx, _allowed_entries(p, q.shape[1])
@@ -250,8 +266,9 @@ def _native_inputs(p: GatherPlan, q: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 def _native(
     p: GatherPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The C++ forward where it runs the call (:func:`_native_inputs`), else ``None``."""
+) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+    """The C++ forward (``out``, ``lse``, ``finite``) where it runs the call
+    (:func:`_native_inputs`), else ``None``."""
     from attnkit.backends.blocked import gather_native
 
     inputs = _native_inputs(p, q)
@@ -264,7 +281,10 @@ def forward(
     """``out (B, H, L, Dv)`` and ``lse (B, H, L)`` over each row's selected keys."""
     done = _native(p, q, k, v, scale)
     if done is not None:
-        return done
+        out, lse, finite = done
+        if not finite and nonfinite.reporting():  # NaN/inf read: the rule's exact path
+            raise nonfinite.NonFinite
+        return out, lse
     B, H, L, _ = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]
     g = H // Hkv

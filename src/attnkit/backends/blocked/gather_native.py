@@ -49,14 +49,15 @@ def forward(
     idx: torch.Tensor,
     ok: torch.Tensor,
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``out (B, H, L, Dv)`` and ``lse (B, H, L)`` float32, or ``None`` where the kernel does
+) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+    """``out (B, H, L, Dv)`` and ``lse (B, H, L)`` float32 and ``finite`` (False where a query,
+    a score of an allowed pair or an output was not finite), or ``None`` where the kernel does
     not run (not loaded, not float32, rows not contiguous). ``idx`` int64 ``(B, 1 | Hkv, L,
     k)`` contiguous with no ``-1`` (clamped), ``ok`` bool ``(B, 1 | H, L, k)`` contiguous."""
     lib = kernel()
-    ts = (q, k, v)
-    if lib is None or any(t.dtype != torch.float32 or t.stride(3) != 1 for t in ts):
+    if lib is None or any(t.dtype != torch.float32 for t in (q, k, v)):
         return None
+    q, k, v = (t if t.stride(3) == 1 else t.contiguous() for t in (q, k, v))  # rows in place
     B, H, L, _ = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     out = torch.empty(B, H, L, Dv, dtype=torch.float32)
@@ -68,9 +69,9 @@ def forward(
          *q.stride(), *k.stride(), *v.stride(), idx.shape[1], ok.shape[1], idx.shape[3]),
     )  # fmt: skip
     rc = lib._lib.attnkit_gather_forward(args.buffer_info()[0], float(scale))
-    if rc != 0:
+    if rc == 1:
         raise lib.error()
-    return out, lse
+    return out, lse, rc == 0
 
 
 def backward(
@@ -89,9 +90,9 @@ def backward(
     head): it owns its dK and dV rows."""
     lib = kernel()
     out, dout, lse = out.contiguous(), dout.contiguous(), lse.contiguous()  # (sum(): expanded)
-    ts = (q, k, v, out, dout, lse)
-    if lib is None or any(t.dtype != torch.float32 or t.stride(-1) != 1 for t in ts):
+    if lib is None or any(t.dtype != torch.float32 for t in (q, k, v, out, dout, lse)):
         return None
+    q, k, v = (t if t.stride(3) == 1 else t.contiguous() for t in (q, k, v))
     B, H, L, Dk = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     dq = torch.zeros(B, H, L, Dk, dtype=torch.float32)

@@ -70,18 +70,27 @@ class KernelPlan(Protocol):
         ...
 
 
-#: a planner: ``(spec, soft-cap, L, S)`` to its kernel's plan, or ``None`` where it does not
-#: run the call
-Planner = Callable[[MaskSpec | None, float | None, int, int], KernelPlan | None]
+#: a planner: ``(spec, soft-cap, L, S, dtype, device)`` (the dtype and device the kernels
+#: will see) to its kernel's plan, or ``None`` where it does not run the call
+Planner = Callable[
+    [MaskSpec | None, float | None, int, int, torch.dtype, torch.device], KernelPlan | None
+]
 
 #: the whole-call kernels, asked in this order
 PLANNERS: tuple[Planner, ...] = (gather.plan,)
 
 
-def plan(spec: MaskSpec | None, softcap: float | None, L: int, S: int) -> KernelPlan | None:
+def plan(
+    spec: MaskSpec | None,
+    softcap: float | None,
+    L: int,
+    S: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> KernelPlan | None:
     """The first whole-call kernel's plan for the call, or ``None``."""
     for make in PLANNERS:
-        found = make(spec, softcap, L, S)
+        found = make(spec, softcap, L, S, dtype, device)
         if found is not None:
             return found
     return None

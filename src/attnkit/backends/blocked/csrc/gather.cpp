@@ -20,9 +20,12 @@ int32_t attnkit_low_dtypes() { return 0; }  // float32 only
 
 // a: q, k, v, idx (int64), ok (bool), out, lse (float32, contiguous) addresses (0-6); threads
 // (7); B, H, L, Dk (8-11); Hkv, S, Dv (12-14); q's strides (15-18); k's (19-22); v's (23-26);
-// idx heads (27: 1 or Hkv), ok heads (28: 1 or H), k selected per row (29)
+// idx heads (27: 1 or Hkv), ok heads (28: 1 or H), k selected per row (29). Returns 0, 1 on
+// an error (attnkit_last_error), 2 where a query, a score of an allowed pair or an output was
+// not finite (the dispatcher then runs its exact rule for NaN and inf).
 int32_t attnkit_gather_forward(const int64_t* a, double scale) {
-  return attnkit_abi::guarded([&] {
+  int bad = 0;
+  const int32_t rc = attnkit_abi::guarded([&] {
     auto ptr = [&](int i) { return reinterpret_cast<void*>(static_cast<intptr_t>(a[i])); };
     const float* q = static_cast<const float*>(ptr(0));
     const float* k = static_cast<const float*>(ptr(1));
@@ -54,6 +57,10 @@ int32_t attnkit_gather_forward(const int64_t* a, double scale) {
           const uint8_t* okr = ok + ((b * OH + (OH > 1 ? h : 0)) * L + r) * K;
           const float* qp = q + b * qs[0] + h * qs[1] + r * qs[2];
           float* op = out + ((b * H + h) * L + r) * Dv;
+          float qsum = 0.0f;
+#pragma omp simd reduction(+ : qsum)
+          for (int64_t d = 0; d < Dk; ++d) qsum += qp[d] * 0.0f;  // NaN where q is not finite
+          bool row_ok = qsum == 0.0f;
           float m = ninf;
           for (int64_t i = 0; i < K; ++i) {
             if (!okr[i]) {
@@ -65,11 +72,16 @@ int32_t attnkit_gather_forward(const int64_t* a, double scale) {
 #pragma omp simd reduction(+ : acc)
             for (int64_t d = 0; d < Dk; ++d) acc += qp[d] * kp[d];
             s[i] = acc * sc;
+            row_ok = row_ok && std::isfinite(s[i]);
             m = s[i] > m ? s[i] : m;
           }
           for (int64_t d = 0; d < Dv; ++d) op[d] = 0.0f;
           if (m == ninf) {
             lse[(b * H + h) * L + r] = ninf;
+            if (!row_ok) {
+#pragma omp atomic write
+              bad = 1;
+            }
             continue;
           }
           float sum = 0.0f;
@@ -82,12 +94,21 @@ int32_t attnkit_gather_forward(const int64_t* a, double scale) {
             for (int64_t d = 0; d < Dv; ++d) op[d] += p * vp[d];
           }
           const float inv = 1.0f / sum;
-          for (int64_t d = 0; d < Dv; ++d) op[d] *= inv;
+          float osum = 0.0f;
+          for (int64_t d = 0; d < Dv; ++d) {
+            op[d] *= inv;
+            osum += op[d] * 0.0f;
+          }
           lse[(b * H + h) * L + r] = m + std::log(sum);
+          if (!(row_ok && osum == 0.0f)) {
+#pragma omp atomic write
+            bad = 1;
+          }
         }
       }
     }
   });
+  return rc != 0 ? rc : (bad ? 2 : 0);
 }
 
 // The backward: one task per (batch row, key/value head), its rows in turn, so that the task
