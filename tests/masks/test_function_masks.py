@@ -331,6 +331,17 @@ def test_under_torch_compile_the_blocked_op_runs_it() -> None:
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+def test_built_inside_a_compiled_function_it_says_build_it_outside() -> None:
+    q, k, v = _qkv(1, 2, 2, 40, 40)
+
+    def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        spec = from_function(lambda b, h, qi, kv: kv <= qi)
+        return attnkit.attention(q, k, v, mask=spec)
+
+    with pytest.raises(Exception, match=r"cannot be built inside a function torch\.compile traces"):
+        torch.compile(f, fullgraph=True, backend="eager")(q, k, v)
+
+
 @pytest.mark.parametrize("backend", ["math", "sdpa"])
 def test_dense_backends_take_its_dense_form(backend: str) -> None:
     L, S = 33, 50

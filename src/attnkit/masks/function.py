@@ -446,6 +446,16 @@ def from_function(
             expected="a function of four index tensors returning a bool tensor",
             fix="from_function(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)",
         )
+    if torch.compiler.is_compiling():  # Dynamo cannot trace the probe and the token
+        spec_error(
+            "from_function",
+            "fn",
+            "a function mask cannot be built inside a function torch.compile traces.",
+            got="from_function(...) called while torch.compile traces",
+            expected="the spec built outside the compiled function",
+            fix="build it once outside and close over it (or pass it in); a compiled call "
+            "then runs it",
+        )
     for name, n in (("batch", batch), ("heads", heads)):
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             spec_error(
