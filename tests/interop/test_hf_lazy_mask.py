@@ -195,6 +195,10 @@ RULE_CASES = {
         mu.and_masks(mu.remap_positions_for_packed_sequence(WINDOWED, POSITIONS),
                      mu.packed_sequence_mask_function(PACKED)), 10, 10, 0, 0, None,
     ),
+    "window over image blocks (Gemma 3)": (
+        mu.and_masks(mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(GROUPS)),
+                     mu.sliding_window_overlay(4)), 10, 10, 0, 0, PAD,
+    ),
     "bidirectional window, padded": (
         mu.sliding_window_bidirectional_mask_function(2), 10, 10, 0, 0, PAD
     ),
@@ -213,8 +217,8 @@ def test_every_composed_rule_is_a_spec_equal_to_transformers_mask(case: str) -> 
 
 SHIFTED = torch.tensor([[0, 1, 2, 0, 1, 2, 5, 0, 1, 2]] * B)  # a jump inside a document
 DENSE_CASES = {
-    # a one-sided window over a union (Gemma 3's image masks): not provable as a spec
-    "window over image blocks": mu.and_masks(
+    # a one-sided window over image blocks longer than it (one of 4 positions, window 3)
+    "window shorter than an image block": mu.and_masks(
         mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(GROUPS)),
         mu.sliding_window_overlay(3),
     ),

@@ -91,15 +91,33 @@ def _transformers() -> ModuleType:
 
 
 def _building_masks_for_generate() -> bool:
-    """Whether transformers' ``create_masks_for_generate`` asked: ``generate`` builds the masks
-    of a compileable (static) cache ahead of the forward and hands them to the model as its
-    ``attention_mask``, where transformers' code takes only a 4-D tensor (or a BlockMask)."""
+    """Whether transformers' ``create_masks_for_generate`` asked for ``generate``: it builds the
+    masks of a compileable (static) cache ahead of the forward and hands them to the model
+    (which may be compiled) as its ``attention_mask``. A model whose own ``forward`` calls
+    ``create_masks_for_generate`` to build its masks (Gemma 3's multimodal model) is not
+    ``generate`` asking: it gets lazy masks as from ``create_causal_mask``."""
     frame: FrameType | None = sys._getframe(2)
     for _ in range(8):
         if frame is None:
             return False
         if frame.f_code.co_name == "create_masks_for_generate":
+            return not _called_from_forward(frame.f_back)
+        frame = frame.f_back
+    return False
+
+
+def _called_from_forward(frame: FrameType | None) -> bool:
+    """Whether a model's ``forward`` is the nearest caller (through decorators' wrappers, at
+    most 3 frames up) before a ``create_masks_for_generate`` method or ``generate``'s
+    ``prepare_inputs_for_generation``."""
+    for _ in range(3):
+        if frame is None:
+            return False
+        name = frame.f_code.co_name
+        if name == "forward":
             return True
+        if name in ("create_masks_for_generate", "prepare_inputs_for_generation"):
+            return False
         frame = frame.f_back
     return False
 

@@ -67,7 +67,8 @@ class Reading:
 
 
 # A term of a conjunction: "causal", ("after", w) (kv > q - w), ("near", w) (|q - kv| <= w),
-# ("remap", position_ids), ("packed", ids), or a finished spec (MaskSpec).
+# ("remap", position_ids), ("packed", ids), ("block", ids) (image-token groups),
+# ("union", [terms, terms, ...]) (or_masks), or a finished spec (MaskSpec).
 _Term = object
 
 
@@ -140,21 +141,27 @@ def _terms(mu: ModuleType, fn: object, at: Reading, shifted: bool) -> list[_Term
 
 
 def _union(mu: ModuleType, parts: Any, at: Reading, shifted: bool) -> list[_Term] | None:
-    """``or_masks(*parts)`` as terms: one spec ``a | b | ...`` (or the one part's terms)."""
+    """``or_masks(*parts)`` as terms: ``("union", [terms of each part])`` (or the one part's
+    terms); :func:`_conjunction` states it as ``a | b | ...``."""
     readings = [_terms(mu, part, at, shifted) for part in parts]
     if not readings or any(r is None for r in readings):
         return None
     if len(readings) == 1:
         return readings[0]
-    specs = [_conjunction(r, at) for r in readings if r is not None]
+    return [("union", readings)]
+
+
+def _either(readings: list[list[_Term]], at: Reading) -> MaskSpec | None:
+    """``a | b | ...`` of the parts' conjunctions."""
+    specs = [_conjunction(r, at) for r in readings]
     if any(s is None for s in specs):
         return None
     if any(s is UNMASKED for s in specs):
-        return []
+        return UNMASKED
     spec = specs[0]
     for other in specs[1:]:
         spec = spec | other  # type: ignore[operator]
-    return [spec]
+    return spec
 
 
 def _table_terms(kind: str, cell: dict[str, Any], at: Reading) -> list[_Term] | None:
@@ -178,7 +185,7 @@ def _table_terms(kind: str, cell: dict[str, Any], at: Reading) -> list[_Term] | 
         cols = at.columns(ids, -1) if _int_table(ids) else None
         if cols is None:
             return None
-        return [document(cols.long().clone()) & _keys(cols >= 0)]
+        return [("block", cols.long().clone())]
     if kind == "packed":
         ids = cell.get("packed_sequence_mask")
         cols = at.columns(ids, -1) if _int_table(ids) else None
@@ -205,31 +212,69 @@ def _consecutive(ids: torch.Tensor, positions: torch.Tensor) -> bool:
     return bool((step | ~same).all())
 
 
+def _spans_within(ids: torch.Tensor, w: int) -> bool:
+    """Whether every group ``>= 0`` of each row of ``ids`` lies within ``w`` positions (then
+    inside a group ``|q - kv| < w``, and the one-sided window ``kv > q - w`` allows it all)."""
+    for row in ids:
+        for group in torch.unique(row[row >= 0]).tolist():
+            where = (row == group).nonzero()
+            if int(where.max() - where.min()) + 1 > w:
+                return False
+    return True
+
+
+def _distribute(terms: list[_Term]) -> list[_Term]:
+    """``(a | b) & after(w)`` as ``(a & after(w)) | (b & after(w))`` where the conjunction
+    has no causal term of its own (Gemma 3's window layers over image blocks)."""
+    afters = [t for t in terms if isinstance(t, tuple) and t[0] == "after"]
+    unions = [t for t in terms if isinstance(t, tuple) and t[0] == "union"]
+    if "causal" in terms or not afters or len(unions) != 1:
+        return terms
+    rest = [t for t in terms if t not in afters and t is not unions[0]]
+    readings = [[*r, *afters] for r in unions[0][1]]
+    return [*rest, ("union", readings)]
+
+
 def _conjunction(terms: list[_Term], at: Reading) -> MaskSpec | None:
     """The terms as one spec, or ``None`` where attnkit cannot state them."""
+    terms = _distribute(terms)
     is_causal = "causal" in terms
     parts: list[MaskSpec] = [causal()] if is_causal else []
     packed = [t[1] for t in terms if isinstance(t, tuple) and t[0] == "packed"]
+    blocks = [t[1] for t in terms if isinstance(t, tuple) and t[0] == "block"]
     for term in terms:
         if isinstance(term, MaskSpec):
             if term is not UNMASKED:
                 parts.append(term)
-        elif term == "causal":
             continue
-        elif isinstance(term, tuple) and term[0] in ("after", "near", "remap", "packed"):
-            if term[0] != "packed" and not at.aligned:
+        if term == "causal" or not isinstance(term, tuple):
+            if term == "causal":
+                continue
+            return None
+        kind, value = term
+        if kind in ("after", "near", "remap") and not at.aligned:
+            return None
+        if kind == "after":  # kv > q - w: with kv <= q the w positions up to q; inside
+            # groups no longer than w (and only there: blocks), every key of the group
+            if is_causal:
+                parts.append(sliding_window(value))
+            elif not blocks or not all(_spans_within(b, value) for b in blocks):
                 return None
-            if term[0] == "after":  # kv > q - w, with kv <= q: the w positions up to q
-                if not is_causal:
-                    return None
-                parts.append(sliding_window(term[1]))
-            elif term[0] == "near":  # |q - kv| <= w: attnkit's window counts w + 1
-                parts.append(sliding_window(term[1] + 1))
-            elif term[0] == "remap" and not any(_consecutive(p, term[1]) for p in packed):
+        elif kind == "near":  # |q - kv| <= w: attnkit's window counts w + 1
+            parts.append(sliding_window(value + 1))
+        elif kind == "remap":
+            if not any(_consecutive(p, value) for p in packed):
                 return None
-        else:
+        elif kind == "union":
+            either = _either(value, at)
+            if either is None:
+                return None
+            if either is not UNMASKED:
+                parts.append(either)
+        elif kind not in ("packed", "block"):
             return None
     parts += [document(p) for p in packed]
+    parts += [document(b) & _keys(b >= 0) for b in blocks]  # same group, group >= 0
     if not parts:
         return UNMASKED
     spec = parts[0]
