@@ -240,3 +240,29 @@ def test_what_cannot_be_proven_stays_dense(case: str) -> None:
     got = hfa.hf_mask(B, 10, 10, 0, 0, mask_function=fn)
     assert type(got) is torch.Tensor
     assert torch.equal(got, _sdpa(fn, 10, 10, 0, 0, None))
+
+
+def test_masks_a_model_builds_in_its_forward_are_lazy_generates_ahead_are_dense() -> None:
+    """Gemma 3's multimodal forward builds its masks with create_masks_for_generate: lazy;
+    generate building a static cache's masks ahead (through a model's method of that name,
+    from prepare_inputs_for_generation) gets plain tensors."""
+    config = CONFIGS["qwen3"]()
+    config._attn_implementation = "attnkit"
+    args = {"config": config, "inputs_embeds": torch.zeros(B, T, 32), "cache": None}
+    args["attention_mask"] = batch(T)[1]
+
+    def forward() -> Any:
+        return mu.create_masks_for_generate(**args)
+
+    def create_masks_for_generate() -> Any:
+        return mu.create_masks_for_generate(**args)
+
+    def prepare_inputs_for_generation() -> Any:
+        return create_masks_for_generate()
+
+    made = forward()
+    assert all(isinstance(m, LazyMask) for m in made.values())
+    ahead = prepare_inputs_for_generation()
+    assert all(type(m) is torch.Tensor for m in ahead.values())
+    for kind, mask in made.items():
+        assert torch.equal(mask.dense(), ahead[kind])
