@@ -132,14 +132,17 @@ def test_dense_backends_take_the_scattered_mask(backend: str) -> None:
     g=st.sampled_from([1, 2]),
     per_head=st.booleans(),
     seed=st.integers(0, 10_000),
+    int32=st.booleans(),
 )
-def test_sweep(L: int, S: int, k: int, g: int, per_head: bool, seed: int) -> None:
+def test_sweep(L: int, S: int, k: int, g: int, per_head: bool, seed: int, int32: bool) -> None:
+    """Random sizes; int32 indices too (what transformers' DSA indexer returns)."""
     B, Hkv = 2, 2
     H = Hkv * g
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, L, 8, generator=gen)
     kk, v = torch.randn(B, Hkv, S, 8, generator=gen), torch.randn(B, Hkv, S, 8, generator=gen)
     ind = _indices(B, Hkv if per_head else None, L, S, k, seed)
+    ind = ind.int() if int32 else ind
     spec = masks.selected_keys(ind, heads=H) & masks.causal()
     dense = _scatter(ind, S, H) & masks.causal().to_dense(L, S)
     _check(q, kk, v, spec, dense)

@@ -13,7 +13,10 @@ call's query length); keys are absolute indices ``0 .. S - 1``.
 
 The spec never builds ``L x S`` for its key, repr or explain line: its cache key is the index
 tensor's identity, version, dtype and shape (an index tensor is new at every decode step; its
-bytes are not copied). The ``blocked`` backend runs it with a gather kernel
+bytes are not copied, unlike :func:`~attnkit.masks.tensor_key`'s for small CPU tensors), so an
+edit that bypasses torch's version counter (``t.data.copy_(...)``, a NumPy view) is not seen:
+edit the indices through torch, or build a new spec. transformers' DSA indexer returns int32
+``(B, L, k)``, which is taken as it is. The ``blocked`` backend runs it with a gather kernel
 (:mod:`attnkit.backends.blocked.gather`) that reads only the k selected keys of each query;
 ``math`` and ``sdpa`` materialise the scattered mask (``to_dense``), as for every spec.
 ``|`` and ``~`` with it are refused (a union with selected keys is no longer k keys per query).
