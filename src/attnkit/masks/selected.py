@@ -89,12 +89,14 @@ class SelectedKeys(MaskSpec):
         lead = _broadcast(b, h, q)
         if self.topk == 0 or 0 in shape:
             return torch.zeros(shape, dtype=torch.bool, device=kv.device)
-        if lead[-1] != 1:  # pairs, one key per row: compare with the row's k keys
+        n = int(kv.max()) + 1 if kv.numel() else 0
+        if lead[-1] != 1 or shape[-1] * self.topk < n:
+            # pairs, or a few keys far apart (the non-finite rule's bad columns): compare each
+            # key asked with the row's k keys, (..., n, k), no table up to the largest key
             rows = self._rows(b, h, q)
             return (rows == kv.unsqueeze(-1)).any(-1).expand(shape)
         # one row of keys per (b, h, q): scatter the row's keys into a table of the keys asked
         rows = self._rows(b[..., 0], h[..., 0], q[..., 0])  # (*lead[:-1], k)
-        n = int(kv.max()) + 1 if kv.numel() else 0
         table = torch.zeros((*rows.shape[:-1], n + 1), dtype=torch.bool, device=kv.device)
         table.scatter_(-1, torch.where((rows < 0) | (rows >= n), n, rows), True)
         table[..., n] = False
