@@ -172,6 +172,11 @@ def _refusal(call: AttentionCall) -> str | None:
         )
     if mask is not None and mask.has_bias:
         return "score biases (has_bias) are not wired into flex's score_mod; blocked adds them"
+    if mask is not None and mask.selects_keys:
+        return (
+            "selected keys (selected_keys) have no block bounds flex could skip by; blocked's "
+            "gather kernel reads only each query's selected keys"
+        )
     q = call.q
     device = call.device_type
     if device == "cuda":
