@@ -5,7 +5,13 @@ memory, never ``L x S``.
 Dimension legend: B batch, H query heads, Hkv key/value heads, g = H // Hkv, L query length,
 S key length, k keys selected per query, c query rows per chunk, Dk / Dv head dims.
 
-A first version in torch operations: the query rows go in chunks of ``c`` rows; each chunk
+Two paths, one plan (:class:`GatherPlan`, a :class:`~attnkit.backends.blocked.kernels.
+KernelPlan`). Where the kernels see float32 on the CPU and the C++ build loads
+(:mod:`~attnkit.backends.blocked.gather_native`, ``csrc/gather.cpp``), the forward and the
+backward run there: the selected K and V rows read in place, one task per (batch row,
+key/value head, query row) forward and per (batch row, key/value head) backward; the forward
+reports NaN/inf itself. Here, for the other dtypes and devices and where the build does not
+load, the same in torch operations: the query rows go in chunks of ``c`` rows; each chunk
 gathers its rows' selected K and V rows (``(B, Hkv, c, k, D)``, bounded by
 :data:`CHUNK_BYTES`; K and V are read in place, as they are laid out, and never copied whole
 or repeated per query head), scores them against the chunk's ``g`` query heads per key/value
