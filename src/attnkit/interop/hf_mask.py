@@ -214,10 +214,9 @@ def hf_mask(
     ``(B, 1, L, S)`` at once (static caches, whose query offset is a tensor; offsets that do
     not line up; rules attnkit does not know); so do the masks ``generate`` builds ahead for a
     compileable cache (the model's code takes only plain tensors there) and calls traced by
-    ``torch.compile`` (reading the rule inspects Python closures and the padding's values,
-    which would break the graph). The models of :data:`FLOAT_MASK_MODEL_TYPES` get
-    ``eager_mask``'s float form as the dense mask (0 = may attend, the dtype's minimum =
-    blocked), as their code needs.
+    ``torch.compile`` (reading the rule inspects closures and the padding's values). The
+    models of :data:`FLOAT_MASK_MODEL_TYPES` get ``eager_mask``'s float form as the dense
+    mask (0 = may attend, the dtype's minimum = blocked), as their code needs.
 
     Raises:
         AttentionInputError: the model asking (the nearest ``PreTrainedModel`` up the stack)
@@ -250,12 +249,9 @@ def hf_mask(
     dtype = kwargs.get("dtype", torch.float32) if floating else torch.bool
 
     def dense() -> torch.Tensor:
-        made: torch.Tensor
         if floating:
-            made = mu.eager_mask(**common, dtype=dtype)
-        else:
-            made = mu.sdpa_mask(**common, allow_is_causal_skip=False)
-        return made
+            return mu.eager_mask(**common, dtype=dtype)  # type: ignore[no-any-return]
+        return mu.sdpa_mask(**common, allow_is_causal_skip=False)  # type: ignore[no-any-return]
 
     spec = None
     if type(kv_offset) is int and not compiling and not _building_masks_for_generate():
