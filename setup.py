@@ -1,7 +1,7 @@
 """attnkit's build (setuptools; the metadata is in pyproject.toml): the package, and its C++
 kernels compiled once into it, ``attnkit/backends/blocked/_kernels/<name>.so`` for each build
-of ``builds.ALL`` (the AVX2 row-span and decode kernels, the AVX-512 and AVX512-BF16 row-span
-kernels) with
+of ``builds.ALL`` (the AVX2 row-span, decode and gather kernels, the AVX-512 and AVX512-BF16
+row-span kernels) with
 ``manifest.json`` (each file's source fingerprint, instruction set and flags).
 
 Each kernel is an ``Extension`` that ``BuildKernels`` compiles with the same command as attnkit

@@ -90,8 +90,10 @@ ROW_SPAN_DOT = Build(
 DECODE = Build(
     "attnkit_decode_avx2", "decode.cpp", "avx2", (*_AVX2, "-mf16c"), (*_AVX2_CPU, "f16c")
 )
+#: the gather kernel (``masks.selected_keys``: each query's own k keys, read in place)
+GATHER = Build("attnkit_gather_avx2", "gather.cpp", "avx2", _AVX2, _AVX2_CPU)
 #: every build the wheel carries
-ALL = (ROW_SPAN, ROW_SPAN_AVX512, ROW_SPAN_DOT, DECODE)
+ALL = (ROW_SPAN, ROW_SPAN_AVX512, ROW_SPAN_DOT, DECODE, GATHER)
 
 
 #: a line of a source that names one of its parts in ``root`` (``#include "row_span_driver.h"``)

@@ -2,9 +2,10 @@
 are (:mod:`~attnkit.backends.blocked.native`): float32, the selected K and V rows read in place,
 one task per (batch row, key/value head, query row) on torch's threads.
 
-Not one of the wheel's prebuilt builds yet: it is compiled here on first use (the system's C++
-compiler, :mod:`~attnkit.backends.blocked.jit`); without one, or with
-``ATTNKIT_SPAN_KERNEL=0``, :mod:`~attnkit.backends.blocked.gather` runs its torch operations.
+The wheel carries it prebuilt, and an install from source compiles it once, as the other builds;
+where no prebuilt build serves it is compiled here on first use (the system's C++ compiler,
+:mod:`~attnkit.backends.blocked.jit`); without one, or with ``ATTNKIT_SPAN_KERNEL=0``,
+:mod:`~attnkit.backends.blocked.gather` runs its torch operations.
 """
 
 from __future__ import annotations
@@ -19,10 +20,8 @@ from attnkit.backends.blocked import builds, native, rowspan
 
 __all__ = ["GATHER", "GatherKernel", "backward", "forward", "kernel"]
 
-#: the build (AVX2 and FMA; not in :data:`~attnkit.backends.blocked.builds.ALL` yet)
-GATHER = builds.Build(
-    "attnkit_gather_avx2", "gather.cpp", "avx2", ("-mavx2", "-mfma"), ("avx2", "fma")
-)
+#: the build (AVX2 and FMA; one of the wheel's prebuilt builds, :data:`builds.ALL`)
+GATHER = builds.GATHER
 
 
 class GatherKernel(native.Library):
