@@ -73,7 +73,8 @@ def test_every_keyword_a_model_writes_into_its_attention_call_is_classified() ->
     }
     assert missing == {}
     assert set(inspect.signature(hfa.hf_attention).parameters) >= positional
-    assert KWARGS["indices"].kind == KWARGS["block_indices"].kind == "refused"
+    assert KWARGS["indices"].kind == "computed"  # masks.selected_keys (tests/interop/test_hf_dsa)
+    assert KWARGS["block_indices"].kind == "refused"
     assert {"deepseek_v32", "glm_moe_dsa", "mistral_large4"} <= names["indices"]
 
 
@@ -83,10 +84,6 @@ def test_every_keyword_a_model_writes_into_its_attention_call_is_classified() ->
 
 REFUSED = {
     # kwarg: (value a model passes, the feature the message names)
-    "indices": (
-        torch.zeros(1, 6, 2, dtype=torch.int32),
-        "DeepSeek-V3.2's sparse top-k key selection (indices=..., its DSA indexer)",
-    ),
     "block_indices": (
         torch.zeros(1, 2, 6, 1, dtype=torch.long),
         "MiniMax-M3's block-sparse key selection (block_indices=...)",
@@ -181,37 +178,15 @@ def test_the_table_says_why_for_every_name() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# DeepSeek-V3.2: its top-k key selection is refused (attnkit computed dense attention before)
+# the refusal docs/hf.md shows (DeepSeek-V3.2's indices are computed now: test_hf_dsa.py)
 
 
-def _deepseek_v32() -> Any:
-    return transformers.DeepseekV32Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
-        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, index_n_heads=2,
-        index_head_dim=16, index_topk=4, pad_token_id=0,
-    )  # fmt: skip
-
-
-def test_deepseek_v32_sparse_selection_is_refused_not_computed_densely(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    ref, ours = pair(_deepseek_v32())
-    ids = batch()[0][1:]  # (1, T): more keys than the top 4, so the selection matters
-    with torch.no_grad():
-        expected = ref(ids).logits
-        with monkeypatch.context() as m:  # indices ignored: the dense attention of before
-            m.setattr(hfa, "check_kwargs", lambda module, kwargs: None)
-            dense = ours(ids).logits
-        assert (dense - expected).abs().max() > 1e-3  # the selection changes the model
-        with pytest.raises(AttentionInputError) as info:
-            ours(ids)
+def test_the_refusal_the_docs_show_is_the_one_attnkit_raises() -> None:
+    q, k, v = _qkv()
+    with pytest.raises(AttentionInputError) as info:
+        hfa.hf_attention(Layer(), q, k, v, None, block_indices=REFUSED["block_indices"][0])
     message = str(info.value)
-    assert "hf_attention (DeepseekV32Attention)" in message
-    assert "this model uses DeepSeek-V3.2's sparse top-k key selection (indices=" in message
-    assert f"got:      indices=tensor (1, {T}, 4) from DeepseekV32Attention, model_type " in message
-    assert "'deepseek_v32'" in message
+    assert "this model uses MiniMax-M3's block-sparse key selection (block_indices=" in message
     assert EAGER_FIX in message
     assert message in DOCS  # docs/hf.md shows the message as it is
 

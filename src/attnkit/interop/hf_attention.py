@@ -70,7 +70,7 @@ from attnkit.interop.hf_mask import (
     hf_mask,
     load_masking_utils,
 )
-from attnkit.masks import DenseMask, MaskSpec, causal, sliding_window
+from attnkit.masks import DenseMask, MaskSpec, causal, selected_keys, sliding_window
 
 __all__ = [
     "SUPPORTED",
@@ -172,6 +172,29 @@ def _with_documents(
     return documents if mask is None else mask & DenseMask(documents)
 
 
+def _with_selected(
+    mask: MaskSpec | torch.Tensor | None,
+    causal_flag: bool,
+    indices: torch.Tensor,
+    heads: int | None,
+    sizes: tuple[int, int, int] | None,
+) -> MaskSpec | torch.Tensor:
+    """``mask`` and the causal rule (what :func:`_mask_and_causal` gave) and "a query attends
+    only to its top-k keys" (DeepSeek-V3.2's DSA ``indices``, ``(B, L, k)`` or
+    ``(B, Hkv, L, k)``), as one mask: eager's meaning (the indices scattered into the mask)."""
+    keys = selected_keys(indices, heads=heads)
+    if isinstance(mask, torch.Tensor):  # a dense mask the model built: the same, scattered
+        if sizes is None:
+            raise ValueError("a dense mask with indices= needs the call's sizes")
+        chosen = keys.to_dense(sizes[1], sizes[2]).to(mask.device)  # (B, 1|H, L, S) bool
+        if mask.dtype == torch.bool:
+            return mask & chosen
+        return mask.masked_fill(~chosen, -math.inf)
+    if causal_flag:
+        mask = causal() if mask is None else mask & causal()
+    return keys if mask is None else mask & keys
+
+
 def attention_arguments(
     module: nn.Module,
     attention_mask: MaskSpec | torch.Tensor | None,
@@ -181,14 +204,16 @@ def attention_arguments(
     sliding_window: int | None = None,
     *,
     sizes: tuple[int, int, int] | None = None,
+    heads: int | None = None,
     **kwargs: Any,
 ) -> dict[str, Any]:
     """The keyword arguments :func:`attnkit.attention` (or :func:`attnkit.explain`) gets for
     one layer's call, as :func:`hf_attention` passes them: ``mask``, ``causal``, ``scale``,
     ``dropout_p``, ``softcap`` and ``sinks``. Arguments as for :func:`hf_attention`, and
     ``sizes`` ``(B, L, S)`` of the call (read from ``cu_seq_lens_q`` / ``cu_seq_lens_k`` when
-    not given); a model feature attnkit does not compute raises
-    :class:`~attnkit.AttentionInputError` (:data:`attnkit.interop.hf_kwargs.KWARGS`).
+    not given) and its query ``heads`` (for per-key/value-head DSA ``indices``); a model
+    feature attnkit does not compute raises :class:`~attnkit.AttentionInputError`
+    (:data:`attnkit.interop.hf_kwargs.KWARGS`).
 
     >>> import torch.nn as nn
     >>> attention_arguments(nn.Module(), None, is_causal=True, sliding_window=4)["causal"]
@@ -205,6 +230,9 @@ def attention_arguments(
         documents = packed_documents(module, kwargs, *sizes)
         if documents is not None:
             mask, causal_flag = _with_documents(mask, causal_flag, documents), False
+    indices = kwargs.get("indices")
+    if indices is not None:  # DSA: checked against the call's sizes by attnkit.attention
+        mask, causal_flag = _with_selected(mask, causal_flag, indices, heads, sizes), False
     return {
         "mask": mask,
         "causal": causal_flag,
@@ -244,10 +272,12 @@ def hf_attention(
             (GPT-2 and others do not hand the flag on); the models of
             ``SINKS_OUTSIDE_WEIGHTS_MODEL_TYPES`` get them without the sink's share, as their
             eager returns them. ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (packed documents, one
-            row) keep each query to its own document. Arguments that
+            row) keep each query to its own document, and ``indices`` (DeepSeek-V3.2's DSA
+            top-k keys, ``(B, L, k)``) to its selected keys
+            (:func:`attnkit.masks.selected_keys`, intersected with the mask). Arguments that
             cannot change the result (``position_ids``, ``use_cache``, ``max_length_q``, loss
             arguments such as ``shift_labels`` ...) are accepted; what attnkit does not
-            compute (``indices``, ``block_indices``, ``position_bias``, per-token ``sinks``,
+            compute (``block_indices``, ``position_bias``, per-token ``sinks``,
             ``head_mask``) and any unknown argument that is not ``None`` raise
             :class:`~attnkit.AttentionInputError`: the table is
             :data:`attnkit.interop.hf_kwargs.KWARGS`, with the rules of
@@ -267,7 +297,8 @@ def hf_attention(
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
     sizes = (query.shape[0], query.shape[-2], key.shape[-2])
-    common = attention_arguments(module, attention_mask, sizes=sizes, **kwargs)
+    heads = query.shape[1]
+    common = attention_arguments(module, attention_mask, sizes=sizes, heads=heads, **kwargs)
     weights = None
     if want:
         out, weights = attention(query, key, value, return_weights=True, **common)

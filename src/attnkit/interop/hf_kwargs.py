@@ -192,10 +192,11 @@ KWARGS: dict[str, Kwarg] = {
         "ModernBERT",
     ),
     # refused: features attnkit does not compute
-    "indices": _refused(
-        "DeepSeek-V3.2's sparse top-k key selection (indices=..., its DSA indexer)",
+    "indices": _computed(
+        "`masks.selected_keys(indices)` (DeepSeek-V3.2's DSA top-k keys, `(B, L, k)`), "
+        "intersected with the mask, as eager scatters them into it; the blocked backend "
+        "gathers each query's k keys (no L x S)",
         "DeepSeek-V3.2, GLM-5 (glm_moe_dsa), Mistral Large 4, HunYuan V4, A.X K2, dots3",
-        "each query would attend to every key, not its top-k",
     ),
     "block_indices": _refused(
         "MiniMax-M3's block-sparse key selection (block_indices=...)",
