@@ -24,7 +24,7 @@ import attnkit.interop.hf_attention as hfa
 from attnkit import AttentionInputError
 from attnkit.interop import register_hf
 from attnkit.interop.hf_kwargs import KWARGS, markdown_table
-from hf_tiny import ATOL_LOGITS, EAGER_FIX, VOCAB, Layer, T, batch, pair, tiny_config, transformers
+from hf_tiny import ATOL_LOGITS, EAGER_FIX, Layer, T, batch, pair, tiny_config, transformers
 
 register_hf()
 
