@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import attnkit
 import attnkit.functional as functional
-from attnkit import AttentionInputError, masks
+from attnkit import AttentionInputError, cpu, masks
 from attnkit.backends import memo, owned
 from attnkit.backends.blocked import configure, decode
 from oracle import reference_attention, within_naive
@@ -286,17 +286,22 @@ def test_a_repeated_sdpa_call_runs_directly_and_matches_the_oracle(
     ],
 )
 def test_sdpa_calls_that_need_more_than_torch_take_the_whole_path(
-    kw: dict[str, Any], why: str
+    kw: dict[str, Any], why: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A materialised mask, or float32 copies on the fp32-upcast path: no direct run is kept
-    (each call makes them); the answers are the oracle's."""
+    """A materialised mask, or float32 copies on the fp32-upcast path (forced where it is not
+    this CPU's own): no direct run is kept (each call makes them); the answers are the
+    oracle's."""
     kw = dict(kw)
     dtype = kw.pop("dtype", torch.float32)
+    if dtype != torch.float32:
+        reason = cpu.unavailable("fp32-upcast", dtype)
+        if reason is not None:
+            pytest.skip(f"the fp32-upcast path cannot run {dtype} here: {reason}")
+        monkeypatch.setenv(cpu.ENV, "fp32-upcast")
     q, k, v = _sdpa_qkv(4, 2, dtype=dtype)
     e = attnkit.explain(q, k, v, **kw)
     assert e.chosen == "sdpa"
-    if dtype != torch.float32 and "fp32-upcast" not in str(e):
-        pytest.skip(f"{dtype} runs on the native CPU path here, as it is ({why} not made)")
+    assert dtype == torch.float32 or "fp32-upcast" in str(e)
     for _ in range(2):
         out = attnkit.attention(q, k, v, **kw)
         assert not memo.DIRECT, why

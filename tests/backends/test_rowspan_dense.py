@@ -93,16 +93,19 @@ def _check_unmasked(shape: tuple[int, ...], isa: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES[:3])
 def test_low_precision_unmasked_calls_are_read_directly_on_fp32_upcast(
-    shape: tuple[int, ...], dtype: torch.dtype, isa: str
+    shape: tuple[int, ...], dtype: torch.dtype, isa: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    reason = cpu.unavailable("fp32-upcast", dtype)
+    if reason is not None:
+        pytest.skip(f"the fp32-upcast path cannot run {dtype} here: {reason}")
+    monkeypatch.setenv(cpu.ENV, "fp32-upcast")  # forced where it is not this CPU's own path
     with running(isa):
         _check_low_unmasked(shape, dtype)
 
 
 def _check_low_unmasked(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     q, k, v, _ = _qkv(shape, dtype, grad=False)
-    if cpu.path_for(q, "test") != "fp32-upcast":
-        pytest.skip(f"this CPU's path for {dtype} is {cpu.path_for(q, 'test')}, not fp32-upcast")
+    assert cpu.path_for(q, "test") == "fp32-upcast"
     if str(dtype).removeprefix("torch.") not in rowspan.kernel().low_dtypes():
         pytest.skip(f"the kernel was built without F16C here, so it does not read {dtype}")
     note = attnkit.explain(q, k, v, backend="blocked").notes["blocked"]
