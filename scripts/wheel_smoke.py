@@ -26,7 +26,7 @@ T0 = time.perf_counter()
 import torch  # noqa: E402
 
 import attnkit  # noqa: E402
-from attnkit.backends.blocked import decode, native, rowspan  # noqa: E402
+from attnkit.backends.blocked import decode, gather_native, native, rowspan  # noqa: E402
 
 COMPILERS = ("cc", "c++", "gcc", "g++", "clang", "clang++")
 CALLS: list[str] = []
@@ -144,6 +144,19 @@ def main() -> None:
     )
     e = (od.double() - reference(qs, ks, vs, 10**9)).abs().max().item()
     check(e < 1e-4, f"decode matches the float64 reference ({e:.1e})")
+    # the gather kernel (masks.selected_keys: each query's own k keys), prebuilt too
+    idx = torch.randint(0, 1024, (1, 1, 16), generator=torch.Generator().manual_seed(0))
+    og = attnkit.attention(qs, ks, vs, mask=attnkit.masks.selected_keys(idx))
+    gat = gather_native.kernel()
+    check(
+        gat is not None and gat.origin == native.PREBUILT, f"gather kernel {gat and gat.describe()}"
+    )
+    chosen = torch.zeros(1, 1, 1, 1024, dtype=torch.bool).scatter_(-1, idx[:, None], True)
+    kr, vr = (t.double().repeat_interleave(4, 1) for t in (ks, vs))  # (B, H, S, D)
+    s = (qs.double() @ kr.transpose(-1, -2)) * 64**-0.5
+    want = torch.softmax(s.masked_fill(~chosen, float("-inf")), -1) @ vr
+    e = (og.double() - want).abs().max().item()
+    check(e < 1e-4, f"gather matches the float64 reference ({e:.1e})")
     cache = os.environ.get("ATTNKIT_KERNEL_CACHE")
     check(
         cache is None or not os.path.exists(cache) or not os.listdir(cache),
