@@ -95,7 +95,7 @@ DECODE_ROWS: list[tuple[str, int, str, str]] = [
     ("prefill-dense", 4096, "float32", "fwd"),
     ("decode-gqa", 64, "float32", "fwd"),
 ]
-#: the ``bf16`` group (``-g bf16``, not in the default run; issue 34's rows): bfloat16 at model
+#: the ``bf16`` group (``-g bf16``, not in the default run): bfloat16 at model
 #: sizes against SDPA and compiled flex in bfloat16 and attnkit's own float32: dense 16 heads of
 #: 64 at 4096, causal GQA 32/8 of 128 at 4096, a causal window of 1024 with GQA 8/2 of 128 at
 #: 8192, a decode step (GQA 32/8 of 128, 4096 keys), causal 16x64 at 4096 and a window of 1024

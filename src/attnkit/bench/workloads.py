@@ -274,7 +274,7 @@ WORKLOADS: dict[str, Workload] = {
             peers=("sdpa", "attnkit", "attnkit-blocked"),
         ),
         Workload("module", "module row: causal self-attention, E=512, 8 heads", module=True),
-        # the bf16 group's (issue 34's rows: model-sized heads, torch's peers in bf16)
+        # the bf16 group's (model-sized heads, torch's peers in bf16)
         Workload("causal-16x64", "causal, 16 heads of 64", H=16, Hkv=16, peers=_BF16_PEERS),
         Workload(
             "gqa-128",

@@ -95,7 +95,9 @@ class Rule:
 _LP = "python benchmarks/low_precision.py --reps 5"
 _BENCH = "attnkit bench (docs/benchmarks.md)"
 _RULE_BENCH = "python benchmarks/cpu_rules.py"
-_ISSUE34 = "issue 34's table (ms, medians of 5 interleaved rounds, torch 2.13)"
+#: the rows measured on a host with AMX against SDPA, compiled flex and vLLM's CPU kernel, as a
+#: user calls them (the figures in docs/low_precision.md's table)
+_PEER_TABLE = "bf16/fp16 rows against SDPA, flex and vLLM (ms, medians of 5 interleaved rounds)"
 _ALL: frozenset[Kind] = frozenset(KINDS)
 
 #: every rule measured, one per (dtype, class); docs/low_precision.md has their tables
@@ -128,13 +130,13 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         torch.bfloat16, "amx-bf16", frozenset({"decode"}),
-        "Intel Xeon model 207 with amx_bf16, 2 threads", _ISSUE34,
+        "Intel Xeon model 207 with amx_bf16, 2 threads", _PEER_TABLE,
         "dense 0.28x, causal GQA 0.19x, causal training 0.67x, decode 1.89x SDPA bf16: "
         "torch's SDPA runs on AMX tiles, attnkit's kernel on AVX512-BF16 dot products",
     ),
     Rule(
         torch.float16, "avx512-fp16", frozenset(),
-        "Intel Xeon model 207 with avx512_fp16, no AMX-FP16, 2 threads", _ISSUE34,
+        "Intel Xeon model 207 with avx512_fp16, no AMX-FP16, 2 threads", _PEER_TABLE,
         "causal 0.81x SDPA fp16",
     ),
     Rule(

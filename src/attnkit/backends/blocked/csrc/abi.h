@@ -109,6 +109,13 @@ namespace attnkit_abi {
 // dtype codes of the C ABI (native.py's DTYPES): float32, bfloat16, float16; -1: anything else
 enum Code : int32_t { F32 = 0, BF16 = 1, F16 = 2 };
 
+// argument i of an entry's int64 array `a` as the pointer it carries (the Python side packs
+// each tensor's address as an int64)
+template <typename T = void>
+inline T* arg(const int64_t* a, int i) {
+  return reinterpret_cast<T*>(static_cast<intptr_t>(a[i]));
+}
+
 template <typename... Parts>
 inline std::string message(const Parts&... parts) {
   std::ostringstream out;

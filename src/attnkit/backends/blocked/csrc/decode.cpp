@@ -746,7 +746,6 @@ int32_t attnkit_low_dtypes() { return attnkit_abi::low_dtype_bits(); }
 int32_t attnkit_decode_forward(const int64_t* a, double scale) {
   bool finite = true;
   const int32_t rc = attnkit_abi::guarded([&] {
-    auto ptr = [&](int i) { return reinterpret_cast<void*>(static_cast<intptr_t>(a[i])); };
     const int64_t dtype = a[7], nthreads = a[8], lo_rows = a[9], lo_cols = a[10];
     const int64_t *qs = a + 11, *ks = a + 15, *kst = a + 19, *vs = a + 23, *vst = a + 27;
     const int64_t B = qs[0], H = qs[1], L = qs[2], Dk = qs[3];
@@ -762,17 +761,17 @@ int32_t attnkit_decode_forward(const int64_t* a, double scale) {
               "decode: lo/hi must be int64 (1 or B, L)");
     if (!(B * H * L > 0 && Dv > 0)) return;
     at::set_call_threads(nthreads);
-    const at::Tensor tq = at::view(ptr(0), {B, H, L, Dk});
-    at::Tensor tk = at::view(ptr(1), {B, Hkv, S, Dk});
-    at::Tensor tv = at::view(ptr(2), {B, Hkv, S, Dv});
+    const at::Tensor tq = at::view(attnkit_abi::arg(a, 0), {B, H, L, Dk});
+    at::Tensor tk = at::view(attnkit_abi::arg(a, 1), {B, Hkv, S, Dk});
+    at::Tensor tv = at::view(attnkit_abi::arg(a, 2), {B, Hkv, S, Dv});
     for (int d = 0; d < 4; ++d) {
       tk.st[d] = kst[d];
       tv.st[d] = vst[d];
     }
-    const at::Tensor tlo = at::view(ptr(3), {lo_rows, lo_cols});
-    const at::Tensor thi = at::view(ptr(4), {lo_rows, lo_cols});
-    at::Tensor to = at::view(ptr(5), {B, H, L, Dv});
-    at::Tensor tl = at::view(ptr(6), {B, H, L});
+    const at::Tensor tlo = at::view(attnkit_abi::arg(a, 3), {lo_rows, lo_cols});
+    const at::Tensor thi = at::view(attnkit_abi::arg(a, 4), {lo_rows, lo_cols});
+    at::Tensor to = at::view(attnkit_abi::arg(a, 5), {B, H, L, Dv});
+    at::Tensor tl = at::view(attnkit_abi::arg(a, 6), {B, H, L});
     using decode::Dt;
     switch (dtype) {
       case attnkit_abi::BF16:

@@ -26,14 +26,13 @@ int32_t attnkit_low_dtypes() { return 0; }  // float32 only
 int32_t attnkit_gather_forward(const int64_t* a, double scale) {
   int bad = 0;
   const int32_t rc = attnkit_abi::guarded([&] {
-    auto ptr = [&](int i) { return reinterpret_cast<void*>(static_cast<intptr_t>(a[i])); };
-    const float* q = static_cast<const float*>(ptr(0));
-    const float* k = static_cast<const float*>(ptr(1));
-    const float* v = static_cast<const float*>(ptr(2));
-    const int64_t* idx = static_cast<const int64_t*>(ptr(3));
-    const uint8_t* ok = static_cast<const uint8_t*>(ptr(4));
-    float* out = static_cast<float*>(ptr(5));
-    float* lse = static_cast<float*>(ptr(6));
+    const float* q = attnkit_abi::arg<const float>(a, 0);
+    const float* k = attnkit_abi::arg<const float>(a, 1);
+    const float* v = attnkit_abi::arg<const float>(a, 2);
+    const int64_t* idx = attnkit_abi::arg<const int64_t>(a, 3);
+    const uint8_t* ok = attnkit_abi::arg<const uint8_t>(a, 4);
+    float* out = attnkit_abi::arg<float>(a, 5);
+    float* lse = attnkit_abi::arg<float>(a, 6);
     const int64_t nthreads = a[7], B = a[8], H = a[9], L = a[10], Dk = a[11];
     const int64_t Hkv = a[12], Dv = a[14];
     const int64_t *qs = a + 15, *ks = a + 19, *vs = a + 23;
@@ -119,18 +118,17 @@ int32_t attnkit_gather_forward(const int64_t* a, double scale) {
 // idx heads (31), ok heads (32), k (33).
 int32_t attnkit_gather_backward(const int64_t* a, double scale) {
   return attnkit_abi::guarded([&] {
-    auto ptr = [&](int i) { return reinterpret_cast<void*>(static_cast<intptr_t>(a[i])); };
-    const float* q = static_cast<const float*>(ptr(0));
-    const float* k = static_cast<const float*>(ptr(1));
-    const float* v = static_cast<const float*>(ptr(2));
-    const int64_t* idx = static_cast<const int64_t*>(ptr(3));
-    const uint8_t* ok = static_cast<const uint8_t*>(ptr(4));
-    const float* out = static_cast<const float*>(ptr(5));
-    const float* dout = static_cast<const float*>(ptr(6));
-    const float* lse = static_cast<const float*>(ptr(7));
-    float* dq = static_cast<float*>(ptr(8));
-    float* dk = static_cast<float*>(ptr(9));
-    float* dv = static_cast<float*>(ptr(10));
+    const float* q = attnkit_abi::arg<const float>(a, 0);
+    const float* k = attnkit_abi::arg<const float>(a, 1);
+    const float* v = attnkit_abi::arg<const float>(a, 2);
+    const int64_t* idx = attnkit_abi::arg<const int64_t>(a, 3);
+    const uint8_t* ok = attnkit_abi::arg<const uint8_t>(a, 4);
+    const float* out = attnkit_abi::arg<const float>(a, 5);
+    const float* dout = attnkit_abi::arg<const float>(a, 6);
+    const float* lse = attnkit_abi::arg<const float>(a, 7);
+    float* dq = attnkit_abi::arg<float>(a, 8);
+    float* dk = attnkit_abi::arg<float>(a, 9);
+    float* dv = attnkit_abi::arg<float>(a, 10);
     const int64_t nthreads = a[11], B = a[12], H = a[13], L = a[14], Dk = a[15];
     const int64_t Hkv = a[16], S = a[17], Dv = a[18];
     const int64_t *qs = a + 19, *ks = a + 23, *vs = a + 27;
