@@ -163,9 +163,12 @@ class AttentionCall:
 
     @property
     def mask_needs_grad(self) -> bool:
-        """A float mask tensor that autograd will want a gradient of."""
-        t = self.mask_tensor
-        return t is not None and t.requires_grad and torch.is_grad_enabled()
+        """A float mask tensor that autograd will want a gradient of: the mask itself, or a
+        float mask inside a spec (``causal() & DenseMask(bias)``, a position bias that trains),
+        whose bias a backend that never forms the scores' gradient would silently drop."""
+        if self.mask is None or not self.mask.has_bias or not torch.is_grad_enabled():
+            return False
+        return any(t.requires_grad and t.is_floating_point() for t in self.mask.tensors())
 
     def _dense_key(self, dtype: torch.dtype | None) -> tuple[str, torch.dtype]:
         """Where :meth:`dense_mask` keeps its tensor for ``dtype``, and the dtype it means (a

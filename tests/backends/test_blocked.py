@@ -565,6 +565,10 @@ def test_a_tensor_key_sees_values_identity_and_version() -> None:
         ({"return_weights": True}, "never forms the attention weights"),
         ({"dropout_p": 0.1}, "no dropout"),
         ({"mask": torch.zeros(5, 5, dtype=torch.float64, requires_grad=True)}, "float mask"),
+        (  # a trainable float mask inside a spec: its gradient would be dropped silently
+            {"mask": masks.causal() & masks.DenseMask(torch.zeros(5, 5, requires_grad=True))},
+            "does not differentiate a float mask",
+        ),
     ],
 )
 def test_named_blocked_refuses_what_it_cannot_serve(
@@ -573,6 +577,34 @@ def test_named_blocked_refuses_what_it_cannot_serve(
     q = torch.randn(1, 2, 5, 8, dtype=torch.float64)
     with pytest.raises(AttentionInputError, match=f"backend 'blocked' cannot serve.*{message}"):
         attnkit.attention(q, q, q, backend="blocked", **kwargs)  # type: ignore[call-overload]
+
+
+def test_a_trainable_bias_inside_a_spec_gets_its_gradient_from_auto() -> None:
+    """``causal() & key_mask(keep) & DenseMask(bias)`` with a bias that trains (T5's relative
+    position bias through transformers): auto takes a backend that differentiates the bias,
+    and every gradient matches the float64 oracle."""
+    g = torch.Generator().manual_seed(3)
+    B, H, L, D = 2, 3, 1100, 8  # past auto's size rule for specs: blocked would take it
+    q, k, v = (torch.randn(B, H, L, D, generator=g, dtype=torch.float64) for _ in range(3))
+    bias = torch.randn(1, H, L, L, generator=g, dtype=torch.float64)
+    keep = torch.ones(B, L, dtype=torch.bool)
+    keep[0, 7:30] = False
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    spec = masks.causal() & masks.key_mask(keep) & masks.DenseMask(leaves[3])
+    assert attnkit.explain(*leaves[:3], mask=spec).chosen != "blocked"
+    out = attnkit.attention(*leaves[:3], mask=spec)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(out, leaves, dout)
+    allowed = torch.ones(L, L, dtype=torch.bool).tril() & keep[:, None, None, :]
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    scores = ref_leaves[0] @ ref_leaves[1].transpose(-1, -2) / math.sqrt(D) + ref_leaves[3]
+    ref = torch.softmax(scores.masked_fill(~allowed, -math.inf), -1) @ ref_leaves[2]
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dout)
+    assert (out - ref).abs().max() <= 1e-12
+    for name, got, want in zip("qkv", grads, ref_grads, strict=False):
+        assert (got - want).abs().max() <= 1e-12, name
+    assert grads[3].abs().sum() > 0  # the bias trains
+    assert (grads[3] - ref_grads[3]).abs().max() <= 1e-12
 
 
 def test_auto_takes_blocked_for_specs_and_explain_says_which_rule_fired() -> None:
