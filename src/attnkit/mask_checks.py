@@ -17,7 +17,7 @@ import torch
 
 from attnkit.call import Dims
 from attnkit.errors import DTYPE_NAMES, AttentionInputError, dtype_error, shape_str
-from attnkit.masks import MaskSpec
+from attnkit.masks import DenseMask, MaskSpec
 from attnkit.masks.selected import check_selected
 from attnkit.validate import can_read_values
 
@@ -70,6 +70,11 @@ def _check_spec(mask: MaskSpec, q: torch.Tensor, dims: Dims, where: str, key_sha
             expected=f"document ids / key_mask keep with one entry per key: {S}",
             fix=fix + " (with a KV cache, S counts the cached keys too)",
         )
+    if mask.from_tensor:  # a user's tensor as a spec, or inside one
+        for tensor in _mask_tensors(mask):  # checked as it would be on its own
+            _check_dtype_and_device(tensor, q, where)
+            if key_shards == 1:
+                _check_broadcast(tensor, dims, where)
     device = mask.device
     if device is not None and device != q.device:
         raise AttentionInputError(
@@ -80,6 +85,17 @@ def _check_spec(mask: MaskSpec, q: torch.Tensor, dims: Dims, where: str, key_sha
             expected="the spec's tensors on q's device",
             fix=f"build it from tensors on {str(q.device)!r}",
         )
+
+
+def _mask_tensors(spec: MaskSpec) -> list[torch.Tensor]:
+    """The users' mask tensors inside a composed spec (its :class:`DenseMask` parts)."""
+    if isinstance(spec, DenseMask):
+        return [spec.tensor]
+    found: list[torch.Tensor] = []
+    for part in vars(spec).values():
+        if isinstance(part, MaskSpec) and part.from_tensor:
+            found += _mask_tensors(part)
+    return found
 
 
 def check_mask(

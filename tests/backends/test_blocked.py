@@ -566,7 +566,10 @@ def test_a_tensor_key_sees_values_identity_and_version() -> None:
         ({"dropout_p": 0.1}, "no dropout"),
         ({"mask": torch.zeros(5, 5, dtype=torch.float64, requires_grad=True)}, "float mask"),
         (  # a trainable float mask inside a spec: its gradient would be dropped silently
-            {"mask": masks.causal() & masks.DenseMask(torch.zeros(5, 5, requires_grad=True))},
+            {
+                "mask": masks.causal()
+                & masks.DenseMask(torch.zeros(5, 5, dtype=torch.float64).requires_grad_())
+            },
             "does not differentiate a float mask",
         ),
     ],

@@ -439,7 +439,13 @@ def test_attention_function_without_a_mask_follows_is_causal_and_the_window() ->
 
 @pytest.mark.parametrize(
     ("kwarg", "value", "feature"),
-    [("position_bias", torch.zeros(1, 4, 6, 6), "a relative position bias (position_bias)")],
+    [
+        (
+            "block_indices",
+            torch.zeros(1, 4, 6, 1, dtype=torch.long),
+            "MiniMax-M3's block-sparse key selection (block_indices=...)",
+        )
+    ],
 )
 def test_attention_function_refuses_what_attnkit_does_not_compute(
     kwarg: str, value: object, feature: str

@@ -88,7 +88,6 @@ REFUSED = {
         torch.zeros(1, 2, 6, 1, dtype=torch.long),
         "MiniMax-M3's block-sparse key selection (block_indices=...)",
     ),
-    "position_bias": (torch.zeros(1, 4, 6, 6), "a relative position bias (position_bias)"),
     "sinks": (torch.zeros(1, 4, 6, 1), "per-token attention sinks (sinks=..."),
     "head_mask": (torch.ones(4), "a head mask (head_mask)"),
 }

@@ -345,6 +345,21 @@ def test_specs_with_a_bias_a_tensor_or_heads_draw_as_their_dense_form() -> None:
         assert lines[1:] == _rows_of_dense(spec), spec
 
 
+def test_a_spec_holding_a_tensor_draws_at_the_tensors_own_sizes() -> None:
+    bias = torch.zeros(1, 2, 7, 9)  # 7 queries, 9 keys: not the 8 x 8 of a spec without one
+    lines = str(masks.causal() & masks.as_spec(bias)).splitlines()
+    assert lines[0].endswith("drawn for L = 7, S = 9, its first 8 x 8 pairs (1 = may attend):")
+    assert lines[1:] == [  # end-aligned: query i sees keys 0 .. i + 2
+        "1 1 1 . . . . .",
+        "1 1 1 1 . . . .",
+        "1 1 1 1 1 . . .",
+        "1 1 1 1 1 1 . .",
+        "1 1 1 1 1 1 1 .",
+        "1 1 1 1 1 1 1 1",
+        "1 1 1 1 1 1 1 1",
+    ]
+
+
 def test_a_long_key_mask_draws_its_corner_without_the_whole_mask() -> None:
     # the whole mask would be 8 x 65536 x 65536 (34 GB with its index arithmetic): with a
     # 1 MiB memory limit, building it is refused, so the drawing must not build it

@@ -263,6 +263,35 @@ QKV_CASES = [
             "(L, S), (B, 1, L, S) or (B, H, L, S)",
         ),
     ),
+    param(  # a user's tensor inside a spec is checked as it is on its own
+        "mask-tensor-inside-a-spec-not-broadcastable",
+        Case(
+            lambda: attention(
+                *qkv(S=S),
+                mask=attnkit.masks.causal() & attnkit.masks.DenseMask(torch.zeros(L, S - 1)),
+            ),
+            "mask",
+            ("`mask` does not broadcast to (B, H, L, S)",),
+            (f"mask (L={L}, S={S - 1})", f"target (B={B}, H={H}, L={L}, S={S})"),
+            "each mask dim equal to the target's or 1",
+            "(L, S), (B, 1, L, S) or (B, H, L, S)",
+        ),
+    ),
+    param(
+        "mask-tensor-inside-a-spec-wrong-dtype",
+        Case(
+            lambda: attention(
+                *qkv(S=S),
+                mask=attnkit.masks.causal()
+                & attnkit.masks.DenseMask(torch.zeros(L, S, dtype=torch.float64)),
+            ),
+            "mask",
+            ("float `mask` has dtype torch.float64 but q has torch.float32",),
+            (f"mask (L={L}, S={S}) dtype=torch.float64",),
+            "a float mask of dtype torch.float32, or a bool mask",
+            "mask.to(torch.float32)",
+        ),
+    ),
     param(
         "mask-key-padding-shape",
         Case(

@@ -195,6 +195,40 @@ def _with_selected(
     return keys if mask is None else mask & keys
 
 
+def _with_bias(
+    module: nn.Module,
+    mask: MaskSpec | torch.Tensor | None,
+    causal_flag: bool,
+    bias: object,
+) -> MaskSpec | torch.Tensor:
+    """``mask`` and the causal rule (what :func:`_mask_and_causal` gave) and a relative position
+    bias added to the scores (T5's and Inkling's ``position_bias``, ``(B|1, H, L, S)``), as one
+    mask: eager's ``scores + position_bias + attention_mask``. Against a spec the bias is a
+    float mask inside it (``spec & DenseMask(bias)``), so a block-sparse backend still skips
+    the blocks the rule empties; where the bias trains, auto takes a backend that
+    differentiates it."""
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+        got = f"{type(bias).__name__}" + (
+            f" {tuple(bias.shape)} {bias.dtype}" if isinstance(bias, torch.Tensor) else ""
+        )
+        raise AttentionInputError(
+            f"attnkit.interop.hf_attention ({type(module).__name__})",
+            "position_bias",
+            "position_bias must be a float tensor (B|1, H, L, S), added to the scores",
+            got=f"position_bias={got}",
+            expected="a float tensor of the scores' shape, or one that broadcasts to it",
+            fix="pass the bias the model computed (its relative_attention_bias), or None",
+        )
+    if isinstance(mask, torch.Tensor):  # the whole rule, as a tensor (eager's order of sums)
+        if mask.dtype == torch.bool:
+            return bias.masked_fill(~mask, -math.inf)
+        return bias + mask
+    if causal_flag:
+        mask = causal() if mask is None else mask & causal()
+    dense = DenseMask(bias)
+    return dense if mask is None else mask & dense
+
+
 def attention_arguments(
     module: nn.Module,
     attention_mask: MaskSpec | torch.Tensor | None,
@@ -233,6 +267,9 @@ def attention_arguments(
     indices = kwargs.get("indices")
     if indices is not None:  # DSA: checked against the call's sizes by attnkit.attention
         mask, causal_flag = _with_selected(mask, causal_flag, indices, heads, sizes), False
+    bias = kwargs.get("position_bias")
+    if bias is not None:  # T5, Inkling: checked against the call's sizes by attnkit.attention
+        mask, causal_flag = _with_bias(module, mask, causal_flag, bias), False
     return {
         "mask": mask,
         "causal": causal_flag,
@@ -274,10 +311,12 @@ def hf_attention(
             eager returns them. ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (packed documents, one
             row) keep each query to its own document, and ``indices`` (DeepSeek-V3.2's DSA
             top-k keys, ``(B, L, k)``) to its selected keys
-            (:func:`attnkit.masks.selected_keys`, intersected with the mask). Arguments that
+            (:func:`attnkit.masks.selected_keys`, intersected with the mask);
+            ``position_bias`` (T5's and Inkling's relative position bias,
+            ``(B|1, H, L, S)``) is added to the scores. Arguments that
             cannot change the result (``position_ids``, ``use_cache``, ``max_length_q``, loss
             arguments such as ``shift_labels`` ...) are accepted; what attnkit does not
-            compute (``block_indices``, ``position_bias``, per-token ``sinks``,
+            compute (``block_indices``, per-token ``sinks``,
             ``head_mask``) and any unknown argument that is not ``None`` raise
             :class:`~attnkit.AttentionInputError`: the table is
             :data:`attnkit.interop.hf_kwargs.KWARGS`, with the rules of

@@ -203,11 +203,12 @@ KWARGS: dict[str, Kwarg] = {
         "MiniMax-M3-VL",
         "each query would attend to every key block, not the selected ones",
     ),
-    "position_bias": _refused(
-        "a relative position bias (position_bias)",
-        "T5, mT5, UMT5, LongT5, Switch, UDOP, Pix2Struct, Pop2Piano, LayoutLMv3, "
-        "SeamlessM4T, Inkling, ...",
-        "a bias added to the scores",
+    "position_bias": _computed(
+        "added to the scores as eager adds it (a float mask (B or 1, H, L, S) inside the mask's "
+        "spec: `spec & DenseMask(position_bias)`); where it trains, auto takes a backend that "
+        "differentiates it",
+        "T5, mT5, UMT5, LongT5, Switch, UDOP, Pix2Struct, Pop2Piano, LayoutLMv3, SeamlessM4T, "
+        "Inkling, ...",
     ),
     "sinks": _refused(
         "per-token attention sinks (sinks=..., one logit per query; attnkit's sinks are one "

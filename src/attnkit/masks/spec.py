@@ -75,27 +75,43 @@ class MaskSpec(SpecBase):
 
     def __str__(self) -> str:
         """The spec's repr and a drawing of its first 8 x 8 pairs, at L = S = 8 or, for a
-        spec built from a tensor of one entry per key, at L = S = that length. Only those
-        pairs are evaluated (batch row 0, head 0), never the whole ``L x S`` mask; a spec
-        holding a user's mask tensor draws the corner of its dense form."""
+        spec built from a tensor of one entry per key, at L = S = that length, or, for a spec
+        holding a user's mask tensor, at that tensor's own L and S. Only those pairs are
+        evaluated (batch row 0, head 0), never the whole ``L x S`` mask; a spec holding a
+        user's mask tensor draws the corner of its dense form."""
         n = 8 if self.length is None else self.length
         if self.selects_keys:  # drawn for the queries the indices list keys for
             n = min(n, _query_rows(self))
-        where = f"L = S = {n}" + ("" if n <= 8 else ", its first 8 x 8 pairs")
-        rows = [" ".join("1" if x else "." for x in row) for row in self._corner(n).tolist()]
+        nq, nk = _tensor_sizes(self, n) if self.from_tensor else (n, n)
+        sizes = f"L = S = {nq}" if nq == nk else f"L = {nq}, S = {nk}"
+        where = sizes + ("" if max(nq, nk) <= 8 else ", its first 8 x 8 pairs")
+        corner = self._corner(nq, nk)
+        rows = [" ".join("1" if x else "." for x in row) for row in corner.tolist()]
         return "\n".join([f"{self!r}, drawn for {where} (1 = may attend):", *rows])
 
-    def _corner(self, n: int) -> torch.Tensor:
-        """Which of the first (up to) 8 x 8 pairs of an ``n x n`` call batch row 0 and head 0
-        may attend, bool ``(min(n, 8), min(n, 8))``."""
+    def _corner(self, nq: int, nk: int) -> torch.Tensor:
+        """Which of the first (up to) 8 x 8 pairs of an ``nq x nk`` call batch row 0 and head 0
+        may attend, bool ``(min(nq, 8), min(nk, 8))``."""
         if self.from_tensor:  # the user's tensor is there already: its dense form, as it is
-            dense = self.to_dense(n, n)[0, 0, :8, :8]
+            dense = self.to_dense(nq, nk)[0, 0, :8, :8]
             return dense > float("-inf") if dense.is_floating_point() else dense
-        dev, m = self.device, min(n, 8)
+        dev, mq, mk = self.device, min(nq, 8), min(nk, 8)
         zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev)
-        idx = torch.arange(m, device=dev)
-        allowed = self.allowed(zero, zero, idx.view(1, 1, m, 1), idx.view(1, 1, 1, m), 0)
-        return allowed.expand(1, 1, m, m)[0, 0]
+        q, kv = torch.arange(mq, device=dev), torch.arange(mk, device=dev)
+        allowed = self.allowed(zero, zero, q.view(1, 1, mq, 1), kv.view(1, 1, 1, mk), 0)
+        return allowed.expand(1, 1, mq, mk)[0, 0]
+
+
+def _tensor_sizes(spec: SpecBase, n: int) -> tuple[int, int]:
+    """The query and key lengths of the first mask tensor inside ``spec`` (a ``DenseMask``'s
+    ``(B', H', L', S')``), ``n`` where it broadcasts over one (a size of 1)."""
+    m = getattr(spec, "m", None)
+    if isinstance(m, torch.Tensor) and m.dim() == 4:
+        return (m.shape[2] if m.shape[2] > 1 else n), (m.shape[3] if m.shape[3] > 1 else n)
+    for part in vars(spec).values():
+        if isinstance(part, SpecBase) and part.from_tensor:
+            return _tensor_sizes(part, n)
+    return n, n
 
 
 def _query_rows(spec: SpecBase) -> int:
