@@ -6,7 +6,9 @@ shrunk in place (2 layers, hidden 32, 4 heads of 8, 2 key/value heads, vocabular
 of 4, small experts and ranks: :data:`SHRINK`) and its ``AutoModelForCausalLM`` (else
 ``AutoModel``) is built twice with one state dict (weights drawn with std 0.3, so that attention
 matters). A batch of 2 rows of 9 token ids, the first left-padded by 3, runs through both with
-``output_attentions=True``. Each type gets one line, with what its layers' masks were
+``output_attentions=True`` (an encoder-decoder such as T5 gets the same ids as its
+``decoder_input_ids``, and its encoder, decoder and cross-attention maps are compared). Each
+type gets one line, with what its layers' masks were
 (:func:`mask_kind`: ``spec``, ``none``, ``dense rule``, ``tensor``):
 
 - ``match``: logits (or hidden states) within 1e-4 on real tokens, the same number of attention
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import inspect
 import json
 import signal
 import warnings
@@ -131,6 +134,16 @@ def _main_output(out: Any) -> torch.Tensor:
     return first
 
 
+def _maps(out: Any) -> tuple[torch.Tensor, ...]:
+    """The attention maps of a model's output: ``attentions``, or an encoder-decoder's encoder,
+    decoder and cross-attention maps."""
+    names = ("attentions", "encoder_attentions", "decoder_attentions", "cross_attentions")
+    maps: tuple[torch.Tensor, ...] = ()
+    for name in names:
+        maps += tuple(getattr(out, name, None) or ())
+    return maps
+
+
 def _gap(a: torch.Tensor, b: torch.Tensor, real: torch.Tensor) -> float:
     """max |a - b| over real tokens (rows of ``real`` (B, T)) where the shapes allow it."""
     if a.shape != b.shape:
@@ -167,21 +180,23 @@ def run_type(transformers: Any, model_type: str) -> tuple[str, str]:
         ids = torch.randint(3, vocab, (B, T), generator=torch.Generator().manual_seed(1))
         mask = torch.ones(B, T, dtype=torch.long)
         mask[0, :PAD] = 0
+        inputs = {"input_ids": ids, "attention_mask": mask, "output_attentions": True}
+        if "decoder_input_ids" in inspect.signature(ref.forward).parameters:
+            inputs["decoder_input_ids"] = ids  # an encoder-decoder (T5): the decoder reads ids too
         with torch.no_grad():
-            expected = ref(input_ids=ids, attention_mask=mask, output_attentions=True)
+            expected = ref(**inputs)
     except Exception as e:  # the shrunk model does not run on eager: not attnkit's to judge
         return "skip", f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
     try:
         with torch.no_grad():
-            got = ours(input_ids=ids, attention_mask=mask, output_attentions=True)
+            got = ours(**inputs)
     except AttentionInputError as e:
         return "refused", str(e).splitlines()[0][:160]
     except Exception as e:
         return "DIFFER", f"eager ran, attnkit raised {type(e).__name__}: {str(e)[:100]}"
     real = mask.bool()
     gap = _gap(_main_output(got), _main_output(expected), real)
-    theirs, mine = getattr(expected, "attentions", None) or (), getattr(got, "attentions", None)
-    mine = mine or ()
+    theirs, mine = _maps(expected), _maps(got)
     weights = 0.0
     if len(mine) == len(theirs):
         for a, b in zip(mine, theirs, strict=True):
