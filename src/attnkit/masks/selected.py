@@ -137,9 +137,12 @@ class SelectedKeys(MaskSpec):
         number of query heads than ``heads``, or an index ``>= S`` or ``< -1``."""
         t = self.indices
         names = _DIMS3 if t.dim() == 3 else _DIMS4
-        got = f"{tensor_got('indices', t, names)}  q (B={B}, H={H}, L={L})  k (Hkv={Hkv}, S={S})"
 
         def fail(problem: str, expected: str, fix: str) -> None:
+            # the sizes are formatted only here: formatting a symbolic size while
+            # torch.compile traces fixes it, and the graph would be compiled again per size
+            sizes = f"q (B={B}, H={H}, L={L})  k (Hkv={Hkv}, S={S})"
+            got = f"{tensor_got('indices', t, names)}  {sizes}"
             raise AttentionInputError(where, "mask", problem, got=got, expected=expected, fix=fix)
 
         if self.batch != B:

@@ -66,10 +66,10 @@ class GatherPlan:
         output); the torch operations do not (the dispatcher's rule sums first)."""
         return self.native
 
-    #: what runs a compiled call (the custom op plans blocks; it has no gather plan)
+    #: what runs a compiled call (the custom op plans it again when it runs: this kernel)
     under_compile = (
-        "under torch.compile it runs as one custom op (attnkit::blocked_attention) on the "
-        "tiles, which evaluate the selected keys block by block (L x S work), not this kernel"
+        "under torch.compile the same kernel, forward and backward, inside one custom op "
+        "(attnkit::blocked_attention)"
     )
 
     def forward(
