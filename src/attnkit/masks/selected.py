@@ -9,7 +9,8 @@ to exactly the keys listed in ``indices[b, q]`` (``(B, L, k)``, every head) or
 meaning is eager's: the indices scattered into an ``L x S`` bool mask, so a key listed twice
 counts once, and ANDed with every other rule of the spec (``causal() & selected_keys(i)``).
 Queries are the call's own rows (the spec holds one row of indices per query: ``L`` must be the
-call's query length); keys are absolute indices ``0 .. S - 1``.
+call's query length; in ring attention the whole sequence's); keys are absolute indices
+``0 .. S - 1``.
 
 The spec never builds ``L x S`` for its key, repr or explain line: its cache key is the index
 tensor's identity, version, dtype and shape (an index tensor is new at every decode step; its
@@ -30,9 +31,9 @@ import torch
 
 from attnkit.errors import AttentionInputError, is_int_tensor, tensor_got
 from attnkit.masks.base import SpecBase, spec_error
-from attnkit.masks.spec import MaskSpec
+from attnkit.masks.spec import MaskSpec, _And
 
-__all__ = ["SelectedKeys", "check_selected", "find_selected", "selected_keys"]
+__all__ = ["SelectedKeys", "check_selected", "find_selected", "select_heads", "selected_keys"]
 
 _DIMS3 = ("B", "L", "k")
 _DIMS4 = ("B", "Hkv", "L", "k")
@@ -69,6 +70,15 @@ class SelectedKeys(MaskSpec):
     def group(self) -> int:
         """Query heads per key/value head of the indices (1 for ``(B, L, k)`` indices)."""
         return 1 if self.heads is None else max(self.heads // self.kv_heads, 1)
+
+    def select_heads(self, start: int, stop: int) -> MaskSpec:
+        """Query heads ``start .. stop - 1``: where they are whole groups of a key/value head,
+        the selected keys of those key/value heads (the indices sliced: the gather kernel runs
+        it), else a slice of the spec (see :meth:`MaskSpec.select_heads`)."""
+        g = self.group
+        if self.heads is None or start % g or stop % g or not 0 <= start < stop <= self.heads:
+            return super().select_heads(start, stop)
+        return SelectedKeys(self.ind[:, start // g : stop // g], stop - start)
 
     def key(self) -> Hashable:
         t = self.indices
@@ -238,6 +248,16 @@ def selected_keys(indices: torch.Tensor, *, heads: int | None = None) -> MaskSpe
             fix="pass the call's number of query heads, q.shape[1]",
         )
     return SelectedKeys(indices, heads)
+
+
+def select_heads(spec: MaskSpec, start: int, stop: int) -> MaskSpec:
+    """``spec.select_heads(start, stop)`` with the ``&`` of a spec that selects keys taken
+    apart, so that its :class:`SelectedKeys` slices its own indices
+    (:meth:`SelectedKeys.select_heads`) and the gather kernel still sees selected keys joined
+    by ``&`` (ring attention's passes of a group of heads)."""
+    if isinstance(spec, _And) and spec.selects_keys:
+        return select_heads(spec.a, start, stop) & select_heads(spec.b, start, stop)
+    return spec.select_heads(start, stop)
 
 
 def _parts(spec: SpecBase) -> Iterator[SpecBase]:
