@@ -352,3 +352,20 @@ def test_select_heads_slices_the_indices_of_whole_groups() -> None:
     odd = select_heads(spec, 1, 3)
     assert gather.plan(odd, None, 5, 9) is None  # the tiles run a slice of a group
     assert torch.equal(odd.to_dense(5, 9), spec.to_dense(5, 9)[:, 1:3])
+
+
+@pytest.mark.parametrize("slices", [0, 1, 3, 40])
+def test_native_backward_in_slices_of_rows_matches_oracle(
+    slices: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C++ backward split into slices of query rows per key/value head (each adding into
+    dK/dV rows of its own, summed after): one key/value head, keys selected by many rows (the
+    adds of different slices land on the same dK/dV rows); more slices than rows included."""
+    if gather_native.kernel() is None:
+        pytest.skip(f"the C++ gather kernel is not built here: {gather_native._gather.reason}")
+    monkeypatch.setattr(gather_native, "ROW_SLICES", slices)
+    gen = torch.Generator().manual_seed(slices)
+    q, k, v = (torch.randn(1, h, n, 8, generator=gen) for h, n in ((3, 37), (1, 6), (1, 6)))
+    ind = torch.randint(-1, 6, (1, 37, 5), generator=gen)
+    spec = masks.causal() & masks.selected_keys(ind)
+    _check(q, k, v, spec, _scatter(ind, 6, 3) & masks.causal().to_dense(37, 6))

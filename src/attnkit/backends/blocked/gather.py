@@ -9,7 +9,8 @@ Two paths, one plan (:class:`GatherPlan`, a :class:`~attnkit.backends.blocked.ke
 KernelPlan`). Where the kernels see float32 on the CPU and the C++ build loads
 (:mod:`~attnkit.backends.blocked.gather_native`, ``csrc/gather.cpp``), the forward and the
 backward run there: the selected K and V rows read in place, one task per (batch row,
-key/value head, query row) forward and per (batch row, key/value head) backward; the forward
+key/value head, query row) forward and per (batch row, key/value head, slice of query rows)
+backward (each slice adds into dK/dV rows of its own, summed after); the forward
 reports NaN/inf itself. Here, for the other dtypes and devices and where the build does not
 load, the same in torch operations: the query rows go in chunks of ``c`` rows; each chunk
 gathers its rows' selected K and V rows (``(B, Hkv, c, k, D)``, bounded by
@@ -220,8 +221,8 @@ def describe(p: GatherPlan, L: int, S: int, dtype: torch.dtype) -> str:
 
     lib = gather_native.kernel() if p.native and dtype == torch.float32 else None
     how = (
-        "forward and backward in C++ (float32; the backward one task per batch row and key/value "
-        "head, which owns its dK/dV rows)"
+        "forward and backward in C++ (float32; the backward parallel over batch rows, "
+        "key/value heads and slices of query rows, each slice adding into dK/dV rows of its own)"
         if lib is not None
         else "forward and backward in chunks of query rows in torch operations"
     )
