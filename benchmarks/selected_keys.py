@@ -161,26 +161,29 @@ def _backward(
     first 1024 queries and keys."""
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     times: dict[int, list[float]] = {1: [], 0: []}
+    cpu: dict[int, list[float]] = {1: [], 0: []}
     grads: dict[int, list[torch.Tensor]] = {}
     for rep in range(reps + 1):  # the first round warms up, untimed
         for slices in times:
             gather_native.ROW_SLICES = slices
             out = attnkit.attention(qg, kg, vg, mask=spec)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             torch.autograd.backward(out.sum())
             if rep:
                 times[slices].append(time.perf_counter() - t0)
+                cpu[slices].append(time.process_time() - c0)
             grads[slices] = [t.grad.clone() for t in (qg, kg, vg)]  # type: ignore[union-attr]
             for t in (qg, kg, vg):
                 t.grad = None
     gather_native.ROW_SLICES = 0
     diff = max((a - b).abs().max().item() for a, b in zip(grads[0], grads[1], strict=True))
     one, split = (statistics.median(times[n]) for n in (1, 0))
-    print(f"| attnkit backward, parallel over B x Hkv only | {one:.3f} | 1.00x | |")
-    print(
-        f"| attnkit backward, slices of query rows (default) | {split:.3f} | "
-        f"{one / split:.2f}x | (grads differ by {diff:.1e}) |"
-    )
+    busy = {n: statistics.median(c / w for c, w in zip(cpu[n], times[n], strict=True)) for n in cpu}
+    print("| backward | s | vs B x Hkv only | CPU s per wall s (threads busy) |")
+    print("|---|---|---|---|")
+    print(f"| parallel over B x Hkv only | {one:.3f} | 1.00x | {busy[1]:.2f} |")
+    print(f"| slices of query rows (default) | {split:.3f} | {one / split:.2f}x | {busy[0]:.2f} |")
+    print(f"(the two backwards' gradients differ by {diff:.1e}: the order of the float32 sums)")
     n = 1024
     small = masks.causal() & masks.selected_keys(ind[:, :n].clamp(max=n - 1))
     a = [x[:, :, :n].detach().clone().requires_grad_() for x in (q, k, v)]

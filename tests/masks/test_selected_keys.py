@@ -369,3 +369,24 @@ def test_native_backward_in_slices_of_rows_matches_oracle(
     ind = torch.randint(-1, 6, (1, 37, 5), generator=gen)
     spec = masks.causal() & masks.selected_keys(ind)
     _check(q, k, v, spec, _scatter(ind, 6, 3) & masks.causal().to_dense(37, 6))
+
+
+def test_a_shard_of_ring_attention_wants_the_whole_sequences_indices() -> None:
+    """Ring attention checks the indices against the whole sequence (its shards' queries and
+    keys): one shard's rows are refused with a message that says so."""
+    from attnkit.call import Dims
+    from attnkit.mask_checks import check_mask
+
+    q = torch.randn(1, 2, 4, 8)  # a shard of 4 of the 8 queries, over 2 ranks
+    dims = Dims(B=1, H=2, Hkv=2, L=4, S=4, Dk=8, Dv=8)
+    whole = masks.selected_keys(torch.randint(-1, 8, (1, 8, 3)))
+    check_mask(whole, q, dims, where="ring", key_shards=2)  # the whole sequence's: accepted
+    with pytest.raises(attnkit.AttentionInputError) as e:
+        check_mask(masks.selected_keys(torch.zeros(1, 4, 3, dtype=torch.long)), q, dims,
+                   where="ring", key_shards=2)  # fmt: skip
+    assert e.value.argument == "mask"
+    msg = str(e.value)
+    assert "for 4 queries but the sequence has L=8 (2 shards of 4 queries)" in msg
+    assert "indices (B=1, L=4, k=3)" in msg
+    assert "one row per query of the whole sequence" in msg
+    assert "not this shard's rows" in msg

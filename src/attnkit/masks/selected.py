@@ -141,10 +141,14 @@ class SelectedKeys(MaskSpec):
                 lines.append(f"  ... {self.rows - 8} more queries")
         return "\n".join(lines)
 
-    def check_call(self, L: int, S: int, H: int, Hkv: int, B: int, where: str) -> None:
+    def check_call(
+        self, L: int, S: int, H: int, Hkv: int, B: int, where: str, shards: int = 1
+    ) -> None:
         """Refuse, with :class:`~attnkit.AttentionInputError`, indices that do not fit a call
         of these sizes: another batch size, query length or key/value head count, another
-        number of query heads than ``heads``, or an index ``>= S`` or ``< -1``."""
+        number of query heads than ``heads``, or an index ``>= S`` or ``< -1``. ``shards``:
+        the call is one of that many shards of the sequence (ring attention; ``L`` and ``S``
+        are the whole sequence's)."""
         t = self.indices
         names = _DIMS3 if t.dim() == 3 else _DIMS4
 
@@ -160,6 +164,14 @@ class SelectedKeys(MaskSpec):
                 f"selected_keys' indices are for a batch of {self.batch} but q has B={B}.",
                 f"indices with B={B}",
                 "pass the indices of this batch",
+            )
+        if self.rows != L and shards > 1:
+            fail(
+                f"selected_keys' indices list keys for {self.rows} queries but the sequence has "
+                f"L={L} ({shards} shards of {L // shards} queries).",
+                f"indices with L={L}: one row per query of the whole sequence, in its order",
+                "pass the same indices of the whole sequence on every rank, not this shard's "
+                "rows (ring attention picks each chunk's rows)",
             )
         if self.rows != L:
             fail(
@@ -274,11 +286,13 @@ def find_selected(spec: SpecBase | None) -> SelectedKeys | None:
     return next((p for p in _parts(spec) if isinstance(p, SelectedKeys)), None)
 
 
-def check_selected(spec: SpecBase, B: int, H: int, Hkv: int, L: int, S: int, where: str) -> None:
+def check_selected(
+    spec: SpecBase, B: int, H: int, Hkv: int, L: int, S: int, where: str, shards: int = 1
+) -> None:
     """:meth:`SelectedKeys.check_call` of every selected-keys part of ``spec`` for a call of
-    these sizes (``S``: every key of the sequence)."""
+    these sizes (``L``, ``S``: every query and key of the sequence, over ``shards`` shards)."""
     if not spec.selects_keys:
         return
     for p in _parts(spec):
         if isinstance(p, SelectedKeys):
-            p.check_call(L, S, H, Hkv, B, where)
+            p.check_call(L, S, H, Hkv, B, where, shards)
