@@ -198,3 +198,29 @@ def test_out_of_range_indices_are_refused_when_the_op_runs() -> None:
     assert "indices (B=2, L=8, k=3)" in msg
     assert "outside the 8 keys of k" in msg
     assert "-1 <= indices < S=8" in msg
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_to_dense_traces_in_one_graph(per_head: bool) -> None:
+    """The scattered mask built inside a compiled function (what the HF path does where
+    transformers hands a dense mask): the same bools as eager, duplicates and -1 included, and
+    ``allowed`` at keys that are no ``arange`` (a key asked past the last, -1), fullgraph."""
+
+    def dense(ind: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        spec = masks.selected_keys(ind, heads=4 if per_head else None)
+        b, h = torch.arange(2).view(2, 1, 1, 1), torch.arange(4).view(1, 4, 1, 1)
+        q = torch.arange(5).view(1, 1, 5, 1)
+        return spec.to_dense(5, 9), spec.allowed(b, h, q, kv, 4)
+
+    gen = torch.Generator().manual_seed(9)
+    ind = torch.randint(-1, 9, (2, 2, 5, 3) if per_head else (2, 5, 3), generator=gen)
+    ind[..., 0, 1] = ind[..., 0, 0]
+    kv = torch.tensor([3, -1, 12, 0, 8]).view(1, 1, 1, 5)
+    compiled = torch.compile(dense, fullgraph=True, backend="aot_eager")
+    for a, b in zip(compiled(ind, kv), dense(ind, kv), strict=True):
+        assert a.dtype == torch.bool
+        assert torch.equal(a, b)
+    got = dense(ind, kv)[0]  # (2, 4 | 1, 5, 9)
+    for head in range(got.shape[1]):  # eager's meaning: each head's indices scattered
+        rows = ind[:, head // 2] if per_head else ind
+        assert torch.equal(got[:, head], _scatter(rows, 9)[:, 0])

@@ -99,6 +99,8 @@ class SelectedKeys(MaskSpec):
         lead = _broadcast(b, h, q)
         if self.topk == 0 or 0 in shape:
             return torch.zeros(shape, dtype=torch.bool, device=kv.device)
+        if lead[-1] == 1 and torch.compiler.is_compiling():  # no size read from a value
+            return self._searched(b, h, q, kv, shape)
         n = int(kv.max()) + 1 if kv.numel() else 0
         if lead[-1] != 1 or shape[-1] * self.topk < n:
             # pairs, or a few keys far apart (the non-finite rule's bad columns): compare each
@@ -112,6 +114,23 @@ class SelectedKeys(MaskSpec):
         table[..., n] = False
         idx = torch.where(kv < 0, n, kv).expand(shape)
         return table.expand((*shape[:-1], n + 1)).gather(-1, idx)
+
+    def _searched(
+        self,
+        b: torch.Tensor,
+        h: torch.Tensor,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        shape: tuple[int, ...],
+    ) -> torch.Tensor:
+        """:meth:`allowed` for one row of keys per ``(b, h, q)`` while torch.compile traces: a
+        binary search of each row's sorted keys (the table of the eager path is sized by the
+        largest key asked, a value a trace cannot read without a graph break)."""
+        rows = self._rows(b[..., 0], h[..., 0], q[..., 0]).sort(-1).values  # (..., k)
+        keys = kv.expand(shape).contiguous()  # (..., n)
+        rows = rows.expand((*shape[:-1], self.topk)).contiguous()
+        at = torch.searchsorted(rows, keys).clamp(max=self.topk - 1)
+        return (rows.gather(-1, at) == keys) & (keys >= 0)
 
     def block_bounds(self, q_lo, q_hi, k_lo, k_hi, off):  # type: ignore[no-untyped-def]
         # conservative: any block may hold a selected key, none is known full (the gather
