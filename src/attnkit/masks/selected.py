@@ -285,7 +285,13 @@ def select_heads(spec: MaskSpec, start: int, stop: int) -> MaskSpec:
     """``spec.select_heads(start, stop)`` with the ``&`` of a spec that selects keys taken
     apart, so that its :class:`SelectedKeys` slices its own indices
     (:meth:`SelectedKeys.select_heads`) and the gather kernel still sees selected keys joined
-    by ``&`` (ring attention's passes of a group of heads)."""
+    by ``&`` (ring attention's passes of a group of heads).
+
+    >>> from attnkit.masks import causal
+    >>> idx = torch.tensor([[[[0]], [[1]]]])  # B=1, Hkv=2, L=1, k=1
+    >>> select_heads(causal() & selected_keys(idx, heads=4), 2, 4)  # key/value head 1
+    causal() & selected_keys(<(B=1, Hkv=1, L=1, k=1) int64>)
+    """
     if isinstance(spec, _And) and spec.selects_keys:
         return select_heads(spec.a, start, stop) & select_heads(spec.b, start, stop)
     return spec.select_heads(start, stop)

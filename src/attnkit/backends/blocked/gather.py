@@ -200,7 +200,14 @@ def block_plan(
     against the keys at ``keys = (start, length)``, with ``off = S_total - L_total``. The
     block's indices are the spec's rows of its queries with every key outside the block's
     made ``-1`` and the others counted from the block's first key; the spec's other rules
-    see global positions. ``None`` where :func:`plan` would be."""
+    see global positions. ``None`` where :func:`plan` would be.
+
+    >>> from attnkit.masks import selected_keys
+    >>> idx = torch.tensor([[[0, 5], [2, 6], [7, -1]]])  # B=1, L=3, k=2
+    >>> p = block_plan(selected_keys(idx), None, rows=(1, 2), keys=(4, 4), off=5)
+    >>> p.selected.ind[0, 0].tolist()  # rows 1 and 2; keys 4..7 counted from 4
+    [[-1, 2], [3, -1]]
+    """
     parts = _parts(spec, softcap)
     if parts is None:
         return None
