@@ -10,11 +10,14 @@ bool mask. Each figure is the median of ``--reps`` timed runs after a warm-up, i
 process's peak resident memory over each side's first call (ru_maxrss; attnkit runs first), the
 dense mask's own size beside it. The outputs are compared (max abs difference).
 
-``--backward`` adds attnkit's forward + backward time (its gradients against SDPA's at
-``--check-L`` = 1024, where SDPA's backward through the dense mask is quick).
+``--backward`` adds attnkit's backward time, the C++ backward in slices of query rows per
+key/value head (the default) beside the same kernel parallel over batch rows and key/value heads
+only, and its gradients against SDPA's at L = S = 1024 (where SDPA's backward through the dense
+mask is quick). ``--kv-heads 1`` (or 2) is the case the slices are for: fewer key/value heads
+than threads.
 
     python benchmarks/selected_keys.py [--L 8192] [--k 256] [--heads 16] [--dim 128] [--reps 3]
-                                      [--backward]
+                                      [--kv-heads 16] [--backward]
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch.nn.functional as F
 
 import attnkit
 from attnkit import masks
+from attnkit.backends.blocked import gather_native
 
 
 def _peak_mib() -> float:
@@ -150,25 +154,47 @@ def _backward(
     ind: torch.Tensor,
     reps: int,
 ) -> None:
-    """attnkit's forward + backward time at the full size, and its gradients against SDPA's
-    (through the scattered mask) on the first 1024 queries and keys."""
+    """attnkit's backward time at the full size, the C++ backward split into slices of query
+    rows per key/value head (the default, ``gather_native.ROW_SLICES = 0``) against the same
+    kernel parallel over batch rows and key/value heads only (``ROW_SLICES = 1``, what it was
+    before), interleaved; and its gradients against SDPA's (through the scattered mask) on the
+    first 1024 queries and keys."""
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-
-    def step() -> torch.Tensor:
-        out = attnkit.attention(qg, kg, vg, mask=spec)
-        torch.autograd.backward(out.sum())
-        return out
-
-    t = _time({"attnkit": step}, reps)["attnkit"]
+    times: dict[int, list[float]] = {1: [], 0: []}
+    cpu: dict[int, list[float]] = {1: [], 0: []}
+    grads: dict[int, list[torch.Tensor]] = {}
+    for rep in range(reps + 1):  # the first round warms up, untimed
+        for slices in times:
+            gather_native.ROW_SLICES = slices
+            out = attnkit.attention(qg, kg, vg, mask=spec)
+            t0, c0 = time.perf_counter(), time.process_time()
+            torch.autograd.backward(out.sum())
+            if rep:
+                times[slices].append(time.perf_counter() - t0)
+                cpu[slices].append(time.process_time() - c0)
+            grads[slices] = [t.grad.clone() for t in (qg, kg, vg)]  # type: ignore[union-attr]
+            for t in (qg, kg, vg):
+                t.grad = None
+    gather_native.ROW_SLICES = 0
+    diff = max((a - b).abs().max().item() for a, b in zip(grads[0], grads[1], strict=True))
+    one, split = (statistics.median(times[n]) for n in (1, 0))
+    busy = {n: statistics.median(c / w for c, w in zip(cpu[n], times[n], strict=True)) for n in cpu}
+    print("| backward | s | vs B x Hkv only | CPU s per wall s (threads busy) |")
+    print("|---|---|---|---|")
+    print(f"| parallel over B x Hkv only | {one:.3f} | 1.00x | {busy[1]:.2f} |")
+    print(f"| slices of query rows (default) | {split:.3f} | {one / split:.2f}x | {busy[0]:.2f} |")
+    print(f"(the two backwards' gradients differ by {diff:.1e}: the order of the float32 sums)")
     n = 1024
     small = masks.causal() & masks.selected_keys(ind[:, :n].clamp(max=n - 1))
     a = [x[:, :, :n].detach().clone().requires_grad_() for x in (q, k, v)]
     b = [x.detach().clone().requires_grad_() for x in a]
     torch.autograd.backward(attnkit.attention(a[0], a[1], a[2], mask=small).sum())
     dense = small.to_dense(n, n)
-    torch.autograd.backward(F.scaled_dot_product_attention(b[0], b[1], b[2], attn_mask=dense).sum())
+    gqa = k.shape[1] != q.shape[1]
+    sdpa = F.scaled_dot_product_attention(b[0], b[1], b[2], attn_mask=dense, enable_gqa=gqa)
+    torch.autograd.backward(sdpa.sum())
     err = max((x.grad - y.grad).abs().max().item() for x, y in zip(a, b, strict=True))  # type: ignore[operator]
-    print(f"| attnkit forward + backward | {t:.3f} | (grads vs sdpa at L=S={n}: {err:.1e}) | |")
+    print(f"(attnkit's gradients vs sdpa's at L=S={n}: {err:.1e})")
 
 
 def _decode(S: int, H: int, Hkv: int, D: int, k: int, reps: int) -> None:

@@ -49,8 +49,10 @@ def _built_for_error(mask: MaskSpec, dims: Dims, dim: str, where: str) -> Attent
 
 
 def _check_spec(mask: MaskSpec, q: torch.Tensor, dims: Dims, where: str, key_shards: int) -> None:
-    if mask.selects_keys:  # its own words: indices against B, L, Hkv, H and S
-        check_selected(mask, dims.B, dims.H, dims.Hkv, dims.L, dims.S * key_shards, where)
+    if mask.selects_keys:  # its own words: indices against B, L, Hkv, H and S (ring
+        # attention shards queries as it shards keys: the indices list the whole sequence's)
+        L, S = dims.L * key_shards, dims.S * key_shards
+        check_selected(mask, dims.B, dims.H, dims.Hkv, L, S, where, key_shards)
     if mask.batch is not None and mask.batch != dims.B:
         raise _built_for_error(mask, dims, "B", where)
     if mask.heads is not None and mask.heads != dims.H:

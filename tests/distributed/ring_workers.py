@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the 
 import attnkit
 import attnkit.distributed as akd
 from attnkit import masks
+from attnkit.backends.blocked import gather
 from attnkit.modules.positions import alibi
 from oracle import reference_attention
 
@@ -71,6 +72,16 @@ def _window_padding(L: int, S: int) -> masks.MaskSpec:
     return _padding(L, S) & masks.sliding_window(7)
 
 
+def _selected(L: int, S: int, per_head: int | None = None, k: int = 6) -> masks.MaskSpec:
+    """DeepSeek's top-k keys over the whole sequence: global key positions, one row per global
+    query; -1 entries and a duplicate in row 0."""
+    gen = torch.Generator().manual_seed(L * 1000 + S)
+    shape = (2, L, k) if per_head is None else (2, per_head, L, k)
+    ind = torch.randint(-1, S, shape, generator=gen)
+    ind[..., 0, 1] = ind[..., 0, 0]
+    return masks.selected_keys(ind, heads=None if per_head is None else 2 * per_head)
+
+
 CASES = [
     Case("dense", 8, 8),
     Case("causal", 8, 8, causal=True),
@@ -94,7 +105,36 @@ CASES = [
         Hkv=4,
         kv_heads_per_pass=1,
     ),
+    # selected keys (indices: global key positions, rows: global queries): each pair runs the
+    # gather kernel on its chunk's rows, with the entries in its key chunk
+    Case("selected", 8, 8, mask=_selected),
+    Case("selected_causal", 8, 8, causal=True, mask=lambda L, S: _selected(L, S, k=9)),
+    Case("selected_cross_lengths", 4, 6, mask=lambda L, S: _padding(L, S) & _selected(L, S)),
+    Case(
+        "selected_per_head_headwise",
+        8,
+        8,
+        causal=True,
+        mask=lambda L, S: _selected(L, S, per_head=2),
+        kv_heads_per_pass=1,
+    ),
 ]
+
+
+#: calls of the gather kernel (selected keys) in this process, by direction
+GATHER_CALLS = {"forward": 0, "backward": 0}
+
+
+def _counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any) -> Any:
+        GATHER_CALLS[name] += 1
+        return fn(*args)
+
+    return run
+
+
+gather.forward = _counted("forward", gather.forward)  # type: ignore[assignment]
+gather.backward = _counted("backward", gather.backward)  # type: ignore[assignment]
 
 
 def _errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> list[float]:
@@ -118,6 +158,7 @@ def run_case(case: Case, dtype: torch.dtype, world: int) -> dict[str, Any]:
     parts = [
         akd.shard(t.to(dtype), causal=case.causal).detach().requires_grad_() for t in (q, k, v)
     ]
+    before = dict(GATHER_CALLS)
     with akd.profile() as prof:
         out = akd.ring_attention(
             *parts, mask=spec, causal=case.causal, kv_heads_per_pass=case.kv_heads_per_pass
@@ -130,6 +171,7 @@ def run_case(case: Case, dtype: torch.dtype, world: int) -> dict[str, Any]:
         "pairs": prof.total("pairs", "forward"),
         "skipped": prof.total("skipped", "forward"),
         "passes": len({s.part for s in prof.steps}),
+        "gather_calls": {name: n - before[name] for name, n in GATHER_CALLS.items()},
     }
     if dtype == torch.float64:  # also against the independent float64 oracle
         dense = None if spec is None else spec.to_dense(L, S)

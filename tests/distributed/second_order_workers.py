@@ -35,7 +35,15 @@ CASES: dict[str, tuple[bool, Callable[[int, int], masks.MaskSpec | None], int, i
         2,
         2,
     ),
+    # per key/value head top-k keys (global positions): the recomputed mask differs by head
+    "selected_per_head": (True, lambda L, S: _selected(L, S), 4, 2),
 }
+
+
+def _selected(L: int, S: int) -> masks.MaskSpec:
+    ind = torch.randint(-1, S, (1, 2, L, 2), generator=torch.Generator().manual_seed(L))
+    ind[:, 1, :, 0] = torch.arange(L)  # head 1's rows see their own key at least
+    return masks.selected_keys(ind, heads=4)
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -107,6 +107,19 @@ def test_zigzag_balances_causal_work_and_skips_invisible_blocks(
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", [c for c in CASE_NAMES if c.startswith("selected")])
+def test_selected_keys_run_the_gather_kernel_on_every_pair(
+    results: dict[str, Any], world: int, case: str
+) -> None:
+    """Each (query chunk, key chunk) pair of a selected-keys ring runs the gather kernel on
+    its own rows and keys (never the tiles' L x S), forward and backward."""
+    for res in _ranks(results, f"correctness:{world}"):
+        got = res[f"{case}/float32"]
+        assert got["pairs"] > 0
+        assert got["gather_calls"] == {"forward": got["pairs"], "backward": got["pairs"]}
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_shard_unshard_round_trip(results: dict[str, Any], world: int) -> None:
     for res in _ranks(results, f"correctness:{world}"):
         for layout in ("causal=False", "causal=True"):

@@ -19,7 +19,7 @@ import pytest
 
 HERE = Path(__file__).parent
 WORLD = 2
-CASES = ("causal_gqa", "window_padding")
+CASES = ("causal_gqa", "window_padding", "selected_per_head")
 
 
 @pytest.fixture(scope="module")

@@ -80,3 +80,25 @@ def test_a_dsa_model_generates_eager_s_tokens_on_attnkit_with_left_padding() -> 
         want = ref.generate(input_ids=ids, attention_mask=mask, **kw)
         got = ours.generate(input_ids=ids, attention_mask=mask, **kw)
     assert torch.equal(got, want)
+
+
+def test_a_compiled_dsa_model_is_one_graph_and_matches_eager() -> None:
+    """Under torch.compile transformers hands the layers its dense mask, and the indices are
+    scattered into it (``selected_keys(...).to_dense``) inside the graph: no graph break (the
+    eager scatter sizes a table by the largest key, a value; a trace searches each row's sorted
+    keys instead), and the logits are attnkit eager's and eager's on the real tokens."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    register_hf()
+    torch._dynamo.reset()
+    ref, ours = pair(_tiny("deepseek_v32"))
+    ids, mask = batch()
+    real = mask.bool()
+    counter = CompileCounterWithBackend("aot_eager")
+    with torch.no_grad():
+        expected = ref(input_ids=ids, attention_mask=mask).logits
+        eager = ours(input_ids=ids, attention_mask=mask).logits
+        got = torch.compile(ours, backend=counter)(input_ids=ids, attention_mask=mask).logits
+    assert counter.frame_count == 1
+    assert float((got - eager).abs().max()) <= 1e-5
+    assert float((got - expected)[real].abs().max()) <= ATOL_LOGITS

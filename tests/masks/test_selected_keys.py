@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import attnkit
 from attnkit import masks
 from attnkit.backends.blocked import gather, gather_native
+from attnkit.masks.selected import select_heads
 from oracle import reference_attention
 
 
@@ -287,3 +288,105 @@ def test_nan_and_inf_follow_the_rule(where: str) -> None:
     assert torch.equal(got.isnan(), want.isnan())
     assert got.isnan().any() == (where != "unselected key")
     torch.testing.assert_close(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_block_plans_of_a_split_sequence_merge_to_the_oracle(dtype: torch.dtype) -> None:
+    """What ring attention runs: the gather kernel on each (query chunk, key chunk) block
+    (:func:`gather.block_plan`: the chunk's rows, its keys' entries, the other rules at global
+    positions); merged outputs and summed gradients equal the whole call's oracle."""
+    from attnkit.backends.blocked import BlockAt, backward_from_lse, forward_with_lse, merge
+    from attnkit.backends.blocked.blocks import BlockPlan
+    from attnkit.backends.blocked.rowspan import NOT_SPANS
+
+    L, S, H, Hkv = 12, 20, 4, 2
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, n, 8, generator=gen, dtype=dtype)
+               for h, n in ((H, L), (Hkv, S), (Hkv, S)))  # fmt: skip
+    dout = torch.randn(2, H, L, 8, generator=gen, dtype=dtype)
+    ind = _indices(2, Hkv, L, S, 6, seed=4)
+    spec = masks.causal() & masks.selected_keys(ind, heads=H)
+    rows, keys = [(0, 5), (5, 7)], [(0, 8), (8, 3), (11, 9)]
+
+    def plan(r: tuple[int, int], c: tuple[int, int]) -> dict[str, object]:
+        p = gather.block_plan(spec, None, r, c, S - L, dtype, q.device)
+        assert p is not None
+        assert p.native == (dtype == torch.float32 and gather_native.kernel() is not None)
+        whole = BlockPlan(spec, r[0], c[0], S - L, NOT_SPANS, None, None, p)
+        return {"mask": spec, "scale": 0.3, "at": BlockAt(r[0], c[0], L, S), "plan": whole}
+
+    def block(t: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
+        return t.narrow(2, *span)
+
+    out = torch.zeros(2, H, L, 8, dtype=dtype)
+    lse = torch.full((2, H, L), float("-inf"), dtype=dtype)
+    for r in rows:
+        for c in keys:
+            o, lo = forward_with_lse(block(q, r), block(k, c), block(v, c), **plan(r, c))
+            merge(block(out, r), lse.narrow(2, *r), o.to(dtype), lo.to(dtype))
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    for r in rows:
+        for c in keys:
+            saved = (block(out, r), block(dout, r), lse.narrow(2, *r))
+            parts = backward_from_lse(block(q, r), block(k, c), block(v, c), *saved, **plan(r, c))
+            for g, part, span in zip(grads, parts, (r, c, c), strict=True):
+                block(g, span).add_(part.to(dtype))
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    dense = _scatter(ind, S, H) & masks.causal().to_dense(L, S)
+    want, _ = reference_attention(qd, kd, vd, mask=dense, scale=0.3)
+    want_g = torch.autograd.grad(want, (qd, kd, vd), dout.double())
+    tol = 2e-5 if dtype == torch.float32 else 1e-12
+    assert (out.double() - want).abs().max() < tol
+    for a, b in zip(grads, want_g, strict=True):
+        assert (a.double() - b).abs().max() < tol
+
+
+def test_select_heads_slices_the_indices_of_whole_groups() -> None:
+    """A group of query heads that is whole key/value heads gets those heads' indices (the
+    gather kernel runs it); another range is a head slice of the spec; eager's meaning kept."""
+    ind = _indices(1, 3, 5, 9, 4, seed=6)
+    spec = masks.causal() & masks.selected_keys(ind, heads=6)
+    part = select_heads(spec, 2, 6)
+    assert gather.plan(part, None, 5, 9) is not None
+    assert torch.equal(part.to_dense(5, 9), spec.to_dense(5, 9)[:, 2:6])
+    odd = select_heads(spec, 1, 3)
+    assert gather.plan(odd, None, 5, 9) is None  # the tiles run a slice of a group
+    assert torch.equal(odd.to_dense(5, 9), spec.to_dense(5, 9)[:, 1:3])
+
+
+@pytest.mark.parametrize("slices", [0, 1, 3, 40])
+def test_native_backward_in_slices_of_rows_matches_oracle(
+    slices: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C++ backward split into slices of query rows per key/value head (each adding into
+    dK/dV rows of its own, summed after): one key/value head, keys selected by many rows (the
+    adds of different slices land on the same dK/dV rows); more slices than rows included."""
+    if gather_native.kernel() is None:
+        pytest.skip(f"the C++ gather kernel is not built here: {gather_native._gather.reason}")
+    monkeypatch.setattr(gather_native, "ROW_SLICES", slices)
+    gen = torch.Generator().manual_seed(slices)
+    q, k, v = (torch.randn(1, h, n, 8, generator=gen) for h, n in ((3, 37), (1, 6), (1, 6)))
+    ind = torch.randint(-1, 6, (1, 37, 5), generator=gen)
+    spec = masks.causal() & masks.selected_keys(ind)
+    _check(q, k, v, spec, _scatter(ind, 6, 3) & masks.causal().to_dense(37, 6))
+
+
+def test_a_shard_of_ring_attention_wants_the_whole_sequences_indices() -> None:
+    """Ring attention checks the indices against the whole sequence (its shards' queries and
+    keys): one shard's rows are refused with a message that says so."""
+    from attnkit.call import Dims
+    from attnkit.mask_checks import check_mask
+
+    q = torch.randn(1, 2, 4, 8)  # a shard of 4 of the 8 queries, over 2 ranks
+    dims = Dims(B=1, H=2, Hkv=2, L=4, S=4, Dk=8, Dv=8)
+    whole = masks.selected_keys(torch.randint(-1, 8, (1, 8, 3)))
+    check_mask(whole, q, dims, where="ring", key_shards=2)  # the whole sequence's: accepted
+    with pytest.raises(attnkit.AttentionInputError) as e:
+        check_mask(masks.selected_keys(torch.zeros(1, 4, 3, dtype=torch.long)), q, dims,
+                   where="ring", key_shards=2)  # fmt: skip
+    assert e.value.argument == "mask"
+    msg = str(e.value)
+    assert "for 4 queries but the sequence has L=8 (2 shards of 4 queries)" in msg
+    assert "indices (B=1, L=4, k=3)" in msg
+    assert "one row per query of the whole sequence" in msg
+    assert "not this shard's rows" in msg

@@ -113,7 +113,7 @@ def _forward_pass(
                 _rows(q, qc),
                 _rows(cur[0], kc),
                 _rows(cur[1], kc),
-                **plan.at(qc, kc),
+                **plan.at(qc, kc, q),
             )
             merge(_rows(out, qc), lse.narrow(-1, qc.local, qc.length), o, lse_o)
         wait_s = plan.wait(
@@ -241,7 +241,7 @@ def _backward_pairs(
             _rows(out, qc),
             _rows(dout, qc),
             lse.narrow(-1, qc.local, qc.length),
-            **plan.at(qc, kc),
+            **plan.at(qc, kc, q),
         )
         _rows(dq, qc).add_(dq_c)
         if incoming:  # the accumulator must have arrived before adding to it
@@ -393,7 +393,9 @@ def ring_attention(
         v: this rank's values ``(B, Hkv, Sk, Dv)``.
         mask: ``None`` or a spec from :mod:`attnkit.masks` over the *whole* sequence (global
             positions: ``padding(lengths)`` takes the full lengths, ``document(ids)`` the ids of
-            all ``S`` tokens), the same on every rank. Dense tensor masks are refused (they
+            all ``S`` tokens, ``selected_keys(indices)`` one row per query of the whole
+            sequence and global key positions: each pair of chunks runs the gather kernel on
+            its rows and keys), the same on every rank. Dense tensor masks are refused (they
             would be ``L x S``).
         causal: the end-aligned causal rule (query ``i`` sees keys ``j <= i + S - L``), and the
             zigzag layout of ``shard(x, causal=True)``, which gives every rank the same work.

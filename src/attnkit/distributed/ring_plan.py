@@ -16,11 +16,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from attnkit.backends.blocked import BlockAt
+from attnkit.backends.blocked import gather
+from attnkit.backends.blocked.blocks import BlockAt, BlockPlan
+from attnkit.backends.blocked.rowspan import NOT_SPANS
 from attnkit.distributed.faults import Pending, exchange, wait_all
 from attnkit.distributed.profile import RingStep, active_profile
 from attnkit.distributed.sharding import Chunk, Layout
 from attnkit.masks import MaskSpec
+from attnkit.masks.selected import select_heads
 
 __all__ = ["WHERE", "RingPlan"]
 
@@ -58,7 +61,7 @@ class RingPlan:
         g = self.group_size
         spec = self.spec
         if spec is not None and len(self.kv_groups) > 1:
-            spec = spec.select_heads(k0 * g, k1 * g)
+            spec = select_heads(spec, k0 * g, k1 * g)
         return replace(self, spec=spec, part=part), slice(k0 * g, k1 * g), slice(k0, k1)
 
     def pairs(self, src: int) -> tuple[list[tuple[Chunk, Chunk]], int]:
@@ -79,11 +82,21 @@ class RingPlan:
                 todo.append((qc, kc))
         return todo, skipped
 
-    def at(self, qc: Chunk, kc: Chunk) -> dict[str, Any]:
-        """The block functions' keywords for the pair (query chunk, key chunk): the spec, the
-        scale and where the pair sits (:class:`~attnkit.backends.blocked.BlockAt`)."""
+    def at(self, qc: Chunk, kc: Chunk, q: torch.Tensor) -> dict[str, Any]:
+        """The block functions' keywords for the pair (query chunk, key chunk) of queries
+        ``q``: the spec, the scale and where the pair sits
+        (:class:`~attnkit.backends.blocked.BlockAt`); for selected keys also the plan of the
+        gather kernel on the pair (the chunk's rows of the indices, its keys' entries)."""
         at = BlockAt(qc.start, kc.start, self.q_layout.total, self.k_layout.total)
-        return {"mask": self.spec, "scale": self.scale, "at": at}
+        found: dict[str, Any] = {"mask": self.spec, "scale": self.scale, "at": at}
+        off = self.k_layout.total - self.q_layout.total
+        rows, keys = (qc.start, qc.length), (kc.start, kc.length)
+        kernel = gather.block_plan(self.spec, None, rows, keys, off, q.dtype, q.device)
+        if kernel is not None:
+            spans = NOT_SPANS.refuse(f"{kernel.name} runs the pair")
+            plan = BlockPlan(self.spec, qc.start, kc.start, off, spans, None, None, kernel)
+            found["plan"] = plan
+        return found
 
     def post(
         self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor], tag: int

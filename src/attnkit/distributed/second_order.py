@@ -85,14 +85,16 @@ class _SumShard(torch.autograd.Function):
 def _mask_at(
     spec: MaskSpec | None, q_pos: torch.Tensor, k_pos: torch.Tensor, off: int, dtype: torch.dtype
 ) -> torch.Tensor | None:
-    """``spec`` at these global query and key positions: bool ``(B', 1, Lq, S)`` (True = may
-    attend), or float ``(B', H', Lq, S)`` (the bias where allowed, ``-inf`` elsewhere) for a
-    spec with a bias, as :meth:`~attnkit.masks.MaskSpec.to_dense` builds it for ``arange``."""
+    """``spec`` at these global query and key positions: bool ``(B', H', Lq, S)`` (True = may
+    attend; ``H' = heads`` for a spec that depends on the head, such as selected keys per
+    key/value head, else 1), or float ``(B', H', Lq, S)`` (the bias where allowed, ``-inf``
+    elsewhere) for a spec with a bias, as :meth:`~attnkit.masks.MaskSpec.to_dense` builds it
+    for ``arange``."""
     if spec is None:
         return None
     dev = q_pos.device
     B = spec.batch or 1
-    H = (spec.heads or 1) if spec.has_bias else 1
+    H = spec.heads or 1
     b = torch.arange(B, device=dev).view(B, 1, 1, 1)
     h = torch.arange(H, device=dev).view(1, H, 1, 1)
     q = q_pos.view(1, 1, -1, 1)

@@ -9,7 +9,8 @@ to exactly the keys listed in ``indices[b, q]`` (``(B, L, k)``, every head) or
 meaning is eager's: the indices scattered into an ``L x S`` bool mask, so a key listed twice
 counts once, and ANDed with every other rule of the spec (``causal() & selected_keys(i)``).
 Queries are the call's own rows (the spec holds one row of indices per query: ``L`` must be the
-call's query length); keys are absolute indices ``0 .. S - 1``.
+call's query length; in ring attention the whole sequence's); keys are absolute indices
+``0 .. S - 1``.
 
 The spec never builds ``L x S`` for its key, repr or explain line: its cache key is the index
 tensor's identity, version, dtype and shape (an index tensor is new at every decode step; its
@@ -30,9 +31,9 @@ import torch
 
 from attnkit.errors import AttentionInputError, is_int_tensor, tensor_got
 from attnkit.masks.base import SpecBase, spec_error
-from attnkit.masks.spec import MaskSpec
+from attnkit.masks.spec import MaskSpec, _And
 
-__all__ = ["SelectedKeys", "check_selected", "find_selected", "selected_keys"]
+__all__ = ["SelectedKeys", "check_selected", "find_selected", "select_heads", "selected_keys"]
 
 _DIMS3 = ("B", "L", "k")
 _DIMS4 = ("B", "Hkv", "L", "k")
@@ -70,6 +71,15 @@ class SelectedKeys(MaskSpec):
         """Query heads per key/value head of the indices (1 for ``(B, L, k)`` indices)."""
         return 1 if self.heads is None else max(self.heads // self.kv_heads, 1)
 
+    def select_heads(self, start: int, stop: int) -> MaskSpec:
+        """Query heads ``start .. stop - 1``: where they are whole groups of a key/value head,
+        the selected keys of those key/value heads (the indices sliced: the gather kernel runs
+        it), else a slice of the spec (see :meth:`MaskSpec.select_heads`)."""
+        g = self.group
+        if self.heads is None or start % g or stop % g or not 0 <= start < stop <= self.heads:
+            return super().select_heads(start, stop)
+        return SelectedKeys(self.ind[:, start // g : stop // g], stop - start)
+
     def key(self) -> Hashable:
         t = self.indices
         return ("selected", str(t.device), id(t), t._version, t.dtype, tuple(t.shape), self.heads)
@@ -89,6 +99,8 @@ class SelectedKeys(MaskSpec):
         lead = _broadcast(b, h, q)
         if self.topk == 0 or 0 in shape:
             return torch.zeros(shape, dtype=torch.bool, device=kv.device)
+        if lead[-1] == 1 and torch.compiler.is_compiling():  # no size read from a value
+            return self._searched(b, h, q, kv, shape)
         n = int(kv.max()) + 1 if kv.numel() else 0
         if lead[-1] != 1 or shape[-1] * self.topk < n:
             # pairs, or a few keys far apart (the non-finite rule's bad columns): compare each
@@ -102,6 +114,23 @@ class SelectedKeys(MaskSpec):
         table[..., n] = False
         idx = torch.where(kv < 0, n, kv).expand(shape)
         return table.expand((*shape[:-1], n + 1)).gather(-1, idx)
+
+    def _searched(
+        self,
+        b: torch.Tensor,
+        h: torch.Tensor,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        shape: tuple[int, ...],
+    ) -> torch.Tensor:
+        """:meth:`allowed` for one row of keys per ``(b, h, q)`` while torch.compile traces: a
+        binary search of each row's sorted keys (the table of the eager path is sized by the
+        largest key asked, a value a trace cannot read without a graph break)."""
+        rows = self._rows(b[..., 0], h[..., 0], q[..., 0]).sort(-1).values  # (..., k)
+        keys = kv.expand(shape).contiguous()  # (..., n)
+        rows = rows.expand((*shape[:-1], self.topk)).contiguous()
+        at = torch.searchsorted(rows, keys).clamp(max=self.topk - 1)
+        return (rows.gather(-1, at) == keys) & (keys >= 0)
 
     def block_bounds(self, q_lo, q_hi, k_lo, k_hi, off):  # type: ignore[no-untyped-def]
         # conservative: any block may hold a selected key, none is known full (the gather
@@ -131,15 +160,22 @@ class SelectedKeys(MaskSpec):
                 lines.append(f"  ... {self.rows - 8} more queries")
         return "\n".join(lines)
 
-    def check_call(self, L: int, S: int, H: int, Hkv: int, B: int, where: str) -> None:
+    def check_call(
+        self, L: int, S: int, H: int, Hkv: int, B: int, where: str, shards: int = 1
+    ) -> None:
         """Refuse, with :class:`~attnkit.AttentionInputError`, indices that do not fit a call
         of these sizes: another batch size, query length or key/value head count, another
-        number of query heads than ``heads``, or an index ``>= S`` or ``< -1``."""
+        number of query heads than ``heads``, or an index ``>= S`` or ``< -1``. ``shards``:
+        the call is one of that many shards of the sequence (ring attention; ``L`` and ``S``
+        are the whole sequence's)."""
         t = self.indices
         names = _DIMS3 if t.dim() == 3 else _DIMS4
-        got = f"{tensor_got('indices', t, names)}  q (B={B}, H={H}, L={L})  k (Hkv={Hkv}, S={S})"
 
         def fail(problem: str, expected: str, fix: str) -> None:
+            # the sizes are formatted only here: formatting a symbolic size while
+            # torch.compile traces fixes it, and the graph would be compiled again per size
+            sizes = f"q (B={B}, H={H}, L={L})  k (Hkv={Hkv}, S={S})"
+            got = f"{tensor_got('indices', t, names)}  {sizes}"
             raise AttentionInputError(where, "mask", problem, got=got, expected=expected, fix=fix)
 
         if self.batch != B:
@@ -147,6 +183,14 @@ class SelectedKeys(MaskSpec):
                 f"selected_keys' indices are for a batch of {self.batch} but q has B={B}.",
                 f"indices with B={B}",
                 "pass the indices of this batch",
+            )
+        if self.rows != L and shards > 1:
+            fail(
+                f"selected_keys' indices list keys for {self.rows} queries but the sequence has "
+                f"L={L} ({shards} shards of {L // shards} queries).",
+                f"indices with L={L}: one row per query of the whole sequence, in its order",
+                "pass the same indices of the whole sequence on every rank, not this shard's "
+                "rows (ring attention picks each chunk's rows)",
             )
         if self.rows != L:
             fail(
@@ -237,6 +281,22 @@ def selected_keys(indices: torch.Tensor, *, heads: int | None = None) -> MaskSpe
     return SelectedKeys(indices, heads)
 
 
+def select_heads(spec: MaskSpec, start: int, stop: int) -> MaskSpec:
+    """``spec.select_heads(start, stop)`` with the ``&`` of a spec that selects keys taken
+    apart, so that its :class:`SelectedKeys` slices its own indices
+    (:meth:`SelectedKeys.select_heads`) and the gather kernel still sees selected keys joined
+    by ``&`` (ring attention's passes of a group of heads).
+
+    >>> from attnkit.masks import causal
+    >>> idx = torch.tensor([[[[0]], [[1]]]])  # B=1, Hkv=2, L=1, k=1
+    >>> select_heads(causal() & selected_keys(idx, heads=4), 2, 4)  # key/value head 1
+    causal() & selected_keys(<(B=1, Hkv=1, L=1, k=1) int64>)
+    """
+    if isinstance(spec, _And) and spec.selects_keys:
+        return select_heads(spec.a, start, stop) & select_heads(spec.b, start, stop)
+    return spec.select_heads(start, stop)
+
+
 def _parts(spec: SpecBase) -> Iterator[SpecBase]:
     yield spec
     for v in vars(spec).values():
@@ -251,11 +311,13 @@ def find_selected(spec: SpecBase | None) -> SelectedKeys | None:
     return next((p for p in _parts(spec) if isinstance(p, SelectedKeys)), None)
 
 
-def check_selected(spec: SpecBase, B: int, H: int, Hkv: int, L: int, S: int, where: str) -> None:
+def check_selected(
+    spec: SpecBase, B: int, H: int, Hkv: int, L: int, S: int, where: str, shards: int = 1
+) -> None:
     """:meth:`SelectedKeys.check_call` of every selected-keys part of ``spec`` for a call of
-    these sizes (``S``: every key of the sequence)."""
+    these sizes (``L``, ``S``: every query and key of the sequence, over ``shards`` shards)."""
     if not spec.selects_keys:
         return
     for p in _parts(spec):
         if isinstance(p, SelectedKeys):
-            p.check_call(L, S, H, Hkv, B, where)
+            p.check_call(L, S, H, Hkv, B, where, shards)

@@ -8,7 +8,9 @@ Dynamo cannot trace the blocked backend itself: its planner reads the mask's val
 is an error under ``fullgraph=True``. A compiled call therefore hands the whole computation to
 one opaque custom op (``torch.library.custom_op``) with a fake implementation (shapes only) and
 a backward op of its own. The compiled graph keeps attnkit's block-sparse kernels: the op plans
-the call when it runs, from the real tensors, with the same plan cache as an eager call.
+the call when it runs, from the real tensors, with the same plan cache as an eager call; a
+whole-call kernel (the gather kernel of :func:`~attnkit.masks.selected_keys`) runs the call
+there as it does eagerly, and the indices' range is checked there (a trace cannot read it).
 
 An op cannot take a mask spec (a Python object): :func:`~attnkit.masks.fields.flatten` takes
 one apart into its tensors, ints, floats and a string of its structure (a constant of the
@@ -22,6 +24,7 @@ from typing import Any
 
 import torch
 
+from attnkit.backends.blocked import kernels, rowspan
 from attnkit.backends.blocked.blocks import (
     BlockPlan,
     backward_from_lse,
@@ -35,6 +38,7 @@ from attnkit.call import AttentionCall
 from attnkit.cpu import path_for, to_float32, upcasts
 from attnkit.masks import MaskSpec
 from attnkit.masks.fields import flatten, rebuild
+from attnkit.masks.selected import check_selected
 
 __all__ = ["OP", "flatten", "rebuild", "run", "unsupported"]
 
@@ -61,15 +65,42 @@ def _lse_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
+def _whole_call(
+    spec: MaskSpec | None,
+    softcap: float | None,
+    path: str | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+) -> BlockPlan | None:
+    """The plan of a whole-call kernel (:mod:`~attnkit.backends.blocked.kernels`: the gather
+    kernel of selected keys) where one runs the call, as an eager call plans it (on
+    ``fp32-upcast`` for the float32 copies), else ``None``. Its inputs are checked here, where
+    their values can be read (a trace skips the range check of the indices)."""
+    L, S = q.shape[2], k.shape[2]
+    seen = torch.float32 if upcasts(path) else q.dtype  # what the kernels will see
+    whole = kernels.plan(spec, softcap, L, S, seen, q.device)
+    if whole is None:
+        return None
+    assert spec is not None
+    check_selected(spec, q.shape[0], q.shape[1], k.shape[1], L, S, OP)
+    spans = rowspan.NOT_SPANS.refuse(f"{whole.name} runs the call")
+    return BlockPlan(spec, 0, 0, S - L, spans, softcap, None, whole)
+
+
 def _kernel_inputs(
     spec: MaskSpec | None, softcap: float | None, *ts: torch.Tensor
 ) -> tuple[tuple[torch.Tensor, ...], BlockPlan]:
-    """The op's tensors (q, k, v first) as the kernels take them, and their plan: on the CPU's
+    """The op's tensors (q, k, v first) as the kernels take them, and their plan: a whole-call
+    kernel's where one runs the call (:func:`_whole_call`), on float32 copies on
+    ``fp32-upcast``; else on the CPU's
     ``fp32-upcast`` path (:mod:`attnkit.cpu`; the op runs eagerly, so the path is read here) the
     tensors as given where the row-span kernel reads their dtype directly, else float32 copies;
     as given on every other path (on ``native``, bfloat16 goes to the kernel's AVX512-BF16 build
     where it serves)."""
     path = path_for(ts[0], OP)
+    whole = _whole_call(spec, softcap, path, ts[0], ts[1])
+    if whole is not None:  # a whole-call kernel (selected keys: the gather kernel)
+        return (to_float32(*ts) if upcasts(path) else ts), whole
     if upcasts(path) or path == "native":
         native = path == "native"
         plan = plan_blocks(ts[0], ts[1], ts[2], spec, softcap=softcap, in_dtype=True, dot=native)

@@ -9,7 +9,8 @@ Two paths, one plan (:class:`GatherPlan`, a :class:`~attnkit.backends.blocked.ke
 KernelPlan`). Where the kernels see float32 on the CPU and the C++ build loads
 (:mod:`~attnkit.backends.blocked.gather_native`, ``csrc/gather.cpp``), the forward and the
 backward run there: the selected K and V rows read in place, one task per (batch row,
-key/value head, query row) forward and per (batch row, key/value head) backward; the forward
+key/value head, query row) forward and per (batch row, key/value head, slice of query rows)
+backward (each slice adds into dK/dV rows of its own, summed after); the forward
 reports NaN/inf itself. Here, for the other dtypes and devices and where the build does not
 load, the same in torch operations: the query rows go in chunks of ``c`` rows; each chunk
 gathers its rows' selected K and V rows (``(B, Hkv, c, k, D)``, bounded by
@@ -25,6 +26,10 @@ The backward recomputes each chunk's scores from the saved log-sum-exp (the flas
 backward on the gathered pairs) and adds the chunk's dK and dV rows into ``dk``/``dv`` with
 ``index_add_`` (sums over the query heads of a key/value head and over repeated selections of a
 key by different queries). Soft-capped calls are not served here (the tiles run them).
+
+:func:`block_plan` plans one block of a longer sequence (ring attention's pairs of chunks): the
+block's rows of the indices, its keys' entries counted from its first key (the others ``-1``),
+the other rules at global positions (``q_start``, ``k_start``).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from attnkit.masks import MaskSpec
 from attnkit.masks.selected import SelectedKeys, find_selected
 from attnkit.masks.spec import _And, _HeadSlice
 
-__all__ = ["CHUNK_BYTES", "GatherPlan", "backward", "describe", "forward", "plan"]
+__all__ = ["CHUNK_BYTES", "GatherPlan", "backward", "block_plan", "describe", "forward", "plan"]
 
 #: the most bytes one chunk's gathered K and V rows take (the kernel's working set)
 CHUNK_BYTES = 32 << 20
@@ -56,6 +61,10 @@ class GatherPlan:
     off: int
     #: the C++ kernel runs the call (float32 on the CPU, loaded, no score bias)
     native: bool = False
+    #: the global positions of the first query and the first key where the call is one block
+    #: of a longer sequence (:func:`block_plan`; the indices are then local to the block)
+    q_start: int = 0
+    k_start: int = 0
 
     #: the kernel in explain's words
     name = "the gather kernel"
@@ -66,10 +75,10 @@ class GatherPlan:
         output); the torch operations do not (the dispatcher's rule sums first)."""
         return self.native
 
-    #: what runs a compiled call (the custom op plans blocks; it has no gather plan)
+    #: what runs a compiled call (the custom op plans it again when it runs: this kernel)
     under_compile = (
-        "under torch.compile it runs as one custom op (attnkit::blocked_attention) on the "
-        "tiles, which evaluate the selected keys block by block (L x S work), not this kernel"
+        "under torch.compile the same kernel, forward and backward, inside one custom op "
+        "(attnkit::blocked_attention)"
     )
 
     def forward(
@@ -139,6 +148,17 @@ def plan(
     """The gather kernel's plan where ``spec`` holds :func:`~attnkit.masks.selected_keys`
     joined by ``&`` and there is no soft-cap, else ``None``; ``dtype`` and ``device``: what the
     kernels will see (the C++ kernel runs float32 on the CPU)."""
+    parts = _parts(spec, softcap)
+    if parts is None:
+        return None
+    sel, rest = parts
+    return GatherPlan(sel, rest, _first(sel.ind), S - L, _runs_native(sel, rest, dtype, device))
+
+
+def _parts(
+    spec: MaskSpec | None, softcap: float | None
+) -> tuple[SelectedKeys, MaskSpec | None] | None:
+    """The selected keys of ``spec`` and its other rules, where the gather kernel runs it."""
     sel = find_selected(spec)
     if sel is None or spec is None or softcap is not None or sel.indices.device.type == "meta":
         return None
@@ -146,13 +166,58 @@ def plan(
     if rest is False:
         return None
     assert rest is None or isinstance(rest, MaskSpec)
+    return sel, rest
+
+
+def _runs_native(
+    sel: SelectedKeys,
+    rest: MaskSpec | None,
+    dtype: torch.dtype | None,
+    device: torch.device | None,
+) -> bool:
+    """Whether the C++ kernel runs the plan: float32 on the CPU, a key per row, no score
+    bias, and the build loads."""
     native = dtype == torch.float32 and (device is None or device.type == "cpu")
     native = native and sel.topk > 0 and not (rest is not None and rest.has_bias)
     if native:
         from attnkit.backends.blocked import gather_native
 
         native = gather_native.kernel() is not None
-    return GatherPlan(sel, rest, _first(sel.ind), S - L, native)
+    return native
+
+
+def block_plan(
+    spec: MaskSpec | None,
+    softcap: float | None,
+    rows: tuple[int, int],
+    keys: tuple[int, int],
+    off: int,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+) -> GatherPlan | None:
+    """The gather kernel's plan of one block of a longer sequence (ring attention's (query
+    chunk, key chunk) pairs): the queries at global positions ``rows = (start, length)``
+    against the keys at ``keys = (start, length)``, with ``off = S_total - L_total``. The
+    block's indices are the spec's rows of its queries with every key outside the block's
+    made ``-1`` and the others counted from the block's first key; the spec's other rules
+    see global positions. ``None`` where :func:`plan` would be.
+
+    >>> from attnkit.masks import selected_keys
+    >>> idx = torch.tensor([[[0, 5], [2, 6], [7, -1]]])  # B=1, L=3, k=2
+    >>> p = block_plan(selected_keys(idx), None, rows=(1, 2), keys=(4, 4), off=5)
+    >>> p.selected.ind[0, 0].tolist()  # rows 1 and 2; keys 4..7 counted from 4
+    [[-1, 2], [3, -1]]
+    """
+    parts = _parts(spec, softcap)
+    if parts is None:
+        return None
+    sel, rest = parts
+    (q0, n), (k0, m) = rows, keys
+    ind = sel.ind[:, :, q0 : q0 + n]  # (B, Hkv', n, k): this block's queries
+    inside = (ind >= k0) & (ind < k0 + m)
+    local = SelectedKeys(torch.where(inside, ind - k0, -1), sel.heads)
+    native = _runs_native(local, rest, dtype, device)
+    return GatherPlan(local, rest, _first(local.ind), off, native, q0, k0)
 
 
 def describe(p: GatherPlan, L: int, S: int, dtype: torch.dtype) -> str:
@@ -163,8 +228,8 @@ def describe(p: GatherPlan, L: int, S: int, dtype: torch.dtype) -> str:
 
     lib = gather_native.kernel() if p.native and dtype == torch.float32 else None
     how = (
-        "forward and backward in C++ (float32; the backward one task per batch row and key/value "
-        "head, which owns its dK/dV rows)"
+        "forward and backward in C++ (float32; the backward parallel over batch rows, "
+        "key/value heads and slices of query rows, each slice adding into dK/dV rows of its own)"
         if lib is not None
         else "forward and backward in chunks of query rows in torch operations"
     )
@@ -220,11 +285,12 @@ def _gather(p: GatherPlan, k: torch.Tensor, v: torch.Tensor, r0: int, r1: int, H
         kv = ind.repeat_interleave(g, dim=1) if ind.shape[1] > 1 else ind  # (B, H|1, c, k)
         b = torch.arange(B, device=k.device).view(B, 1, 1, 1)
         h = torch.arange(H, device=k.device).view(1, H, 1, 1)
-        q = torch.arange(r0, r1, device=k.device).view(1, 1, c, 1)
-        rest = p.rest.allowed(b, h, q, kv.clamp(min=0), p.off).expand(B, H, c, kv.shape[-1])
+        q = torch.arange(r0, r1, device=k.device).view(1, 1, c, 1) + p.q_start
+        kv = kv.clamp(min=0) + p.k_start  # global positions
+        rest = p.rest.allowed(b, h, q, kv, p.off).expand(B, H, c, kv.shape[-1])
         ok = ok & rest.reshape(B, Hkv, g, c, -1).transpose(2, 3)
         if p.rest.has_bias:
-            extra = p.rest.bias(b, h, q, kv.clamp(min=0), p.off)
+            extra = p.rest.bias(b, h, q, kv, p.off)
             if extra is not None:
                 full = extra.expand(B, H, c, kv.shape[-1]).reshape(B, Hkv, g, c, -1)
                 bias = full.transpose(2, 3)
@@ -256,8 +322,8 @@ def _allowed_entries(p: GatherPlan, H: int) -> torch.Tensor:
         return keep.expand(B, Hm, L, -1).contiguous()
     b = torch.arange(B, device=ind.device).view(B, 1, 1, 1)
     h = torch.arange(Hm, device=ind.device).view(1, Hm, 1, 1)
-    q = torch.arange(L, device=ind.device).view(1, 1, L, 1)
-    rest = p.rest.allowed(b, h, q, ind.long().clamp(min=0), p.off)
+    q = torch.arange(L, device=ind.device).view(1, 1, L, 1) + p.q_start
+    rest = p.rest.allowed(b, h, q, ind.long().clamp(min=0) + p.k_start, p.off)
     return (keep & rest).expand(B, Hm, L, -1).contiguous()
 
 

@@ -1,6 +1,7 @@
 """The gather kernel's C++ forward (``csrc/gather.cpp``), loaded as attnkit's other kernels
 are (:mod:`~attnkit.backends.blocked.native`): float32, the selected K and V rows read in place,
-one task per (batch row, key/value head, query row) on torch's threads.
+one task per (batch row, key/value head, query row) forward and per (batch row, key/value
+head, slice of query rows) backward, on torch's threads.
 
 The wheel carries it prebuilt, and an install from source compiles it once, as the other builds;
 where no prebuilt build serves it is compiled here on first use (the system's C++ compiler,
@@ -18,7 +19,7 @@ import torch
 
 from attnkit.backends.blocked import builds, native, rowspan
 
-__all__ = ["GATHER", "GatherKernel", "backward", "forward", "kernel"]
+__all__ = ["GATHER", "ROW_SLICES", "GatherKernel", "backward", "forward", "kernel"]
 
 #: the build (AVX2 and FMA; one of the wheel's prebuilt builds, :data:`builds.ALL`)
 GATHER = builds.GATHER
@@ -32,6 +33,11 @@ class GatherKernel(native.Library):
         "attnkit_gather_backward": [ctypes.c_void_p, ctypes.c_double],
     }
 
+
+#: slices of query rows per (batch row, key/value head) in the backward: 0 lets the kernel
+#: choose (one per thread beyond the heads, at least 16 rows each, scratch of at most 256 MiB);
+#: 1 is the backward parallel over batch rows and key/value heads only (benchmarks compare)
+ROW_SLICES = 0
 
 _gather = native.Lazy(GATHER, GatherKernel, rowspan._cpu_reason)
 
@@ -85,8 +91,10 @@ def backward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``dq``, ``dk``, ``dv`` float32, or ``None`` where the kernel does not run (as
-    :func:`forward`; ``out``, ``dout``, ``lse`` float32). One task per (batch row, key/value
-    head): it owns its dK and dV rows."""
+    :func:`forward`; ``out``, ``dout``, ``lse`` float32). Parallel over (batch row,
+    key/value head, slice of query rows): each slice adds into dK/dV rows of its own (the
+    first into ``dk``/``dv``, the others into scratch summed in after), so that a call with
+    fewer key/value heads than threads still uses every thread (:data:`ROW_SLICES`)."""
     lib = kernel()
     out, dout, lse = out.contiguous(), dout.contiguous(), lse.contiguous()  # (sum(): expanded)
     if lib is None or any(t.dtype != torch.float32 for t in (q, k, v, out, dout, lse)):
@@ -102,7 +110,7 @@ def backward(
         (q.data_ptr(), k.data_ptr(), v.data_ptr(), idx.data_ptr(), ok.data_ptr(),
          out.data_ptr(), dout.data_ptr(), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(),
          dv.data_ptr(), torch.get_num_threads(), *q.shape, Hkv, S, Dv, *q.stride(),
-         *k.stride(), *v.stride(), idx.shape[1], ok.shape[1], idx.shape[3]),
+         *k.stride(), *v.stride(), idx.shape[1], ok.shape[1], idx.shape[3], ROW_SLICES),
     )  # fmt: skip
     rc = lib._lib.attnkit_gather_backward(args.buffer_info()[0], float(scale))
     if rc != 0:
