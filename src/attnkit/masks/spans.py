@@ -110,6 +110,14 @@ class SpanDensity(NamedTuple):
     full: float  # fraction of the blocks that every row of the block row covers
     pairs: float  # fraction of the B' x L x S pairs inside the runs
 
+    def describe(self) -> str:
+        """In explain's words."""
+        g, partial = self.grain, 1.0 - self.empty - self.full
+        return (
+            f"its runs leave {self.empty:.1%} of {g}x{g} blocks empty ({partial:.1%} partial, "
+            f"{self.full:.1%} full); computes {self.pairs:.1%} of the L x S pairs"
+        )
+
 
 def span_density(lo: torch.Tensor, hi: torch.Tensor, S: int, grain: int) -> SpanDensity:
     """The block map of runs ``lo, hi`` (``(B', L)`` local, inclusive, as :func:`row_spans`

@@ -467,7 +467,10 @@ class BlockedBackend(Backend):
             cap = "" if call.softcap is None else f", soft-capped at {call.softcap:g}"
             which = rowspan.dot_status() if sp.isa == rowspan.DOT else rowspan.status()
             runs = f"{sp.what}{cap}: forward and backward run {which} (one pass each, no tiles)"
-            return runs + _span_map(call, sp)
+            if sp.lo is not None and sp.hi is not None and evaluates_function(call.mask):
+                # a function's block map, from its runs (the built-in rules are named)
+                runs += "; " + span_density(sp.lo, sp.hi, call.dims.S, current().grain).describe()
+            return runs
         prefix = "" if sp.lo is None else f"{sp.what} ({sp.reason}): "
         tiles = plan.tiles(q, k, v)
         L, S = call.dims.L, call.dims.S
@@ -484,16 +487,3 @@ class BlockedBackend(Backend):
             f"({tiles.partial_fraction:.1%} partial, {full:.1%} full); "
             f"computes {done / max(L * S, 1):.1%} of the L x S pairs"
         )
-
-
-def _span_map(call: AttentionCall, sp: rowspan.SpanPlan) -> str:
-    """A function mask's block map, read from the runs the row-span kernel runs (for explain;
-    never the L x S mask); nothing for the other specs, whose rules explain names."""
-    if sp.lo is None or sp.hi is None or not evaluates_function(call.mask):
-        return ""
-    d = span_density(sp.lo, sp.hi, call.dims.S, current().grain)
-    return (
-        f"; its runs leave {d.empty:.1%} of {d.grain}x{d.grain} blocks empty "
-        f"({1.0 - d.empty - d.full:.1%} partial, {d.full:.1%} full); "
-        f"computes {d.pairs:.1%} of the L x S pairs"
-    )
