@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -294,3 +296,13 @@ def test_a_forward_on_a_static_cache_matches_eager(monkeypatch: pytest.MonkeyPat
     torch.testing.assert_close(logits[1][real], logits[0][real], atol=ATOL_LOGITS, rtol=0)
     _no_dense(seen, returned)
     assert all("from_function(transformers[causal_mask_function])" in repr(m) for m in seen)
+
+
+def test_the_mask_interface_imports_no_dynamo() -> None:
+    """The vmapped form needs torch._dynamo (which imports sympy, seconds): only when it runs."""
+    code = (
+        "import sys, attnkit.interop.hf_mask, attnkit.interop.hf_function; "
+        "print(sorted(m for m in ('sympy', 'torch._dynamo') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -32,7 +32,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
 
 from attnkit.errors import AttentionInputError
 from attnkit.interop.hf_rules import UNMASKED, Reading, padding_keys
@@ -74,6 +73,9 @@ def _vmapped(fn: Callable[..., Any], idx: tuple[torch.Tensor, ...]) -> torch.Ten
     """``fn`` on each (b, h, q, kv) of the broadcast indices through ``torch.vmap``:
     transformers' nesting (one vmap per index) where each index lies along its own axis, as
     ``sdpa_mask`` passes them, else one vmap over every pair of the broadcast shape."""
+    # imported here: torch._dynamo imports sympy (seconds), which `import attnkit` must not
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+
     with TransformGetItemToIndex():
         if all(_along(t, axis) for axis, t in enumerate(idx)):
             nested = fn
