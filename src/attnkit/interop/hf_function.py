@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from attnkit.errors import AttentionInputError
 from attnkit.interop.hf_rules import UNMASKED, Reading, padding_keys
 from attnkit.masks import MaskSpec, from_function
 
@@ -95,11 +94,16 @@ def _along(t: torch.Tensor, axis: int) -> bool:
 
 
 def function_spec(
-    fn: Callable[..., Any], padding: torch.Tensor | None, at: Reading, use_vmap: bool
+    fn: Callable[..., Any],
+    padding: torch.Tensor | None,
+    at: Reading,
+    use_vmap: bool,
+    device: torch.device | str = "cpu",
 ) -> MaskSpec | None:
     """transformers' rule ``fn`` with its 2-D padding mask (``(B, >= kv_offset + S)``, True = a
     real token) as ``from_function(...) [& key_mask(keep)]``, or ``None`` where it cannot be
-    evaluated on this call's positions (or the offsets are not plain ints)."""
+    evaluated on this call's positions (or the offsets are not plain ints); ``device`` is where
+    transformers would build the mask (the probe's indices are made there)."""
     if type(at.q_offset) is not int or type(at.kv_offset) is not int:
         return None
     keys: MaskSpec = UNMASKED
@@ -110,21 +114,21 @@ def function_spec(
         keys = read
     rule = transformers_rule(fn, at.q_offset, at.kv_offset, use_vmap)
     try:
-        batch = _batch_of(rule, at)
+        batch = _batch_of(rule, at, torch.device(device))
         spec = from_function(rule, batch=batch)
-    except (AttentionInputError, RuntimeError, IndexError, TypeError, ValueError):
+    except Exception:  # whatever the function raised: transformers' dense mask (as it is)
         return None
     return spec if keys is UNMASKED else spec & keys
 
 
-def _batch_of(rule: MaskFunction, at: Reading) -> int | None:
+def _batch_of(rule: MaskFunction, at: Reading, dev: torch.device) -> int | None:
     """``B`` where the rule's values depend on the batch row, else ``None``; evaluates it on the
     first and last query rows against every key of each row (``2 B S`` pairs), which raises
     where the function cannot be evaluated on the call's positions."""
-    b = torch.arange(at.B).view(-1, 1, 1, 1)
-    h = torch.zeros(1, 1, 1, 1, dtype=torch.long)
-    q = torch.tensor(sorted({0, at.L - 1})).view(1, 1, -1, 1)
-    kv = torch.arange(at.S).view(1, 1, 1, -1)
+    b = torch.arange(at.B, device=dev).view(-1, 1, 1, 1)
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev)
+    q = torch.tensor(sorted({0, at.L - 1}), device=dev).view(1, 1, -1, 1)
+    kv = torch.arange(at.S, device=dev).view(1, 1, 1, -1)
     out = rule(b, h, q, kv)
     if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
         raise TypeError(f"the mask function returned {type(out).__name__}, not a bool tensor")

@@ -267,7 +267,7 @@ def hf_mask(
         at = Reading(batch_size, q_length, kv_length, q_offset, kv_offset)
         spec = rule_spec(mu, fn, attention_mask, at)
         if spec is None:  # not proven: transformers' own function, as sdpa_mask calls it
-            spec = function_spec(fn, attention_mask, at, bool(common["use_vmap"]))
+            spec = function_spec(fn, attention_mask, at, bool(common["use_vmap"]), device)
     if spec is None:
         return dense()
     if spec.tensors():
