@@ -295,11 +295,12 @@ def main() -> None:
         DENSE_MADE.clear()
         signal.alarm(args.timeout)
         try:
-            verdicts[model_type] = run_type(transformers, model_type)
-        except _TimeoutError:
+            try:
+                verdicts[model_type] = run_type(transformers, model_type)
+            finally:
+                signal.alarm(0)
+        except _TimeoutError:  # also the alarm that fires as run_type returns, before alarm(0)
             verdicts[model_type] = ("skip", f"over {args.timeout} s")
-        finally:
-            signal.alarm(0)
         verdict, detail = verdicts[model_type]
         kinds = ", ".join(sorted(masks.get(model_type, set())))
         print(f"{model_type:34s} {verdict:8s} {detail}; masks: {kinds or '-'}", flush=True)
