@@ -27,7 +27,7 @@ import attnkit.interop.hf_attention as hfa
 from attnkit.interop.hf_lazy_mask import LazyMask, spec_of
 from attnkit.masks import MaskSpec
 from attnkit.masks.function import FunctionMask
-from hf_tiny import ATOL_LOGITS, VOCAB, B, batch, pair
+from hf_tiny import ATOL_LOGITS, VOCAB, B, batch, pair, record_masks, tiny_config
 from oracle import reference_attention, within_naive
 
 transformers = pytest.importorskip("transformers")
@@ -130,35 +130,6 @@ def test_a_static_cache_offset_stays_dense() -> None:
     assert torch.equal(got, _sdpa(_strided, 2, 12, 10, 0, False))
 
 
-def _record(monkeypatch: pytest.MonkeyPatch) -> tuple[list[object], list[object]]:
-    """(what attnkit's attention got per layer, what the mask interface returned)."""
-    seen: list[object] = []
-    returned: list[object] = []
-    real, real_direct = hfa.attention, hfa.memo.run_direct
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        seen.append(kwargs["mask"])
-        return real(*args, **kwargs)
-
-    def recording_direct(q: Any, k: Any, v: Any, mask: Any, *rest: Any) -> Any:
-        out, key = real_direct(q, k, v, mask, *rest)
-        if out is not None:
-            seen.append(mask)
-        return out, key
-
-    interface = mu.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
-    real_mask = interface["attnkit"]
-
-    def recording_mask(*args: Any, **kwargs: Any) -> Any:
-        returned.append(real_mask(*args, **kwargs))
-        return returned[-1]
-
-    monkeypatch.setattr(hfa, "attention", recording)
-    monkeypatch.setattr(hfa.memo, "run_direct", recording_direct)
-    monkeypatch.setitem(interface, "attnkit", recording_mask)
-    return seen, returned
-
-
 def _no_dense(seen: list[object], returned: list[object]) -> None:
     """Every layer ran on a spec and no mask the interface returned was made dense."""
     assert seen
@@ -214,7 +185,7 @@ def test_gemma3_window_over_a_longer_image_block_runs_a_function_mask(
     inputs = _image_batch()
     with torch.no_grad():
         want = ref(**inputs).logits
-        seen, returned = _record(monkeypatch)
+        seen, returned = record_masks(monkeypatch)
         got = ours(**inputs).logits
     real = inputs["attention_mask"].bool()
     torch.testing.assert_close(got[real], want[real], atol=ATOL_LOGITS, rtol=0)
@@ -227,15 +198,10 @@ def test_gemma3_with_an_image_generates_eager_tokens(monkeypatch: pytest.MonkeyP
     ref, ours = _gemma3()
     kwargs = {**_image_batch(), "max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
     want = ref.generate(**copy.deepcopy(kwargs))
-    seen, returned = _record(monkeypatch)
+    seen, returned = record_masks(monkeypatch)
     got = ours.generate(**kwargs)
     assert torch.equal(got, want)
     _no_dense(seen, returned)
-
-
-def _every_third(b: Any, h: Any, q: Any, kv: Any) -> Any:
-    """A model's own rule for create_causal_mask: no key at a distance of 1, 4, 7, ..."""
-    return (q - kv) % 3 != 1
 
 
 def _with_own_rule(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -251,15 +217,12 @@ def test_a_lambda_given_to_create_causal_mask_runs_a_function_mask(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _with_own_rule(monkeypatch)
-    config = transformers.Qwen3Config(
-        vocab_size=VOCAB, pad_token_id=0, hidden_size=32, intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-    )  # fmt: skip
+    config = tiny_config("qwen3")
     ref, ours = pair(config)
     ids, mask = batch(12)
     with torch.no_grad():
         want = ref(ids, attention_mask=mask).logits
-        seen, returned = _record(monkeypatch)
+        seen, returned = record_masks(monkeypatch)
         got = ours(ids, attention_mask=mask).logits
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], atol=ATOL_LOGITS, rtol=0)
@@ -279,17 +242,14 @@ def test_a_forward_on_a_static_cache_matches_eager(monkeypatch: pytest.MonkeyPat
     stand at the cache's offset, not at its end. Causal read as ``causal()`` (last query at the
     last key) let them see the buffer's empty slots: logits 1.96 off eager before. The offsets
     that do not line up now give transformers' causal function at those offsets."""
-    config = transformers.Qwen3Config(
-        vocab_size=VOCAB, pad_token_id=0, hidden_size=32, intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-    )  # fmt: skip
+    config = tiny_config("qwen3")
     ref, ours = pair(config)
     ids, mask = batch(9)
     logits = []
     for model in (ref, ours):
         cache = transformers.StaticCache(config=config, max_cache_len=16)
         if model is ours:
-            seen, returned = _record(monkeypatch)
+            seen, returned = record_masks(monkeypatch)
         with torch.no_grad():
             logits.append(model(ids, attention_mask=mask, cache=cache).logits)
     real = mask.bool()

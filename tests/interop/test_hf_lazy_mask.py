@@ -20,7 +20,7 @@ import attnkit.interop
 import attnkit.interop.hf_attention as hfa
 from attnkit.interop.hf_lazy_mask import LazyMask, spec_of
 from attnkit.masks import MaskSpec
-from hf_tiny import ATOL_LOGITS, VOCAB, B, batch, pair
+from hf_tiny import ATOL_LOGITS, VOCAB, B, batch, pair, record_masks
 
 transformers = pytest.importorskip("transformers")
 mu = pytest.importorskip("transformers.masking_utils")
@@ -69,22 +69,7 @@ def _registered() -> None:
 
 def _record(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     """The masks attnkit.attention gets from hf_attention (direct runs included)."""
-    seen: list[object] = []
-    real, real_direct = hfa.attention, hfa.memo.run_direct
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        seen.append(kwargs["mask"])
-        return real(*args, **kwargs)
-
-    def recording_direct(q: Any, k: Any, v: Any, mask: Any, *rest: Any) -> Any:
-        out, key = real_direct(q, k, v, mask, *rest)
-        if out is not None:
-            seen.append(mask)
-        return out, key
-
-    monkeypatch.setattr(hfa, "attention", recording)
-    monkeypatch.setattr(hfa.memo, "run_direct", recording_direct)
-    return seen
+    return record_masks(monkeypatch)[0]
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
