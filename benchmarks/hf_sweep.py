@@ -215,7 +215,9 @@ def run_type(transformers: Any, model_type: str) -> tuple[str, str]:
 def mask_kind(mask: Any, lazy: type) -> str:
     """What a layer's mask was: ``spec`` (a lazy mask handed on untouched, or a spec),
     ``none``, ``edited`` (a lazy mask the model's code operated on, so a dense tensor),
-    ``dense rule`` (transformers' dense mask: a rule attnkit could not prove) or ``tensor``
+    ``dense rule`` (transformers' dense mask from attnkit's mask interface: a rule it could
+    neither prove as a spec nor evaluate as a function mask, since a rule it cannot prove is
+    ``from_function`` over transformers' function, a ``spec`` here) or ``tensor``
     (another L x S tensor: made from attnkit's lazy mask by the model's code, the caller's,
     or one the model built itself)."""
     if mask is None:
@@ -293,11 +295,12 @@ def main() -> None:
         DENSE_MADE.clear()
         signal.alarm(args.timeout)
         try:
-            verdicts[model_type] = run_type(transformers, model_type)
-        except _TimeoutError:
+            try:
+                verdicts[model_type] = run_type(transformers, model_type)
+            finally:
+                signal.alarm(0)
+        except _TimeoutError:  # also the alarm that fires as run_type returns, before alarm(0)
             verdicts[model_type] = ("skip", f"over {args.timeout} s")
-        finally:
-            signal.alarm(0)
         verdict, detail = verdicts[model_type]
         kinds = ", ".join(sorted(masks.get(model_type, set())))
         print(f"{model_type:34s} {verdict:8s} {detail}; masks: {kinds or '-'}", flush=True)

@@ -1,6 +1,7 @@
 """Tiny random transformers models for the tests of ``attn_implementation="attnkit"``
-(``tests/interop/test_hf_kwargs.py``, ``tests/interop/test_hf_model_paths.py``): an eager model
-and an attnkit model with one state dict, a left-padded batch, a stand-in attention layer.
+(``tests/interop/test_hf_*.py``): an eager model and an attnkit model with one state dict, a
+left-padded batch, a stand-in attention layer, and a recorder of the masks attnkit's mask
+interface returns and its attention runs on.
 
 Dimension legend: B batch, T tokens.
 """
@@ -81,3 +82,35 @@ class Layer(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.is_causal = True
+
+
+def record_masks(monkeypatch: pytest.MonkeyPatch) -> tuple[list[object], list[object]]:
+    """(what attnkit.attention gets from hf_attention per layer, direct runs included; what
+    attnkit's mask interface returned), recorded from now on."""
+    import attnkit.interop.hf_attention as hfa
+
+    mu = transformers.masking_utils
+    seen: list[object] = []
+    returned: list[object] = []
+    real, real_direct = hfa.attention, hfa.memo.run_direct
+    interface = mu.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    real_mask = interface["attnkit"]
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs["mask"])
+        return real(*args, **kwargs)
+
+    def recording_direct(q: Any, k: Any, v: Any, mask: Any, *rest: Any) -> Any:
+        out, key = real_direct(q, k, v, mask, *rest)
+        if out is not None:
+            seen.append(mask)
+        return out, key
+
+    def recording_mask(*args: Any, **kwargs: Any) -> Any:
+        returned.append(real_mask(*args, **kwargs))
+        return returned[-1]
+
+    monkeypatch.setattr(hfa, "attention", recording)
+    monkeypatch.setattr(hfa.memo, "run_direct", recording_direct)
+    monkeypatch.setitem(interface, "attnkit", recording_mask)
+    return seen, returned

@@ -399,12 +399,19 @@ DENSE_CASES = {
 
 
 @pytest.mark.parametrize("case", list(DENSE_CASES))
-def test_mask_function_falls_back_to_transformers_dense_mask(case: str) -> None:
+def test_mask_function_falls_back_to_transformers_own_rule(case: str) -> None:
+    """A rule not proven as a spec: transformers' own function as a function mask, or, with a
+    static cache's tensor offset, transformers' dense mask; either is transformers' mask."""
     fn, L, S, q_off, kv_off, config = DENSE_CASES[case]
     kw = {"batch_size": B, "q_length": L, "kv_length": S, "q_offset": q_off}
     kw |= {"kv_offset": kv_off, "mask_function": fn, "attention_mask": None}
     got = hfa.hf_mask(**kw, config=config)
-    assert isinstance(got, torch.Tensor)
+    if isinstance(q_off, torch.Tensor):
+        assert type(got) is torch.Tensor
+    else:
+        assert isinstance(got, LazyMask)
+        assert "from_function(" in repr(got.spec)
+        assert torch.equal(got.spec.to_dense(L, S).expand(B, 1, L, S), _dense_reference(**kw))
     assert got.dtype == torch.bool
     assert torch.equal(got, _dense_reference(**kw))
 

@@ -3,7 +3,7 @@ no list names (Qwen3 with window layers, Gemma 3 text with window and full layer
 Llama 4 text with chunks, Phi-3) get a spec in every layer and match eager with left padding;
 a model that operates on its mask gets transformers' exact dense mask; every rule
 transformers composes reads as a spec equal to transformers' own dense mask, and what cannot
-be proven stays dense.
+be proven is transformers' own function as a function mask.
 
 Dimension legend: B batch, T tokens, L query length, S key length.
 """
@@ -20,7 +20,7 @@ import attnkit.interop
 import attnkit.interop.hf_attention as hfa
 from attnkit.interop.hf_lazy_mask import LazyMask, spec_of
 from attnkit.masks import MaskSpec
-from hf_tiny import ATOL_LOGITS, VOCAB, B, batch, pair
+from hf_tiny import ATOL_LOGITS, VOCAB, B, batch, pair, record_masks
 
 transformers = pytest.importorskip("transformers")
 mu = pytest.importorskip("transformers.masking_utils")
@@ -69,22 +69,7 @@ def _registered() -> None:
 
 def _record(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     """The masks attnkit.attention gets from hf_attention (direct runs included)."""
-    seen: list[object] = []
-    real, real_direct = hfa.attention, hfa.memo.run_direct
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        seen.append(kwargs["mask"])
-        return real(*args, **kwargs)
-
-    def recording_direct(q: Any, k: Any, v: Any, mask: Any, *rest: Any) -> Any:
-        out, key = real_direct(q, k, v, mask, *rest)
-        if out is not None:
-            seen.append(mask)
-        return out, key
-
-    monkeypatch.setattr(hfa, "attention", recording)
-    monkeypatch.setattr(hfa.memo, "run_direct", recording_direct)
-    return seen
+    return record_masks(monkeypatch)[0]
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -216,7 +201,7 @@ def test_every_composed_rule_is_a_spec_equal_to_transformers_mask(case: str) -> 
 
 
 SHIFTED = torch.tensor([[0, 1, 2, 0, 1, 2, 5, 0, 1, 2]] * B)  # a jump inside a document
-DENSE_CASES = {
+UNPROVEN_CASES = {
     # a one-sided window over image blocks longer than it (one of 4 positions, window 3)
     "window shorter than an image block": mu.and_masks(
         mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(GROUPS)),
@@ -234,12 +219,16 @@ DENSE_CASES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("case", list(DENSE_CASES))
-def test_what_cannot_be_proven_stays_dense(case: str) -> None:
-    fn = DENSE_CASES[case]
+@pytest.mark.parametrize("case", list(UNPROVEN_CASES))
+def test_what_cannot_be_proven_is_a_function_mask(case: str) -> None:
+    """transformers' own function as ``from_function`` (more in test_hf_function_mask.py)."""
+    fn = UNPROVEN_CASES[case]
     got = hfa.hf_mask(B, 10, 10, 0, 0, mask_function=fn)
-    assert type(got) is torch.Tensor
-    assert torch.equal(got, _sdpa(fn, 10, 10, 0, 0, None))
+    spec = spec_of(got)
+    assert isinstance(got, LazyMask)
+    assert "from_function(transformers[" in repr(spec)
+    assert torch.equal(spec.to_dense(10, 10).expand(B, 1, 10, 10), _sdpa(fn, 10, 10, 0, 0, None))
+    assert not got.made
 
 
 def test_masks_a_model_builds_in_its_forward_are_lazy_generates_ahead_are_dense() -> None:

@@ -9,9 +9,12 @@ the queries and keys start (``q_offset``, ``kv_offset``). Where attnkit can prov
 (:mod:`attnkit.interop.hf_lazy_mask`): a tensor without values that carries the attnkit spec
 (``causal() & sliding_window(w) & key_mask(keep)``), so block-sparse backends skip the empty
 blocks, and that becomes transformers' own dense mask ``(B, 1, L, S)`` the moment a model's
-code operates on it. Anywhere else it returns that dense mask at once: a causal or window rule
-is never dropped or guessed (eager's float form for the models whose code adds float biases
-to it). No model type is singled out for specs. A model whose attention layers do not call
+code operates on it. A rule it cannot prove is carried the same way as a mask function,
+transformers' own ``mask_function`` under ``from_function`` (:mod:`attnkit.interop.hf_function`);
+only what cannot be evaluated so (a tensor query offset, ``generate``'s ahead-built masks,
+``torch.compile`` tracing, a function that fails on index tensors) gets that dense mask at once:
+a rule is never dropped or guessed (eager's float form for the models whose code adds float
+biases to it). No model type is singled out for specs. A model whose attention layers do not call
 transformers' attention interface is refused here, the one place attnkit sees it. This module
 also checks the installed transformers for :func:`attnkit.interop.register_hf`.
 """
@@ -31,6 +34,7 @@ from torch import nn
 
 from attnkit.backends import owned
 from attnkit.errors import AttentionInputError
+from attnkit.interop.hf_function import function_spec
 from attnkit.interop.hf_lazy_mask import LazyMask
 from attnkit.interop.hf_rules import UNMASKED, Reading, rule_spec
 
@@ -198,7 +202,8 @@ def hf_mask(
     **kwargs: Any,
 ) -> torch.Tensor:
     """transformers' mask interface: a :class:`~attnkit.interop.hf_lazy_mask.LazyMask`
-    carrying the attnkit spec where the rule is proven, else transformers' dense mask.
+    carrying the attnkit spec where the rule is proven, else transformers' function as a
+    function mask, else transformers' dense mask.
 
     Called by transformers' ``create_causal_mask`` / ``create_sliding_window_causal_mask`` /
     ``create_chunked_causal_mask`` / ``create_bidirectional_mask`` with the keyword arguments
@@ -210,10 +215,14 @@ def hf_mask(
     ``or_masks``), the result is a lazy mask: a tensor of the dense mask's shape, dtype and
     device that carries the spec, which attnkit's attention function reads; any torch
     operation on it makes the dense mask first, with transformers' code, so a model that edits
-    its mask computes what ``sdpa`` would. Anything else gets ``sdpa_mask``'s dense bool mask
-    ``(B, 1, L, S)`` at once (static caches, whose query offset is a tensor; offsets that do
-    not line up; rules attnkit does not know); so do the masks ``generate`` builds ahead for a
-    compileable cache (the model's code takes only plain tensors there) and calls traced by
+    its mask computes what ``sdpa`` would. A rule not recognised (a model's own function,
+    offsets that do not line up, Gemma 3's window over a longer image block) gets a lazy mask
+    too, whose spec is ``from_function`` over ``mask_function``, evaluated as ``sdpa_mask``
+    evaluates it, ``& key_mask`` of the padding
+    (:func:`attnkit.interop.hf_function.function_spec`). ``sdpa_mask``'s dense bool mask
+    ``(B, 1, L, S)`` comes at once for a tensor query offset (a compiled static cache), a
+    function that cannot be evaluated on index tensors, the masks ``generate`` builds ahead for
+    a compileable cache (the model's code takes only plain tensors there) and calls traced by
     ``torch.compile`` (reading the rule inspects closures and the padding's values). The
     models of :data:`FLOAT_MASK_MODEL_TYPES` get ``eager_mask``'s float form as the dense
     mask (0 = may attend, the dtype's minimum = blocked), as their code needs.
@@ -257,6 +266,8 @@ def hf_mask(
     if type(kv_offset) is int and not compiling and not _building_masks_for_generate():
         at = Reading(batch_size, q_length, kv_length, q_offset, kv_offset)
         spec = rule_spec(mu, fn, attention_mask, at)
+        if spec is None:  # not proven: transformers' own function, as sdpa_mask calls it
+            spec = function_spec(fn, attention_mask, at, bool(common["use_vmap"]), device)
     if spec is None:
         return dense()
     if spec.tensors():

@@ -13,11 +13,12 @@ rule is recognised by the closure's code object (the same for every closure a fa
 and its parameters are read from the closure's cells, never from the model's type. Any part
 that is not recognised, or whose parameters are not what the reading assumes (a window that is
 not a positive ``int``, a table of the wrong dtype or shape), makes the whole rule unreadable:
-:func:`rule_spec` returns ``None`` and the caller uses transformers' dense mask.
+:func:`rule_spec` returns ``None`` and the caller runs transformers' own function as a mask
+function (:mod:`attnkit.interop.hf_function`).
 
 Queries stand at absolute positions ``q_offset + i`` and keys at ``kv_offset + j``; attnkit's
 specs put query ``i`` at key position ``i + S - L``, so a rule that reads the query's position
-needs ``q_offset + L == kv_offset + S``.
+(causal included) needs ``q_offset + L == kv_offset + S``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 
 from attnkit.masks import MaskSpec, causal, document, key_mask, sliding_window, unmasked
 
-__all__ = ["UNMASKED", "Reading", "rule_spec"]
+__all__ = ["UNMASKED", "Reading", "padding_keys", "rule_spec"]
 
 #: transformers' bidirectional rule without padding: run as ``mask=None, causal=False``
 UNMASKED: MaskSpec = unmasked()
@@ -239,6 +240,8 @@ def _conjunction(terms: list[_Term], at: Reading) -> MaskSpec | None:
     """The terms as one spec, or ``None`` where attnkit cannot state them."""
     terms = _distribute(terms)
     is_causal = "causal" in terms
+    if is_causal and not at.aligned:  # causal() puts the last query at the last key
+        return None
     parts: list[MaskSpec] = [causal()] if is_causal else []
     packed = [t[1] for t in terms if isinstance(t, tuple) and t[0] == "packed"]
     blocks = [t[1] for t in terms if isinstance(t, tuple) and t[0] == "block"]
@@ -292,10 +295,19 @@ def rule_spec(
     if terms is None:
         return None
     if padding is not None:
-        if padding.dtype != torch.bool:
+        keys = padding_keys(padding, at)
+        if keys is None:
             return None
-        cols = at.columns(padding, False)
-        if cols is None:
-            return None
-        terms.append(_keys(cols))
+        terms.append(keys)
     return _conjunction(terms, at)
+
+
+def padding_keys(padding: torch.Tensor, at: Reading) -> MaskSpec | None:
+    """The 2-D padding mask ``(B, >= kv_offset + S)`` (True = a real token) as the keys this call
+    sees, ``key_mask(keep)`` (:data:`UNMASKED` where every key is real), as transformers'
+    ``padding_mask_function`` reads it (False past its end); ``None`` where it is not such a
+    bool table."""
+    if padding.dtype != torch.bool:
+        return None
+    cols = at.columns(padding, False)
+    return None if cols is None else _keys(cols)

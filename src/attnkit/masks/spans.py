@@ -25,15 +25,22 @@ attnkit's row-span kernel (:mod:`attnkit.backends.blocked.rowspan`) runs the spa
 
 from __future__ import annotations
 
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 
-from attnkit.masks.function import key_extent
+from attnkit.masks.function import FunctionMask, key_extent
 from attnkit.masks.runs import Spans
 from attnkit.masks.spec import MaskSpec
 
-__all__ = ["key_holes", "local_keys", "row_spans"]
+__all__ = [
+    "SpanDensity",
+    "evaluates_function",
+    "key_holes",
+    "local_keys",
+    "row_spans",
+    "span_density",
+]
 
 
 def row_spans(
@@ -93,3 +100,62 @@ def local_keys(keys: torch.Tensor, k_start: int, S: int) -> torch.Tensor:
     there = keys[:, k_start : k_start + S]
     local[:, : there.shape[1]] = there
     return local
+
+
+class SpanDensity(NamedTuple):
+    """What runs of keys leave of a block map of ``grain x grain`` blocks, and of the pairs."""
+
+    grain: int
+    empty: float  # fraction of the blocks that no run touches
+    full: float  # fraction of the blocks that every row of the block row covers
+    pairs: float  # fraction of the B' x L x S pairs inside the runs
+
+    def describe(self) -> str:
+        """In explain's words."""
+        g, partial = self.grain, 1.0 - self.empty - self.full
+        return (
+            f"its runs leave {self.empty:.1%} of {g}x{g} blocks empty ({partial:.1%} partial, "
+            f"{self.full:.1%} full); computes {self.pairs:.1%} of the L x S pairs"
+        )
+
+
+def span_density(lo: torch.Tensor, hi: torch.Tensor, S: int, grain: int) -> SpanDensity:
+    """The block map of runs ``lo, hi`` (``(B', L)`` local, inclusive, as :func:`row_spans`
+    gives them; ``lo`` not decreasing along the rows, as the row-span kernel takes them) at
+    ``grain``, from the runs alone: ``O(B' L)`` work, never the ``L x S`` mask."""
+    Bm, L = lo.shape
+    nq, nk = -(-L // grain), -(-S // grain)
+    pad = nq * grain - L  # rows past L: empty runs
+    lo = torch.nn.functional.pad(lo, (0, pad), value=S).view(Bm, nq, grain)
+    hi = torch.nn.functional.pad(hi, (0, pad), value=-1).view(Bm, nq, grain)
+    seen = lo <= hi
+    first = torch.div(lo, grain, rounding_mode="floor")
+    last = torch.where(seen, torch.div(hi, grain, rounding_mode="floor"), -1)
+    before = torch.nn.functional.pad(last.cummax(-1).values[..., :-1], (1, 0), value=-1)
+    touched = (last - torch.maximum(first, before + 1) + 1).clamp(min=0).sum((-1, -2))
+    rows = torch.full((nq,), grain).index_fill_(0, torch.tensor([nq - 1]), L - (nq - 1) * grain)
+    real = torch.arange(grain) < rows[:, None]  # (nq, grain): the rows that exist
+    top = torch.where(real, lo, 0).amax(-1)  # (B', nq): every row covers top ..= bottom
+    bottom = torch.where(real, hi, S - 1).amin(-1)
+    start = torch.div(top + grain - 1, grain, rounding_mode="floor")  # first block inside
+    end = torch.where(bottom >= S - 1, nk, torch.div(bottom + 1, grain, rounding_mode="floor"))
+    full = (end - start).clamp(min=0).sum(-1)
+    blocks = Bm * nq * nk
+    pairs = (hi - lo + 1).clamp(min=0).sum()
+    return SpanDensity(
+        grain,
+        1.0 - float(touched.sum()) / blocks,
+        float(full.sum()) / blocks,
+        float(pairs) / max(Bm * L * S, 1),
+    )
+
+
+def evaluates_function(spec: MaskSpec | None) -> bool:
+    """Whether ``spec`` (or a part of its ``&`` / ``|`` / ``~``) is a :func:`from_function`
+    mask, whose runs come from evaluating the function."""
+    if isinstance(spec, FunctionMask):
+        return True
+    return any(
+        isinstance(part, MaskSpec) and evaluates_function(part)
+        for part in (getattr(spec, "a", None), getattr(spec, "b", None))
+    )

@@ -68,6 +68,7 @@ from attnkit.backends.blocked.config import BlockedConfig, configure, current
 from attnkit.backends.blocked.tiles import fused, merge
 from attnkit.call import AttentionCall
 from attnkit.cpu import to_float32
+from attnkit.masks.spans import evaluates_function, span_density
 
 __all__ = [
     "WHOLE",
@@ -465,7 +466,11 @@ class BlockedBackend(Backend):
         if sp.serves:
             cap = "" if call.softcap is None else f", soft-capped at {call.softcap:g}"
             which = rowspan.dot_status() if sp.isa == rowspan.DOT else rowspan.status()
-            return f"{sp.what}{cap}: forward and backward run {which} (one pass each, no tiles)"
+            runs = f"{sp.what}{cap}: forward and backward run {which} (one pass each, no tiles)"
+            if sp.lo is not None and sp.hi is not None and evaluates_function(call.mask):
+                # a function's block map, from its runs (the built-in rules are named)
+                runs += "; " + span_density(sp.lo, sp.hi, call.dims.S, current().grain).describe()
+            return runs
         prefix = "" if sp.lo is None else f"{sp.what} ({sp.reason}): "
         tiles = plan.tiles(q, k, v)
         L, S = call.dims.L, call.dims.S
