@@ -1,0 +1,124 @@
+"""attnkit as the attention transformers picks when a model is loaded without
+``attn_implementation``: :func:`use_by_default`.
+
+transformers resolves ``attn_implementation=None`` in
+``PreTrainedModel.get_correct_attn_implementation``: ``"sdpa"`` where the model supports it
+(``_supports_sdpa``), else ``"eager"``. :func:`use_by_default` wraps that method so that the
+default becomes attnkit's registered name exactly where it would have been ``"sdpa"`` and the
+model's attention layers call transformers' ``AttentionInterface`` (the check
+``set_attn_implementation`` uses; a model whose layers do not would never run attnkit, and its
+mask function refuses it). A name the caller gives (``"eager"``, ``"sdpa"``, ...) is never
+changed, and neither is a model that falls back to eager. Nothing else in transformers is
+touched.
+
+    with attnkit.interop.use_by_default():
+        model = AutoModelForCausalLM.from_pretrained(path)     # runs on attnkit
+
+It also works as a plain call, undone by ``.restore()``. Models built while it is in effect
+keep attnkit after it ends (the name is written into their config, as ``"sdpa"`` would be).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import TracebackType
+from typing import Any
+
+from attnkit.errors import AttentionInputError
+from attnkit.interop.hf_attention import register_hf
+
+__all__ = ["DefaultAttention", "use_by_default"]
+
+WHERE = "attnkit.interop.use_by_default"
+
+
+class DefaultAttention:
+    """The handle :func:`use_by_default` returns: a context manager, or ``.restore()``.
+
+    ``name`` is the implementation models get by default while it is in effect.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        modeling_utils = importlib.import_module("transformers.modeling_utils")
+        self._model_class: Any = modeling_utils.PreTrainedModel
+        self._previous = self._model_class.__dict__["get_correct_attn_implementation"]
+        self._active = True
+
+    @property
+    def active(self) -> bool:
+        """Whether models loaded without ``attn_implementation`` get :attr:`name` now."""
+        return self._active
+
+    def restore(self) -> None:
+        """Put transformers' previous default back. Handles end in the reverse order of their
+        making (as nested ``with`` blocks do); ending one out of order raises."""
+        if not self._active:
+            return
+        current = self._model_class.__dict__["get_correct_attn_implementation"]
+        if getattr(current, "_attnkit_default", None) is not self:
+            raise AttentionInputError(
+                WHERE,
+                "restore",
+                "another use_by_default() made after this one is still in effect.",
+                got=f"this handle's name={self.name!r}; the newest handle's name="
+                f"{getattr(getattr(current, '_attnkit_default', None), 'name', None)!r}",
+                expected="handles restored newest first",
+                fix="restore the newer handle first, or use nested `with use_by_default():` blocks",
+            )
+        self._model_class.get_correct_attn_implementation = self._previous
+        self._active = False
+
+    def __enter__(self) -> DefaultAttention:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.restore()
+
+
+def _prefers(model: Any, name: str, requested: str | None, previous: Any, init: bool) -> str:
+    """``name`` where transformers' default would be ``"sdpa"`` and the layers call the
+    interface; transformers' own answer everywhere else."""
+    chosen: str = previous(model, requested, init)
+    if requested is None and chosen == "sdpa" and type(model)._can_set_attn_implementation():
+        return name
+    return chosen
+
+
+def use_by_default(name: str = "attnkit") -> DefaultAttention:
+    """Make transformers models loaded without ``attn_implementation`` run on attnkit.
+
+    Registers attnkit under ``name`` (:func:`attnkit.interop.register_hf`), then makes ``name``
+    transformers' default wherever the default would be ``"sdpa"`` and the model's attention
+    layers call ``AttentionInterface``; models that fall back to ``"eager"``, or whose layers
+    skip the interface (Bloom, MPT, ...), keep transformers' choice, and a name the caller
+    passes is always kept. In effect from the call until the returned handle's ``restore()``
+    or the end of its ``with`` block. Needs ``transformers>=5.4,<6``.
+
+    Raises:
+        AttentionInputError: ``name`` is not a plain name or is taken (as for ``register_hf``).
+
+    >>> import attnkit.interop
+    >>> with attnkit.interop.use_by_default() as default:
+    ...     default.name
+    'attnkit'
+    """
+    register_hf(name)
+    handle = DefaultAttention(name)
+    previous = handle._previous
+
+    @functools.wraps(previous)
+    def get_correct_attn_implementation(
+        self: Any, requested_attention: str | None, is_init_check: bool = False
+    ) -> str:
+        return _prefers(self, name, requested_attention, previous, is_init_check)
+
+    get_correct_attn_implementation._attnkit_default = handle  # type: ignore[attr-defined]
+    handle._model_class.get_correct_attn_implementation = get_correct_attn_implementation
+    return handle
