@@ -35,12 +35,21 @@ _REASON = re.compile(r"^(FAILED|ERROR) (\S+::\S+)(?: - (.*))?$")
 _FAILING = ("FAILED", "ERROR")
 
 
+_HANDLE: list[object] = []
+
+
 def pytest_configure(config: object) -> None:
     """The plugin half: make attnkit transformers' default in the attnkit run."""
     if os.environ.get(MODE_VARIABLE) == "attnkit":
         import attnkit.interop
 
-        attnkit.interop.use_by_default()
+        _HANDLE.append(attnkit.interop.use_by_default())
+
+
+def pytest_terminal_summary(terminalreporter: object) -> None:
+    """Say how many models got attnkit by default (0 would mean the run tested nothing)."""
+    for handle in _HANDLE:
+        print(f"\nattnkit default: {getattr(handle, 'applied', 0)} models got attnkit")
 
 
 @dataclass
@@ -51,6 +60,7 @@ class Run:
     reasons: dict[str, str] = field(default_factory=dict)
     timed_out: bool = False
     returncode: int | None = None
+    applied: int | None = None  # models that got attnkit by default (the attnkit run)
 
     def count(self, *outcomes: str) -> int:
         return sum(1 for o in self.outcomes.values() if o in outcomes)
@@ -60,6 +70,8 @@ class Run:
             f"{self.count('PASSED', 'XPASS')} passed, {self.count(*_FAILING)} failed, "
             f"{self.count('SKIPPED', 'XFAIL')} skipped"
         )
+        if self.applied is not None:
+            text += f"; {self.applied} models got attnkit by default"
         return text + (" (timed out: partial)" if self.timed_out else "")
 
 
@@ -89,7 +101,7 @@ def run_file(root: Path, model: str, mode: str, timeout: float, select: str | No
     paths = [scripts, os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, MODE_VARIABLE: mode, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "hf_model_tests"]
-    command += ["-v", "-rfE", "--tb=no", "-W", "ignore::DeprecationWarning"]
+    command += ["-v", "-rfE", "--tb=line", "-W", "ignore::DeprecationWarning"]
     command += [str(model_test_file(root, model).relative_to(root))]
     if select:
         command += ["-k", select]
@@ -104,6 +116,8 @@ def run_file(root: Path, model: str, mode: str, timeout: float, select: str | No
         return run
     run = parse(done.stdout)
     run.returncode = done.returncode
+    applied = re.search(r"attnkit default: (\d+) models", done.stdout)
+    run.applied = int(applied[1]) if applied else None
     if not run.outcomes and done.returncode not in (0, 5):
         tail = (done.stdout + done.stderr).strip().splitlines()[-5:]
         run.outcomes["<collection>"] = "ERROR"

@@ -32,6 +32,7 @@ def test_models_loaded_without_a_name_run_on_attnkit_and_match_sdpa() -> None:
         assert default.active
         assert default.name == "attnkit"
         ours = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config)).eval()
+    assert default.applied == 1  # Qwen3ForCausalLM (its Qwen3Model shares the config)
     ours.load_state_dict(sdpa.state_dict())
     assert ours.config._attn_implementation == "attnkit"
     ids, mask = batch()
@@ -80,9 +81,10 @@ def test_models_without_sdpa_or_without_the_interface_keep_transformers_choice()
     )
     bloom = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)
     auto = transformers.AutoModelForCausalLM
-    with use_by_default():
+    with use_by_default() as default:
         assert auto.from_config(falcon).config._attn_implementation == "sdpa"
         assert auto.from_config(bloom).config._attn_implementation == "eager"
+        assert default.applied == 0
 
 
 def test_nested_handles_end_in_order() -> None:

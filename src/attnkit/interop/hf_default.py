@@ -36,7 +36,8 @@ WHERE = "attnkit.interop.use_by_default"
 class DefaultAttention:
     """The handle :func:`use_by_default` returns: a context manager, or ``.restore()``.
 
-    ``name`` is the implementation models get by default while it is in effect.
+    ``name`` is the implementation models get by default while it is in effect; ``applied``
+    counts the models (and sub-models) that got it.
     """
 
     def __init__(self, name: str) -> None:
@@ -45,6 +46,7 @@ class DefaultAttention:
         self._model_class: Any = modeling_utils.PreTrainedModel
         self._previous = self._model_class.__dict__["get_correct_attn_implementation"]
         self._active = True
+        self.applied = 0
 
     @property
     def active(self) -> bool:
@@ -82,12 +84,15 @@ class DefaultAttention:
         self.restore()
 
 
-def _prefers(model: Any, name: str, requested: str | None, previous: Any, init: bool) -> str:
-    """``name`` where transformers' default would be ``"sdpa"`` and the layers call the
+def _prefers(
+    model: Any, handle: DefaultAttention, requested: str | None, previous: Any, init: bool
+) -> str:
+    """``handle.name`` where transformers' default would be ``"sdpa"`` and the layers call the
     interface; transformers' own answer everywhere else."""
     chosen: str = previous(model, requested, init)
     if requested is None and chosen == "sdpa" and type(model)._can_set_attn_implementation():
-        return name
+        handle.applied += 1
+        return handle.name
     return chosen
 
 
@@ -117,7 +122,7 @@ def use_by_default(name: str = "attnkit") -> DefaultAttention:
     def get_correct_attn_implementation(
         self: Any, requested_attention: str | None, is_init_check: bool = False
     ) -> str:
-        return _prefers(self, name, requested_attention, previous, is_init_check)
+        return _prefers(self, handle, requested_attention, previous, is_init_check)
 
     get_correct_attn_implementation._attnkit_default = handle  # type: ignore[attr-defined]
     handle._model_class.get_correct_attn_implementation = get_correct_attn_implementation
