@@ -12,8 +12,10 @@ version; it downloads nothing and runs nothing but pytest on the files named::
 
 Each run is ``python -m pytest -p no:cacheprovider -v -rfE tests/models/M/test_modeling_M.py``
 in that directory, in a fresh process, with this file loaded as a pytest plugin; under
-``ATTNKIT_HF_DEFAULT=attnkit`` the plugin calls ``use_by_default()`` before the tests are
-collected. Slow and GPU tests stay skipped as transformers skips them (``RUN_SLOW`` unset).
+``ATTNKIT_HF_DEFAULT=attnkit`` the plugin calls ``use_by_default(instead_of=("sdpa",
+"eager"))`` before the tests are collected: every model whose layers call the attention
+interface and that is loaded without a name gets attnkit, the models without sdpa (Gemma 2,
+gpt-oss) too. Slow and GPU tests stay skipped as transformers skips them (``RUN_SLOW`` unset).
 ``--json PATH`` writes every test's outcome in both runs.
 """
 
@@ -43,7 +45,8 @@ def pytest_configure(config: object) -> None:
     if os.environ.get(MODE_VARIABLE) == "attnkit":
         import attnkit.interop
 
-        _HANDLE.append(attnkit.interop.use_by_default())
+        # eager too: Gemma 2 and gpt-oss have no sdpa, and attnkit computes them
+        _HANDLE.append(attnkit.interop.use_by_default(instead_of=("sdpa", "eager")))
 
 
 def pytest_terminal_summary(terminalreporter: object) -> None:
@@ -100,6 +103,7 @@ def run_file(root: Path, model: str, mode: str, timeout: float, select: str | No
     scripts = str(Path(__file__).resolve().parent)
     paths = [scripts, os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, MODE_VARIABLE: mode, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    env["COLUMNS"] = "400"  # pytest cuts the short summary's messages to the terminal's width
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "hf_model_tests"]
     command += ["-v", "-rfE", "--tb=line", "-W", "ignore::DeprecationWarning"]
     command += [str(model_test_file(root, model).relative_to(root))]

@@ -120,3 +120,36 @@ def test_a_taken_name_is_refused() -> None:
     assert "name" in message
     assert "already has an implementation named 'sdpa'" in message
     assert _default_impl() == "sdpa"
+
+
+def test_instead_of_eager_gives_attnkit_to_models_without_sdpa() -> None:
+    # Gemma 2 has no sdpa (its soft-cap): transformers runs it on eager; attnkit computes it
+    gemma = transformers.Gemma2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    )  # fmt: skip
+    auto = transformers.AutoModelForCausalLM
+    with use_by_default():
+        assert auto.from_config(copy.deepcopy(gemma)).config._attn_implementation == "eager"
+    with use_by_default(instead_of=("sdpa", "eager")) as default:
+        model = auto.from_config(copy.deepcopy(gemma))
+        assert model.config._attn_implementation == "attnkit"
+        assert default.instead_of == frozenset({"sdpa", "eager"})
+        # Bloom's layers skip the interface: eager still
+        bloom = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)
+        assert auto.from_config(bloom).config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("bad", [(), ("flex_attention",), "sdpa", ("sdpa", ["eager"])])
+def test_instead_of_names_only_sdpa_and_eager(bad: object) -> None:
+    with pytest.raises(AttentionInputError) as e:
+        use_by_default(instead_of=bad)  # type: ignore[arg-type]
+    message = str(e.value)
+    assert "instead_of" in message
+    assert f"got:      instead_of={bad!r}" in message
+    assert 'a non-empty tuple of "sdpa" and "eager"' in message
+    assert (
+        'fix:      use_by_default() (sdpa only) or use_by_default(instead_of=("sdpa", "eager"))'
+        in message
+    )
+    assert _default_impl() == "sdpa"

@@ -4,12 +4,12 @@
 transformers resolves ``attn_implementation=None`` in
 ``PreTrainedModel.get_correct_attn_implementation``: ``"sdpa"`` where the model supports it
 (``_supports_sdpa``), else ``"eager"``. :func:`use_by_default` wraps that method so that the
-default becomes attnkit's registered name exactly where it would have been ``"sdpa"`` and the
-model's attention layers call transformers' ``AttentionInterface`` (the check
-``set_attn_implementation`` uses; a model whose layers do not would never run attnkit, and its
-mask function refuses it). A name the caller gives (``"eager"``, ``"sdpa"``, ...) is never
-changed, and neither is a model that falls back to eager. Nothing else in transformers is
-touched.
+default becomes attnkit's registered name where it would have been ``"sdpa"`` (and, if asked,
+``"eager"``) and the model's attention layers call transformers' ``AttentionInterface``
+(the check ``set_attn_implementation`` uses; a model whose layers do not would never run
+attnkit, and its mask function refuses it). A name the caller gives (``"eager"``, ``"sdpa"``,
+...) is never changed, and neither is a model that falls back to eager unless ``instead_of``
+names it. Nothing else in transformers is touched.
 
     with attnkit.interop.use_by_default():
         model = AutoModelForCausalLM.from_pretrained(path)     # runs on attnkit
@@ -36,12 +36,13 @@ WHERE = "attnkit.interop.use_by_default"
 class DefaultAttention:
     """The handle :func:`use_by_default` returns: a context manager, or ``.restore()``.
 
-    ``name`` is the implementation models get by default while it is in effect; ``applied``
-    counts the models (and sub-models) that got it.
+    ``name`` is the implementation models get by default while it is in effect, in place of
+    the defaults in ``instead_of``; ``applied`` counts the models (and sub-models) that got it.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, instead_of: frozenset[str]) -> None:
         self.name = name
+        self.instead_of = instead_of
         modeling_utils = importlib.import_module("transformers.modeling_utils")
         self._model_class: Any = modeling_utils.PreTrainedModel
         self._previous = self._model_class.__dict__["get_correct_attn_implementation"]
@@ -87,35 +88,56 @@ class DefaultAttention:
 def _prefers(
     model: Any, handle: DefaultAttention, requested: str | None, previous: Any, init: bool
 ) -> str:
-    """``handle.name`` where transformers' default would be ``"sdpa"`` and the layers call the
-    interface; transformers' own answer everywhere else."""
+    """``handle.name`` where transformers' default would be one of ``handle.instead_of`` and
+    the layers call the interface; transformers' own answer everywhere else."""
     chosen: str = previous(model, requested, init)
-    if requested is None and chosen == "sdpa" and type(model)._can_set_attn_implementation():
+    if (
+        requested is None
+        and chosen in handle.instead_of
+        and type(model)._can_set_attn_implementation()
+    ):
         handle.applied += 1
         return handle.name
     return chosen
 
 
-def use_by_default(name: str = "attnkit") -> DefaultAttention:
+def use_by_default(
+    name: str = "attnkit", *, instead_of: tuple[str, ...] = ("sdpa",)
+) -> DefaultAttention:
     """Make transformers models loaded without ``attn_implementation`` run on attnkit.
 
     Registers attnkit under ``name`` (:func:`attnkit.interop.register_hf`), then makes ``name``
-    transformers' default wherever the default would be ``"sdpa"`` and the model's attention
-    layers call ``AttentionInterface``; models that fall back to ``"eager"``, or whose layers
-    skip the interface (Bloom, MPT, ...), keep transformers' choice, and a name the caller
-    passes is always kept. In effect from the call until the returned handle's ``restore()``
-    or the end of its ``with`` block. Needs ``transformers>=5.4,<6``.
+    transformers' default wherever the default would be one of ``instead_of`` and the model's
+    attention layers call ``AttentionInterface``. With the default ``("sdpa",)``, models that
+    transformers runs on ``"eager"`` because sdpa cannot compute them (Gemma 2's soft-cap,
+    gpt-oss's sinks) stay on eager; ``instead_of=("sdpa", "eager")`` gives them attnkit too,
+    which computes those two, and refuses with an error, naming the fix, a feature it does not
+    compute (T5's position bias, ...). Models whose layers skip the interface (Falcon, Bloom,
+    MPT, ...) keep transformers' choice, and a name the caller passes is always kept. In effect
+    from the call until the returned handle's ``restore()`` or the end of its ``with`` block.
+    Needs ``transformers>=5.4,<6``.
 
     Raises:
-        AttentionInputError: ``name`` is not a plain name or is taken (as for ``register_hf``).
+        AttentionInputError: ``name`` is not a plain name or is taken (as for ``register_hf``);
+            ``instead_of`` is empty or names something other than ``"sdpa"`` and ``"eager"``.
 
     >>> import attnkit.interop
     >>> with attnkit.interop.use_by_default() as default:
     ...     default.name
     'attnkit'
     """
+    names = tuple(instead_of) if isinstance(instead_of, tuple | list) else ()
+    if not names or not all(n in ("sdpa", "eager") for n in names):
+        raise AttentionInputError(
+            WHERE,
+            "instead_of",
+            "attnkit can stand in only for transformers' two defaults, sdpa and eager.",
+            got=f"instead_of={instead_of!r}",
+            expected='a non-empty tuple of "sdpa" and "eager"',
+            fix='use_by_default() (sdpa only) or use_by_default(instead_of=("sdpa", "eager"))',
+        )
     register_hf(name)
-    handle = DefaultAttention(name)
+    handle = DefaultAttention(name, frozenset(names))
     previous = handle._previous
 
     @functools.wraps(previous)
