@@ -33,7 +33,9 @@ from pathlib import Path
 MODE_VARIABLE = "ATTNKIT_HF_DEFAULT"
 MODES = ("default", "attnkit")
 _RESULT = re.compile(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
-_REASON = re.compile(r"^(FAILED|ERROR) (\S+::\S+)(?: - (.*))?$")
+# the short summary; a failed subtest (``self.subTest``) is ``SUBFAILED[name] nodeid``, and its
+# test's own -v line says PASSED: the test counts as failed
+_REASON = re.compile(r"^(SUBFAILED|FAILED|ERROR)(\[[^\]]*\])? (\S+::\S+)(?: - (.*))?$")
 _FAILING = ("FAILED", "ERROR")
 
 
@@ -88,8 +90,10 @@ def parse(output: str) -> Run:
             continue
         found = _REASON.match(line)
         if found:
-            run.outcomes.setdefault(found[2], found[1])
-            run.reasons[found[2]] = (found[3] or "").strip()
+            test = found[3]
+            run.outcomes[test] = "ERROR" if found[1] == "ERROR" else "FAILED"
+            reason = f"{found[2] or ''} {found[4] or ''}".strip()
+            run.reasons[test] = "; ".join(r for r in (run.reasons.get(test), reason) if r)
     return run
 
 

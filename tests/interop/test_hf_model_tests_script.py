@@ -56,15 +56,23 @@ def test_parse_reads_verbose_lines_and_the_short_summary() -> None:
             "tests/models/m/test_modeling_m.py::T::test_a PASSED                 [ 33%]",
             "tests/models/m/test_modeling_m.py::T::test_b SKIPPED (no GPU)       [ 66%]",
             "tests/models/m/test_modeling_m.py::T::test_c FAILED                 [100%]",
+            "tests/models/m/test_modeling_m.py::T::test_d PASSED                 [100%]",
             "FAILED tests/models/m/test_modeling_m.py::T::test_c - AssertionError: False",
+            # a failed subtest: its test's -v line said PASSED
+            "SUBFAILED[LlamaForCausalLM] tests/models/m/test_modeling_m.py::T::test_d - Error: x",
         ]
     )
     run = script.parse(output)
-    assert run.summary() == "1 passed, 1 failed, 1 skipped"
-    assert run.reasons == {"tests/models/m/test_modeling_m.py::T::test_c": "AssertionError: False"}
-    default = script.parse(output.replace("test_c FAILED", "test_c PASSED").rsplit("\n", 1)[0])
+    assert run.summary() == "1 passed, 2 failed, 1 skipped"
+    assert run.reasons == {
+        "tests/models/m/test_modeling_m.py::T::test_c": "AssertionError: False",
+        "tests/models/m/test_modeling_m.py::T::test_d": "[LlamaForCausalLM] Error: x",
+    }
+    passing = output.replace("test_c FAILED", "test_c PASSED").split("\n")[:4]
+    default = script.parse("\n".join(passing))
     assert script.only_with_attnkit(default, run) == [
-        "tests/models/m/test_modeling_m.py::T::test_c"
+        "tests/models/m/test_modeling_m.py::T::test_c",
+        "tests/models/m/test_modeling_m.py::T::test_d",
     ]
     assert script.only_with_attnkit(run, default) == []
 
