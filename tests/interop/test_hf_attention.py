@@ -579,7 +579,7 @@ def test_gemma3_has_sliding_and_full_layers_and_soft_caps() -> None:
 def test_docs_hf_blocks_run_and_print_what_the_page_shows() -> None:
     page = (Path(__file__).resolve().parents[2] / "docs" / "hf.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     printed = io.StringIO()
     namespace: dict[str, object] = {}
     with contextlib.redirect_stdout(printed):
