@@ -381,8 +381,9 @@ class BlockedBackend(Backend):
         q, k, v, sinks = call.q, call.k, call.v, call.sinks
         plan = _plan(call) if plan is None else plan  # a decision that needed no plan
         upcast = _converts(call, plan)
-        grads = call.needs_grad or (sinks is not None and sinks.requires_grad)
-        if grads and torch.is_grad_enabled():
+        # grad mode first: under no_grad (a decode step) q, k, v are not asked for requires_grad
+        sink_grad = sinks is not None and sinks.requires_grad
+        if torch.is_grad_enabled() and (sink_grad or call.needs_grad):
             out: torch.Tensor = _BlockedAttention.apply(q, k, v, sinks, plan, call.scale, upcast)  # type: ignore[no-untyped-call]
             return out, None
         qc, kc, vc = _float32(q, k, v, upcast)
