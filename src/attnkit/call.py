@@ -159,7 +159,10 @@ class AttentionCall:
     @property
     def needs_grad(self) -> bool:
         """Autograd will want gradients of q, k or v."""
-        return torch.is_grad_enabled() and any(t.requires_grad for t in (self.q, self.k, self.v))
+        # no generator: this is read on every call, a decode step's included
+        return torch.is_grad_enabled() and (
+            self.q.requires_grad or self.k.requires_grad or self.v.requires_grad
+        )
 
     @property
     def mask_needs_grad(self) -> bool:

@@ -12,6 +12,10 @@ The package, in the order a call goes through it:
   which Dynamo keeps opaque; the spec goes in as tensors, numbers and a string;
 * ``blocks``: :func:`plan_blocks` (row-span kernel or tiles) and the public block functions
   :func:`forward_with_lse` / :func:`backward_from_lse`, which ring attention builds on;
+* ``kernels``: the one interface of the kernels a plan holds (``BlockPlan.kernel``: the
+  row-span kernel, ``rowspan_kernel``; the decode kernel; the gather kernel of selected keys):
+  forward, backward, what explain says, whether they report NaN/inf themselves; the forward,
+  the backward, ``run``, ``direct`` and explain call it without asking which kernel it is;
 * ``plan``: the tile planner, reading the spec's block map (:func:`attnkit.masks.block_states`);
   its knobs are one frozen :class:`~attnkit.backends.blocked.config.BlockedConfig`
   (``config``), part of every plan's cache key;
@@ -50,7 +54,6 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from attnkit.backends import nonfinite
 from attnkit.backends.base import Backend, Decision, mask_planning
 from attnkit.backends.blocked import compiled, decode, kernels, measured, rowspan
 from attnkit.backends.blocked.blocks import (
@@ -59,16 +62,18 @@ from attnkit.backends.blocked.blocks import (
     BlockPlan,
     backward_from_lse,
     clear_plans,
+    converts,
     forward_with_lse,
     plan_blocks,
+    plan_on_path,
     sinks_grad,
+    stand_in,
     with_sinks,
 )
 from attnkit.backends.blocked.config import BlockedConfig, configure, current
 from attnkit.backends.blocked.tiles import fused, merge
 from attnkit.call import AttentionCall
 from attnkit.cpu import to_float32
-from attnkit.masks.spans import evaluates_function, span_density
 
 __all__ = [
     "WHOLE",
@@ -96,20 +101,12 @@ def _float32(
     return qc, kc, vc
 
 
-def _stand_in(t: torch.Tensor) -> torch.Tensor:
-    """A float32 tensor of ``t``'s shape and device that allocates one element: what planning
-    reads (shape, dtype, device) for a tensor that ``fp32-upcast`` converts when it runs."""
-    return torch.zeros((), dtype=torch.float32, device=t.device).expand(t.shape)
-
-
 def _plan(call: AttentionCall) -> BlockPlan:
-    """The call's plan. A decode-shaped call (:func:`attnkit.backends.blocked.decode.shaped`)
-    asks the decode kernel first: where it serves, it runs the call (on q, k, v as they are),
-    else its reason stays in the plan for explain. On ``fp32-upcast``: the row-span kernel on
-    the input-dtype tensors where it serves them, else the plan for the float32 copies that
-    the call then converts to (the same plan where the mask has no runs of keys: tiles are
-    planned from shapes only). On ``native``: the kernel's AVX512-BF16 build on bfloat16 where
-    it serves, else torch's kernels on the tensors as they are (the plan says why not)."""
+    """The call's plan, its kernel chosen here once (:mod:`~attnkit.backends.blocked.kernels`):
+    the gather kernel where the spec selects keys; for a decode-shaped call
+    (:func:`attnkit.backends.blocked.decode.shaped`) the decode kernel where it serves (on q,
+    k, v as they are), else its reason stays in the plan for explain; then the row-span kernel
+    or the tiles on the call's CPU path (:func:`~attnkit.backends.blocked.blocks.plan_on_path`)."""
     L, S = call.dims.L, call.dims.S
     seen = torch.float32 if call.upcast else call.q.dtype  # what the kernels will see
     whole = kernels.plan(call.mask, call.softcap, L, S, seen, call.q.device)
@@ -118,30 +115,26 @@ def _plan(call: AttentionCall) -> BlockPlan:
         return BlockPlan(call.mask, 0, 0, S - L, spans, call.softcap, None, whole)
     d = decode.plan(call)
     if d is not None and d.serves:
-        spans = rowspan.NOT_SPANS.refuse("the decode kernel runs the call")
-        return BlockPlan(call.mask, 0, 0, S - L, spans, call.softcap, d)
-    p = _block_plan(call)
+        spans = rowspan.NOT_SPANS.refuse(f"{d.name} runs the call")
+        return BlockPlan(call.mask, 0, 0, S - L, spans, call.softcap, d, d)
+    native = call.cpu_path == "native"
+    p = plan_on_path(call.q, call.k, call.v, call.mask, call.softcap, call.upcast, native)
     return p if d is None else dataclasses.replace(p, decode=d)
 
 
-def _block_plan(call: AttentionCall) -> BlockPlan:
-    """The row-span kernel's or the tiles' plan (see :func:`_plan`)."""
-    q, k, v = call.q, call.k, call.v
-    if call.upcast or call.cpu_path == "native":
-        native = not call.upcast
-        direct = plan_blocks(q, k, v, call.mask, softcap=call.softcap, in_dtype=True, dot=native)
-        if native or direct.spans.serves or direct.spans.lo is None:
-            return direct
-        q, k, v = _stand_in(q), _stand_in(k), _stand_in(v)
-    return plan_blocks(q, k, v, call.mask, softcap=call.softcap)
+def _reads_note(call: AttentionCall, plan: BlockPlan | None) -> str | None:
+    """What explain says where the plan's kernel reads q, k, v as they are on the call's CPU
+    path (:meth:`~attnkit.backends.blocked.kernels.KernelPlan.reads_note`), else ``None``."""
+    if plan is None or plan.kernel is None:
+        return None
+    return plan.kernel.reads_note(call.q.dtype, call.upcast)
 
 
 def _converts(call: AttentionCall, plan: BlockPlan) -> bool:
-    """Whether the call runs on float32 copies: on ``fp32-upcast``, unless the row-span kernel
-    reads the input dtype directly (and never where the decode kernel runs the call)."""
-    if plan.decodes:
-        return False
-    return call.upcast and not (plan.spans.serves and plan.spans.dtype == call.q.dtype)
+    """Whether the call runs on float32 copies: on ``fp32-upcast``, unless the plan's kernel
+    reads q, k, v as they are (the decode kernel; the row-span kernel where it reads the input
+    dtype directly): :func:`~attnkit.backends.blocked.blocks.converts`."""
+    return converts(plan, call.q.dtype, call.upcast)
 
 
 class _BlockedAttention(torch.autograd.Function):
@@ -292,7 +285,7 @@ def _rule(call: AttentionCall, kernel_plan: BlockPlan | None) -> tuple[bool, str
             "selected keys (selected_keys): blocked's gather kernel reads only each query's "
             "selected keys, where SDPA would need the scattered L x S mask"
         )
-    plan = kernel_plan
+    plan = kernel_plan  # the decode and row-span kernels' decisions: auto's rule reads them
     if plan is not None and plan.decode is not None:
         if plan.decode.serves:
             return _decode_rule(call)
@@ -387,14 +380,10 @@ class BlockedBackend(Backend):
             return compiled.run(call), None
         q, k, v, sinks = call.q, call.k, call.v, call.sinks
         plan = _plan(call) if plan is None else plan  # a decision that needed no plan
-        if plan.decode is not None and plan.decode.serves:  # forward only (no autograd here)
-            dec, dec_lse, finite = decode.run(call, plan.decode)
-            if not finite and nonfinite.reporting():  # NaN/inf read: the rule's exact path
-                raise nonfinite.NonFinite
-            return with_sinks(dec, dec_lse, sinks)[0].to(q.dtype), None
         upcast = _converts(call, plan)
-        grads = call.needs_grad or (sinks is not None and sinks.requires_grad)
-        if grads and torch.is_grad_enabled():
+        # grad mode first: under no_grad (a decode step) q, k, v are not asked for requires_grad
+        sink_grad = sinks is not None and sinks.requires_grad
+        if torch.is_grad_enabled() and (sink_grad or call.needs_grad):
             out: torch.Tensor = _BlockedAttention.apply(q, k, v, sinks, plan, call.scale, upcast)  # type: ignore[no-untyped-call]
             return out, None
         qc, kc, vc = _float32(q, k, v, upcast)
@@ -404,48 +393,35 @@ class BlockedBackend(Backend):
     def direct(
         self, call: AttentionCall, plan: BlockPlan | None = None
     ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None] | None:
-        """The decode kernel on the plan's runs of keys, where it serves the call: a decode
-        step's later calls (every layer, every step with these sizes) run it directly
-        (:mod:`attnkit.backends.memo`); ``None`` where the kernel saw NaN or inf."""
-        if plan is None or plan.decode is None or not plan.decode.serves:
+        """The plan's kernel bound to the call's signature, where it has such an entry (the
+        decode kernel): a decode step's later calls (every layer, every step with these sizes)
+        run it directly (:mod:`attnkit.backends.memo`); the bound run returns ``None`` where
+        the kernel saw NaN or inf."""
+        if plan is None or plan.kernel is None:
             return None
         if call.sinks is not None or call.softcap is not None or call.return_weights:
             return None
-        return decode.direct(call, plan.decode)
+        return plan.kernel.direct(call)
 
     def _note(self, call: AttentionCall, plan: BlockPlan | None) -> str:
         """The plan in one line, and what changes under ``torch.compile``, for
         :func:`attnkit.explain`."""
         reason = compiled.unsupported(call)
-        if plan is not None and plan.kernel is not None and reason is None:
-            return f"{self._plan_note(call, plan)}; {plan.kernel.under_compile}"
-        if plan is not None and plan.decodes:
-            return self._plan_note(call, plan) + (
-                "; under torch.compile it runs as one custom op "
-                f"({compiled.OP}) on the row-span kernel or tiles, not the decode kernel"
-                if reason is None
-                else f"; {reason}, so it cannot serve a compiled call"
-            )
-        under_compile = (
-            f"; under torch.compile the same, as one custom op ({compiled.OP})"
-            if reason is None
-            else f"; {reason}, so it cannot serve a compiled call"
-        )
-        return self._plan_note(call, plan) + under_compile
+        if reason is not None:
+            return f"{self._plan_note(call, plan)}; {reason}, so it cannot serve a compiled call"
+        under_compile = f"under torch.compile the same, as one custom op ({compiled.OP})"
+        if plan is not None and plan.kernel is not None:
+            under_compile = plan.kernel.under_compile
+        return f"{self._plan_note(call, plan)}; {under_compile}"
 
     def _plan_note(self, call: AttentionCall, plan: BlockPlan | None) -> str:
         prefix = ""
         if call.cpu_path is not None:
             how = "float32 copies of q, k, v" if call.upcast else f"q, k, v in {call.q.dtype}"
             prefix = f"{call.cpu_path} path: the kernels run on {how}; "
-            if plan is not None and plan.decodes:
-                prefix = f"{call.cpu_path} path: "
-            elif plan is not None and call.upcast and not _converts(call, plan):
-                name = str(call.q.dtype).removeprefix("torch.")
-                prefix = (
-                    f"{call.cpu_path} path: attnkit's row-span kernel reads {name} q, k, v "
-                    "directly (float32 inside, no float32 copies); "
-                )
+            note = _reads_note(call, plan)
+            if note is not None:
+                prefix = f"{call.cpu_path} path: {note}"
         if plan is not None and plan.decode is not None and not plan.decode.serves:
             prefix += f"the decode kernel does not run it ({plan.decode.reason}); "
         if plan is None or (call.mask is not None and call.mask.from_tensor):
@@ -457,20 +433,10 @@ class BlockedBackend(Backend):
     def _kernels(self, call: AttentionCall, plan: BlockPlan) -> str:
         q, k, v = call.q, call.k, call.v
         if _converts(call, plan):
-            q, k, v = _stand_in(q), _stand_in(k), _stand_in(v)
-        sp = plan.spans
+            q, k, v = stand_in(q), stand_in(k), stand_in(v)
         if plan.kernel is not None:
-            return plan.kernel.describe(call.dims.L, call.dims.S, q.dtype)
-        if plan.decode is not None and plan.decode.serves:
-            return decode.describe(call, plan.decode)
-        if sp.serves:
-            cap = "" if call.softcap is None else f", soft-capped at {call.softcap:g}"
-            which = rowspan.dot_status() if sp.isa == rowspan.DOT else rowspan.status()
-            runs = f"{sp.what}{cap}: forward and backward run {which} (one pass each, no tiles)"
-            if sp.lo is not None and sp.hi is not None and evaluates_function(call.mask):
-                # a function's block map, from its runs (the built-in rules are named)
-                runs += "; " + span_density(sp.lo, sp.hi, call.dims.S, current().grain).describe()
-            return runs
+            return plan.kernel.describe(call, q.dtype)
+        sp = plan.spans
         prefix = "" if sp.lo is None else f"{sp.what} ({sp.reason}): "
         tiles = plan.tiles(q, k, v)
         L, S = call.dims.L, call.dims.S

@@ -23,12 +23,12 @@ import torch
 
 import attnkit.backends.blocked.rowspan as rowspan
 import attnkit.backends.blocked.tiles as tiles
-from attnkit.backends import nonfinite
 from attnkit.backends.blocked.config import current
 from attnkit.backends.blocked.decode import DecodePlan
 from attnkit.backends.blocked.kernels import KernelPlan
 from attnkit.backends.blocked.plan import Plan, make_plan
 from attnkit.backends.blocked.rowspan import SpanPlan
+from attnkit.backends.blocked.rowspan_kernel import RowSpanKernel
 from attnkit.masks import MaskSpec
 
 __all__ = [
@@ -37,8 +37,11 @@ __all__ = [
     "BlockPlan",
     "backward_from_lse",
     "clear_plans",
+    "converts",
     "forward_with_lse",
     "plan_blocks",
+    "plan_on_path",
+    "stand_in",
 ]
 
 _PLANS: OrderedDict[Hashable, Plan] = OrderedDict()
@@ -56,10 +59,12 @@ def clear_plans() -> None:
 
 @dataclass(frozen=True)
 class BlockPlan:
-    """How one block runs: the row-span kernel (``spans.serves``) or tiles (:meth:`tiles`);
-    for a decode-shaped call of the blocked backend, ``decode`` holds the decode kernel's
-    decision (:mod:`~attnkit.backends.blocked.decode`), which runs the forward where it
-    serves."""
+    """How one block runs: the kernel chosen when the plan was built (``kernel``: the row-span,
+    decode or gather kernel, :mod:`~attnkit.backends.blocked.kernels`), else tiles
+    (:meth:`tiles`). ``spans`` is the row-span kernel's decision (its runs of keys, or why it
+    does not run the call), and for a decode-shaped call of the blocked backend ``decode`` the
+    decode kernel's (:mod:`~attnkit.backends.blocked.decode`): what auto's rule and explain
+    read of the kernels that were asked."""
 
     mask: MaskSpec | None
     q_start: int
@@ -67,26 +72,17 @@ class BlockPlan:
     off: int  #: ``S_total - L_total``: the end-aligned offset of the whole sequence
     spans: SpanPlan
     softcap: float | None = None  #: logit soft-cap ``c``: scores become ``c tanh(s / c)``
-    decode: DecodePlan | None = None  #: the decode kernel's plan (decode-shaped calls only)
-    #: a whole-call kernel's plan (:mod:`~attnkit.backends.blocked.kernels`: the gather kernel
-    #: of selected keys), which runs the forward and the backward where it is set
+    decode: DecodePlan | None = None  #: the decode kernel's decision (decode-shaped calls)
+    #: the kernel that runs the forward and the backward (``None``: the tiles)
     kernel: KernelPlan | None = None
 
     @property
-    def decodes(self) -> bool:
-        """The decode kernel runs the call's forward."""
-        return self.decode is not None and self.decode.serves
-
-    @property
     def checks_finite(self) -> bool:
-        """A kernel runs the call and reports NaN/inf itself: the decode kernel, or the
-        row-span kernel's forward (:func:`forward_with_lse` raises
+        """The plan's kernel reports NaN/inf itself (:func:`forward_with_lse` raises
         :class:`~attnkit.backends.nonfinite.NonFinite` while
         :func:`~attnkit.backends.nonfinite.reporting`); read by
         :func:`attnkit.backends.nonfinite.serve`, which then sums nothing first."""
-        if self.kernel is not None:
-            return self.kernel.checks_finite
-        return self.decodes or self.spans.serves
+        return self.kernel is not None and self.kernel.checks_finite
 
     def tiles(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backward: bool = False
@@ -163,7 +159,46 @@ def plan_blocks(
     decision = rowspan.plan(
         mask, q, k, v, q_start=q_start, k_start=k_start, off=off, in_dtype=in_dtype, dot=dot
     )
-    return BlockPlan(mask, q_start, k_start, off, decision, softcap)
+    kernel = RowSpanKernel(decision, softcap) if decision.serves else None
+    return BlockPlan(mask, q_start, k_start, off, decision, softcap, kernel=kernel)
+
+
+def stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A float32 tensor of ``t``'s shape and device that allocates one element: what planning
+    reads (shape, dtype, device) for a tensor that ``fp32-upcast`` converts when it runs."""
+    return torch.zeros((), dtype=torch.float32, device=t.device).expand(t.shape)
+
+
+def plan_on_path(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: MaskSpec | None,
+    softcap: float | None,
+    upcast: bool,
+    native: bool,
+) -> BlockPlan:
+    """The row-span kernel's or the tiles' plan of a whole call on its CPU path
+    (:mod:`attnkit.cpu`), for the blocked backend and its compiled op alike. On ``fp32-upcast``
+    (``upcast``): the row-span kernel on the input-dtype tensors where it serves them, else the
+    plan for the float32 copies that the call then converts to (:func:`converts`; the same
+    plan where the mask has no runs of keys: tiles are planned from shapes only). On ``native``:
+    the kernel's AVX512-BF16 build on bfloat16 where it serves, else torch's kernels on the
+    tensors as they are (the plan says why not). Elsewhere the plan of the tensors as they
+    are."""
+    if upcast or native:
+        direct = plan_blocks(q, k, v, mask, softcap=softcap, in_dtype=True, dot=native)
+        if native or direct.spans.serves or direct.spans.lo is None:
+            return direct
+        q, k, v = stand_in(q), stand_in(k), stand_in(v)
+    return plan_blocks(q, k, v, mask, softcap=softcap)
+
+
+def converts(plan: BlockPlan, dtype: torch.dtype, upcast: bool) -> bool:
+    """Whether a call of ``dtype`` runs ``plan`` on float32 copies: on ``fp32-upcast``
+    (``upcast``), unless the plan's kernel reads q, k, v as they are
+    (:meth:`~attnkit.backends.blocked.kernels.KernelPlan.reads_note`)."""
+    return upcast and (plan.kernel is None or plan.kernel.reads_note(dtype, upcast) is None)
 
 
 def forward_with_lse(
@@ -211,17 +246,9 @@ def forward_with_lse(
     (torch.Size([1, 4, 8, 16]), torch.Size([1, 4, 8]))
     """
     p = plan or plan_blocks(q, k, v, mask, at)
-    if p.kernel is not None:  # a whole-call kernel (selected keys)
+    if p.kernel is not None:
         return p.kernel.forward(q, k, v, float(scale))
     with torch.no_grad():
-        sp = p.spans
-        if sp.serves:  # attnkit's row-span kernel
-            out, lse, finite = rowspan.kernel(sp.isa).span_forward_finite(
-                q, k, v, sp, float(scale), p.softcap or 0.0
-            )
-            if not finite and nonfinite.reporting():  # NaN/inf read: the rule's exact path
-                raise nonfinite.NonFinite
-            return out, lse
         return tiles.forward(p.tiles(q, k, v), q, k, v, scale, p.softcap)
 
 
@@ -262,14 +289,10 @@ def backward_from_lse(
     """
     p = plan or plan_blocks(q, k, v, mask, at)
     if p.kernel is not None:
-        return p.kernel.backward(q, k, v, out, dout, lse, float(scale))
+        done = p.kernel.backward(q, k, v, out, dout, lse, float(scale))
+        if done is not None:
+            return done
     with torch.no_grad():
-        sp = p.spans
-        same = q.dtype == out.dtype == dout.dtype == sp.dtype and lse.dtype == torch.float32
-        if sp.serves and same:
-            return rowspan.kernel(sp.isa).span_backward(  # type: ignore[no-any-return]
-                q, k, v, out, dout, lse, sp, float(scale), p.softcap or 0.0
-            )
         tile_plan = p.tiles(q, k, v, backward=True)
         return tiles.backward(tile_plan, (q, k, v, out, lse), dout, scale, p.softcap)
 

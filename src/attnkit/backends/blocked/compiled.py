@@ -28,11 +28,13 @@ from attnkit.backends.blocked import kernels, rowspan
 from attnkit.backends.blocked.blocks import (
     BlockPlan,
     backward_from_lse,
+    converts,
     forward_with_lse,
-    plan_blocks,
+    plan_on_path,
     sinks_grad,
     with_sinks,
 )
+from attnkit.backends.blocked.kernels import OP
 from attnkit.backends.second_order import Recompute, reference_grads
 from attnkit.call import AttentionCall
 from attnkit.cpu import path_for, to_float32, upcasts
@@ -41,9 +43,6 @@ from attnkit.masks.fields import flatten, rebuild
 from attnkit.masks.selected import check_selected
 
 __all__ = ["OP", "flatten", "rebuild", "run", "unsupported"]
-
-#: the op's name, as ``torch.ops.attnkit.blocked_attention``
-OP = "attnkit::blocked_attention"
 
 #: the arguments both ops take after their tensors: the flattened spec, and the call's
 #: ``[scale, soft-cap]`` (soft-cap 0: none)
@@ -91,25 +90,16 @@ def _kernel_inputs(
     spec: MaskSpec | None, softcap: float | None, *ts: torch.Tensor
 ) -> tuple[tuple[torch.Tensor, ...], BlockPlan]:
     """The op's tensors (q, k, v first) as the kernels take them, and their plan: a whole-call
-    kernel's where one runs the call (:func:`_whole_call`), on float32 copies on
-    ``fp32-upcast``; else on the CPU's
-    ``fp32-upcast`` path (:mod:`attnkit.cpu`; the op runs eagerly, so the path is read here) the
-    tensors as given where the row-span kernel reads their dtype directly, else float32 copies;
-    as given on every other path (on ``native``, bfloat16 goes to the kernel's AVX512-BF16 build
-    where it serves)."""
+    kernel's where one runs the call (:func:`_whole_call`), else the row-span kernel's or the
+    tiles' (:func:`~attnkit.backends.blocked.blocks.plan_on_path`), as an eager call plans (the
+    op runs eagerly, so the CPU path of :mod:`attnkit.cpu` is read here); float32 copies where
+    the plan runs on them (:func:`~attnkit.backends.blocked.blocks.converts`), else as given."""
     path = path_for(ts[0], OP)
-    whole = _whole_call(spec, softcap, path, ts[0], ts[1])
-    if whole is not None:  # a whole-call kernel (selected keys: the gather kernel)
-        return (to_float32(*ts) if upcasts(path) else ts), whole
-    if upcasts(path) or path == "native":
-        native = path == "native"
-        plan = plan_blocks(ts[0], ts[1], ts[2], spec, softcap=softcap, in_dtype=True, dot=native)
-        if plan.spans.serves or native:
-            return ts, plan
-        ts = to_float32(*ts)
-        if plan.spans.lo is None:  # no runs of keys: the tiles' plan reads shapes only
-            return ts, plan
-    return ts, plan_blocks(ts[0], ts[1], ts[2], spec, softcap=softcap)
+    upcast = upcasts(path)
+    plan = _whole_call(spec, softcap, path, ts[0], ts[1])
+    if plan is None:
+        plan = plan_on_path(ts[0], ts[1], ts[2], spec, softcap, upcast, path == "native")
+    return (to_float32(*ts) if converts(plan, ts[0].dtype, upcast) else ts), plan
 
 
 @torch.library.custom_op(

@@ -32,13 +32,14 @@ machine without AVX2, or without the prebuilt build and a compiler, runs without
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from attnkit.backends import nonfinite
 from attnkit.backends.blocked import builds, native, rowspan
+from attnkit.backends.blocked.kernels import OP, Direct
 from attnkit.call import AttentionCall
 
 __all__ = [
@@ -50,7 +51,6 @@ __all__ = [
     "kernel",
     "main",
     "plan",
-    "run",
     "shaped",
     "status",
 ]
@@ -103,12 +103,21 @@ def kernel() -> Any:
 class DecodePlan:
     """Whether the decode kernel runs one call: ``lo``, ``hi`` the runs of keys (int64
     ``(B', L)``, local, inclusive) when the mask has them, ``what`` the mask in explain's words,
-    ``reason`` ``None`` when the kernel runs the call, else why not."""
+    ``reason`` ``None`` when the kernel runs the call, else why not. A plan that serves is the
+    call's :class:`~attnkit.backends.blocked.kernels.KernelPlan` (forward only)."""
 
     lo: torch.Tensor | None
     hi: torch.Tensor | None
     what: str
     reason: str | None
+
+    #: the kernel in explain's words
+    name = "the decode kernel"
+    #: a compiled call plans blocks inside the custom op, which has no decode plan
+    under_compile = (
+        f"under torch.compile it runs as one custom op ({OP}) on the row-span kernel or "
+        "tiles, not the decode kernel"
+    )
 
     @property
     def serves(self) -> bool:
@@ -118,6 +127,42 @@ class DecodePlan:
     @property
     def checks_finite(self) -> bool:
         return self.serves
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``out (B, H, L, Dv)`` in q's dtype and ``lse (B, H, L)`` float32 (the plan must
+        serve the call); raises :class:`~attnkit.backends.nonfinite.NonFinite` where it read
+        or wrote NaN/inf while :func:`~attnkit.backends.nonfinite.reporting`."""
+        out, lse, finite = kernel().decode_forward(q, k, v, self, scale)
+        if not finite and nonfinite.reporting():  # NaN/inf read: the rule's exact path
+            raise nonfinite.NonFinite
+        return out, lse
+
+    def backward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        dout: torch.Tensor,
+        lse: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """None: the kernel is forward-only (a plan that serves is never differentiated)."""
+        return None
+
+    def describe(self, call: AttentionCall, dtype: torch.dtype) -> str:
+        """:func:`describe` of this plan."""
+        return describe(call, self)
+
+    def reads_note(self, dtype: torch.dtype, upcast: bool) -> str:
+        """It reads q, k, v as they are on every path; :meth:`describe` says so."""
+        return ""
+
+    def direct(self, call: AttentionCall) -> Direct:
+        """:func:`direct` of this plan."""
+        return direct(call, self)
 
 
 def shaped(call: AttentionCall) -> bool:
@@ -216,19 +261,9 @@ def describe(call: AttentionCall, p: DecodePlan) -> str:
     )
 
 
-def run(call: AttentionCall, p: DecodePlan) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """``(out (B, H, L, Dv) in q's dtype, lse (B, H, L) float32, finite)`` of ``call`` by the
-    kernel (``p`` must serve it); ``finite`` is False where something it read or wrote was
-    not finite (see the module docstring)."""
-    out, lse, finite = kernel().decode_forward(call.q, call.k, call.v, p, call.scale)
-    return out, lse, bool(finite)
-
-
-def direct(
-    call: AttentionCall, p: DecodePlan
-) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]:
-    """:func:`run` for any call with ``call``'s signature, given its q, k and v: the output,
-    or ``None`` where the kernel saw NaN or inf (``p`` must serve ``call``)."""
+def direct(call: AttentionCall, p: DecodePlan) -> Direct:
+    """The kernel's forward for any call with ``call``'s signature, given its q, k and v: the
+    output, or ``None`` where the kernel saw NaN or inf (``p`` must serve ``call``)."""
     # the kernel's entry bound to this signature (its checks and arguments made once)
     return kernel().bind(call.q, call.k, call.v, p, call.scale)  # type: ignore[no-any-return]
 

@@ -35,6 +35,7 @@ the other rules at global positions (``q_start``, ``k_start``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +43,9 @@ from attnkit.backends import nonfinite
 from attnkit.masks import MaskSpec
 from attnkit.masks.selected import SelectedKeys, find_selected
 from attnkit.masks.spec import _And, _HeadSlice
+
+if TYPE_CHECKING:
+    from attnkit.call import AttentionCall
 
 __all__ = ["CHUNK_BYTES", "GatherPlan", "backward", "block_plan", "describe", "forward", "plan"]
 
@@ -100,9 +104,18 @@ class GatherPlan:
         """:func:`backward` of this plan."""
         return backward(self, q, k, v, out, dout, lse, scale)
 
-    def describe(self, L: int, S: int, dtype: torch.dtype) -> str:
+    def describe(self, call: AttentionCall, dtype: torch.dtype) -> str:
         """:func:`describe` of this plan."""
-        return describe(self, L, S, dtype)
+        return describe(self, call.dims.L, call.dims.S, dtype)
+
+    def reads_note(self, dtype: torch.dtype, upcast: bool) -> None:
+        """None: it runs on what the CPU path gives every kernel (float32 copies on
+        ``fp32-upcast``)."""
+        return None
+
+    def direct(self, call: AttentionCall) -> None:
+        """None: it has no entry bound to a signature (every call goes the whole way)."""
+        return None
 
 
 def _without(spec: MaskSpec) -> MaskSpec | bool | None:
