@@ -420,7 +420,7 @@ def test_a_refused_hf_keyword_is_refused_after_a_direct_run() -> None:
     q, k, v = _qkv()
     hfa.hf_attention(layer, q, k, v, spec, scaling=0.3)
     hfa.hf_attention(layer, q, k, v, spec, scaling=0.3)  # direct
-    for name, value in (("position_bias", torch.zeros(1)), ("a_new_keyword", 1)):
+    for name, value in (("block_indices", torch.zeros(1, dtype=torch.long)), ("a_new_keyword", 1)):
         with pytest.raises(AttentionInputError) as info:
             hfa.hf_attention(layer, q, k, v, spec, scaling=0.3, **{name: value})
         assert f"{name}=" in str(info.value)
