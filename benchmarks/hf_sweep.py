@@ -138,10 +138,14 @@ def _maps(out: Any) -> tuple[torch.Tensor, ...]:
     """The attention maps of a model's output: ``attentions``, or an encoder-decoder's encoder,
     decoder and cross-attention maps."""
     names = ("attentions", "encoder_attentions", "decoder_attentions", "cross_attentions")
-    maps: tuple[torch.Tensor, ...] = ()
+    maps: list[torch.Tensor] = []
     for name in names:
-        maps += tuple(getattr(out, name, None) or ())
-    return maps
+        for entry in getattr(out, name, None) or ():
+            # a layer's entry: its map, or (Pegasus-X and others) a dict or tuple of maps
+            parts = entry.values() if isinstance(entry, dict) else [entry]
+            for part in parts:
+                maps += [part] if isinstance(part, torch.Tensor) else list(part or ())
+    return tuple(maps)
 
 
 def _gap(a: torch.Tensor, b: torch.Tensor, real: torch.Tensor) -> float:
