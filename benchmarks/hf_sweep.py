@@ -221,7 +221,9 @@ def mask_kind(mask: Any, lazy: type) -> str:
     ``none``, ``edited`` (a lazy mask the model's code operated on, so a dense tensor),
     ``dense rule`` (transformers' dense mask from attnkit's mask interface: a rule it could
     neither prove as a spec nor evaluate as a function mask, since a rule it cannot prove is
-    ``from_function`` over transformers' function, a ``spec`` here) or ``tensor``
+    ``from_function`` over transformers' function, a ``spec`` here), ``keys`` (a tensor the
+    model built with one row for all queries, such as Switch's ``(B, 1, 1, S)`` padding: not
+    L x S) or ``tensor``
     (another L x S tensor: made from attnkit's lazy mask by the model's code, the caller's,
     or one the model built itself)."""
     if mask is None:
@@ -232,6 +234,8 @@ def mask_kind(mask: Any, lazy: type) -> str:
         return "spec"
     if any(mask is d for d in DENSE_MADE):
         return "dense rule"
+    if mask.dim() >= 2 and mask.shape[-2] == 1:
+        return "keys"  # one row for every query (a (B, 1, 1, S) padding mask): O(S), not L x S
     return "tensor"
 
 
@@ -315,7 +319,7 @@ def main() -> None:
     counts |= {v: sum(1 for r in verdicts.values() if r[0] == v) for v in ("refused", "skip")}
     print("\n" + ", ".join(f"{n} {v}" for v, n in counts.items()) + f" of {len(verdicts)} types")
     ran = [t for t, r in verdicts.items() if r[0] in ("match", "DIFFER")]
-    lean = [t for t in ran if masks.get(t, set()) <= {"spec", "none"}]
+    lean = [t for t in ran if masks.get(t, set()) <= {"spec", "none", "keys"}]
     print(f"without an L x S mask tensor: {len(lean)} of the {len(ran)} types attnkit ran")
     for t in sorted(set(ran) - set(lean)):
         print(f"  {t}: {', '.join(sorted(masks.get(t, set()) - {'spec', 'none'}))}")
