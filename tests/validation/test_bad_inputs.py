@@ -418,3 +418,19 @@ def test_a_square_mask_of_no_mask_dtype_on_a_module_is_refused_not_crashed(
     text = str(info.value)
     assert "`mask` has dtype" in text
     assert str(dtype) in text
+
+
+@pytest.mark.parametrize("shape", [(0,), (3,), (2, 3)])
+def test_a_module_mask_that_does_not_fit_the_keys_is_refused_not_crashed(
+    shape: tuple[int, ...],
+) -> None:
+    """A ``mask`` of the wrong shape next to a key-padding mask: the module merges the two
+    before attention() checks them, and that merge must not crash in ``&`` (found by
+    hypothesis: an empty bool mask with ``attention_mask`` raised torch's RuntimeError)."""
+    m = attnkit.MultiHeadAttention(4, 1, kdim=1, vdim=1, batch_first=False)
+    q, k, v = torch.randn(1, 1, 4), torch.randn(2, 1, 1), torch.randn(2, 1, 1)
+    with pytest.raises(AttentionInputError) as info:
+        m(q, k, v, attention_mask=torch.tensor([[1, 0]]), mask=torch.ones(shape, dtype=torch.bool))
+    text = str(info.value)
+    assert "`mask` does not broadcast to (B, H, L, S)" in text
+    assert "target (B=1, H=1, L=1, S=2)" in text

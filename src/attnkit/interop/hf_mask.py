@@ -37,6 +37,7 @@ from attnkit.errors import AttentionInputError
 from attnkit.interop.hf_function import function_spec
 from attnkit.interop.hf_lazy_mask import LazyMask
 from attnkit.interop.hf_rules import UNMASKED, Reading, rule_spec
+from attnkit.masks import MaskSpec
 
 __all__ = [
     "FLOAT_MASK_MODEL_TYPES",
@@ -191,6 +192,22 @@ def _refuse_models_outside_the_interface() -> None:
     )
 
 
+def _read_spec(mu: ModuleType, common: dict[str, Any]) -> MaskSpec | None:
+    """The spec of the mask ``sdpa_mask(**common)`` would make: the rule read from
+    transformers' mask function where it is proven, else that function itself as a function
+    mask; ``None`` for a tensor key offset and for the masks ``generate`` builds ahead."""
+    kv_offset = common["kv_offset"]
+    if type(kv_offset) is not int or _building_masks_for_generate():
+        return None
+    fn, padding = common["mask_function"], common["attention_mask"]
+    sizes = (common["batch_size"], common["q_length"], common["kv_length"])
+    at = Reading(*sizes, common["q_offset"], kv_offset)
+    spec = rule_spec(mu, fn, padding, at)
+    if spec is None:  # not proven: transformers' own function, as sdpa_mask calls it
+        spec = function_spec(fn, padding, at, bool(common["use_vmap"]), common["device"])
+    return spec
+
+
 def hf_mask(
     batch_size: int,
     q_length: int,
@@ -262,12 +279,7 @@ def hf_mask(
             return mu.eager_mask(**common, dtype=dtype)  # type: ignore[no-any-return]
         return mu.sdpa_mask(**common, allow_is_causal_skip=False)  # type: ignore[no-any-return]
 
-    spec = None
-    if type(kv_offset) is int and not compiling and not _building_masks_for_generate():
-        at = Reading(batch_size, q_length, kv_length, q_offset, kv_offset)
-        spec = rule_spec(mu, fn, attention_mask, at)
-        if spec is None:  # not proven: transformers' own function, as sdpa_mask calls it
-            spec = function_spec(fn, attention_mask, at, bool(common["use_vmap"]), device)
+    spec = None if compiling else _read_spec(mu, common)
     if spec is None:
         return dense()
     if spec.tensors():

@@ -56,8 +56,8 @@ def combine(a: Mask | None, b: Mask | None, L: int, S: int, dtype: torch.dtype) 
     Specs stay specs; a bool key mask ``(B, 1, 1, S)`` joins a spec as :func:`key_mask`;
     any other tensor with a spec makes the spec dense. Bool with bool is ``&``; float with
     bool is ``-inf`` where the bool blocks; float with float is the sum (as torch adds them).
-    A tensor that is neither bool nor float is returned as it is, for
-    :func:`attnkit.attention` to refuse with its message.
+    A tensor that is neither bool nor float, or one whose shape does not broadcast with the
+    other's, is returned as it is, for :func:`attnkit.attention` to refuse with its message.
 
     >>> keep = torch.tensor([[True, True, False]])[:, None, None, :]  # (B, 1, 1, S)
     >>> combine(torch.ones(2, 3).tril(1).bool(), keep, 2, 3, torch.float32).int()
@@ -73,12 +73,24 @@ def combine(a: Mask | None, b: Mask | None, L: int, S: int, dtype: torch.dtype) 
     for t in (a, b):
         if t.dtype != torch.bool and not t.is_floating_point():
             return t
+    if not _broadcast(a.shape, b.shape):  # the one that does not fit (L, S): attention()
+        return a if tuple(a.shape[-2:]) not in _fits(L, S) else b  # refuses it by name
     if a.dtype == torch.bool and b.dtype == torch.bool:
         return a & b
     if a.is_floating_point() and b.is_floating_point():
         return a + b
     bias, allowed = (a, b) if b.dtype == torch.bool else (b, a)
     return bias.masked_fill(~allowed, float("-inf"))
+
+
+def _broadcast(a: torch.Size, b: torch.Size) -> bool:
+    """Whether tensors of shapes ``a`` and ``b`` broadcast together."""
+    return all(x == y or 1 in (x, y) for x, y in zip(reversed(a), reversed(b), strict=False))
+
+
+def _fits(L: int, S: int) -> set[tuple[int, ...]]:
+    """The last two dims of a mask that broadcasts over ``(L, S)``."""
+    return {(lq, sk) for lq in (L, 1) for sk in (S, 1)} | {(S,), (1,)}
 
 
 def _spec_and_tensor(
