@@ -73,10 +73,11 @@ def _check_spec(mask: MaskSpec, q: torch.Tensor, dims: Dims, where: str, key_sha
             fix=fix + " (with a KV cache, S counts the cached keys too)",
         )
     if mask.from_tensor:  # a user's tensor as a spec, or inside one
-        for tensor in _mask_tensors(mask):  # checked as it would be on its own
-            _check_dtype_and_device(tensor, q, where)
-            if key_shards == 1:
-                _check_broadcast(tensor, dims, where)
+        for part in mask.walk():  # each DenseMask's tensor, checked as it would be alone
+            if isinstance(part, DenseMask):
+                _check_dtype_and_device(part.tensor, q, where)
+                if key_shards == 1:
+                    _check_broadcast(part.tensor, dims, where)
     device = mask.device
     if device is not None and device != q.device:
         raise AttentionInputError(
@@ -87,17 +88,6 @@ def _check_spec(mask: MaskSpec, q: torch.Tensor, dims: Dims, where: str, key_sha
             expected="the spec's tensors on q's device",
             fix=f"build it from tensors on {str(q.device)!r}",
         )
-
-
-def _mask_tensors(spec: MaskSpec) -> list[torch.Tensor]:
-    """The users' mask tensors inside a composed spec (its :class:`DenseMask` parts)."""
-    if isinstance(spec, DenseMask):
-        return [spec.tensor]
-    found: list[torch.Tensor] = []
-    for part in vars(spec).values():
-        if isinstance(part, MaskSpec) and part.from_tensor:
-            found += _mask_tensors(part)
-    return found
 
 
 def check_mask(

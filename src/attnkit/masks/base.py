@@ -15,7 +15,7 @@ that turns a spec into per-block states (empty / partial / full):
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import NoReturn, TypeVar
 
@@ -163,6 +163,14 @@ class SpecBase(Digestible):
         ``(self, None)`` (the default) where there are none; see
         :func:`~attnkit.masks.key_holes`."""
         return self, None
+
+    def walk(self) -> Iterator[SpecBase]:
+        """This spec and every spec it is made of, depth first (``a & b``: itself, then
+        ``a``'s and ``b``'s)."""
+        yield self
+        for v in vars(self).values():
+            if isinstance(v, SpecBase):
+                yield from v.walk()
 
     def planning_bytes(self) -> int:
         """The bytes planning this spec block by block allocates beyond its rule: the int64

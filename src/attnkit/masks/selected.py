@@ -25,7 +25,7 @@ edit the indices through torch, or build a new spec. transformers' DSA indexer r
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 
 import torch
 
@@ -297,18 +297,11 @@ def select_heads(spec: MaskSpec, start: int, stop: int) -> MaskSpec:
     return spec.select_heads(start, stop)
 
 
-def _parts(spec: SpecBase) -> Iterator[SpecBase]:
-    yield spec
-    for v in vars(spec).values():
-        if isinstance(v, SpecBase):
-            yield from _parts(v)
-
-
 def find_selected(spec: SpecBase | None) -> SelectedKeys | None:
     """The :class:`SelectedKeys` inside ``spec`` (``&`` of rules), or ``None``."""
     if spec is None or not spec.selects_keys:
         return None
-    return next((p for p in _parts(spec) if isinstance(p, SelectedKeys)), None)
+    return next((p for p in spec.walk() if isinstance(p, SelectedKeys)), None)
 
 
 def check_selected(
@@ -318,6 +311,6 @@ def check_selected(
     these sizes (``L``, ``S``: every query and key of the sequence, over ``shards`` shards)."""
     if not spec.selects_keys:
         return
-    for p in _parts(spec):
+    for p in spec.walk():
         if isinstance(p, SelectedKeys):
             p.check_call(L, S, H, Hkv, B, where, shards)

@@ -105,12 +105,10 @@ class MaskSpec(SpecBase):
 def _tensor_sizes(spec: SpecBase, n: int) -> tuple[int, int]:
     """The query and key lengths of the first mask tensor inside ``spec`` (a ``DenseMask``'s
     ``(B', H', L', S')``), ``n`` where it broadcasts over one (a size of 1)."""
-    m = getattr(spec, "m", None)
-    if isinstance(m, torch.Tensor) and m.dim() == 4:
-        return (m.shape[2] if m.shape[2] > 1 else n), (m.shape[3] if m.shape[3] > 1 else n)
-    for part in vars(spec).values():
-        if isinstance(part, SpecBase) and part.from_tensor:
-            return _tensor_sizes(part, n)
+    for part in spec.walk():
+        m = getattr(part, "m", None)
+        if isinstance(m, torch.Tensor) and m.dim() == 4:
+            return (m.shape[2] if m.shape[2] > 1 else n), (m.shape[3] if m.shape[3] > 1 else n)
     return n, n
 
 
