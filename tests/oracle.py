@@ -161,3 +161,20 @@ def reference_attention(
             out[b, h, live] = w @ v[b, hk]  # rows with nothing keep output 0
     out = out.masked_fill(nan_out[..., None], math.nan)
     return out, weights.masked_fill(nan_weights[..., None], math.nan)
+
+
+def within_oracle_on(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    what: object = "",
+) -> None:
+    """Assert the tolerance rule for a peer's output ``out`` of ``q, k, v`` under the dense
+    bool ``mask`` (``None``: none): against the float64 oracle, the bound from the naive run
+    in q's dtype."""
+    want = reference_attention(q, k, v, mask=mask)[0]
+    naive = reference_attention(q, k, v, mask=mask, dtype=q.dtype)[0]
+    within_naive(out, want, naive, what=what)

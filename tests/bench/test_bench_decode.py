@@ -21,7 +21,7 @@ from attnkit import bench, masks
 from attnkit.bench import ort
 from attnkit.bench.peers import PEERS
 from attnkit.bench.workloads import WORKLOADS, Inputs, ragged_lengths
-from oracle import reference_attention, within_naive
+from oracle import within_oracle_on
 
 ROOT = Path(__file__).resolve().parents[2]
 CAP = 8 << 30
@@ -37,10 +37,7 @@ def _check(out: torch.Tensor, inputs: Inputs, what: str) -> None:
     """``out`` within the tolerance rule of the float64 oracle on ``inputs``."""
     L, S = inputs.q.shape[2], inputs.k.shape[2]
     dense = None if inputs.spec is None else inputs.spec.to_dense(L, S)
-    q, k, v = inputs.q, inputs.k, inputs.v
-    want = reference_attention(q, k, v, mask=dense)[0]
-    naive = reference_attention(q, k, v, mask=dense, dtype=q.dtype)[0]
-    within_naive(out, want, naive, what=what)
+    within_oracle_on(out, inputs.q, inputs.k, inputs.v, dense, what=what)
 
 
 def test_decode_group_rows_and_their_peers() -> None:

