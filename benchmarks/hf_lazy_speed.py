@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import re
 import statistics
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ import transformers
 
 import attnkit.interop
 import attnkit.interop.hf_attention as hfa
+from attnkit.bench.machine import cpu_line
 from attnkit.masks import MaskSpec
 
 WINDOW = 256
@@ -128,15 +128,6 @@ def measure(name: str, length: int, reps: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    found = set(re.findall(r"\b(avx512_bf16|amx_bf16|avx512f|avx2)\b", text))
-    return " ".join(sorted(found)) or "none of avx2/avx512f/avx512_bf16/amx_bf16"
-
-
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| model | L | sdpa (s) | attnkit (s) | sdpa / attnkit | target | layers with a spec "
@@ -165,7 +156,7 @@ def main() -> None:
     attnkit.interop.register_hf()
     rows = [measure(name, length, reps) for name in configs()]
     print(table(rows))
-    print(f"\nCPU flags: {cpu_flags()}; torch threads: {torch.get_num_threads()}; "
+    print(f"\n{cpu_line()}; torch threads: {torch.get_num_threads()}; "
           f"torch {torch.__version__}, transformers {transformers.__version__}")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

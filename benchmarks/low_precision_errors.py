@@ -23,7 +23,7 @@ Cases (B=1, H=4 query heads over Hkv=2 key/value heads, L=S=128, D=64; :data:`CA
 * ``K/V strided``: K and V as views of a (B, 2S, Hkv, D) cache, the layout of transformers'
   caches (``cache[:, :S].transpose(1, 2)``), with q and k scaled by 2.
 
-The CPU flags that decide which kernels run (avx2, avx512f, avx512_bf16, avx512_fp16, amx_bf16)
+The CPU flags that decide which kernels run (avx2, fma, avx512f, avx512_bf16, avx512_fp16, amx_*)
 are read from /proc/cpuinfo and printed with the table, as is the CPU path
 (:mod:`attnkit.cpu`) each dtype took.
 
@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,12 +49,12 @@ import torch.nn.functional as F
 
 import attnkit
 from attnkit import cpu
+from attnkit.bench.machine import cpu_line
 
 B, H, Hkv, L, S, D = 1, 4, 2, 128, 128, 64
 BACKENDS = ("math", "sdpa", "blocked")
 DTYPES = (torch.bfloat16, torch.float16)
 QUANTITIES = ("out", "weights", "dq", "dk", "dv")
-FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")
 Views = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
 
 
@@ -241,24 +240,6 @@ def measure(case_name: str, dtype: torch.dtype) -> Iterator[list[str]]:
         yield [case_name, quantity, _cell(base_err, math.nan, tiny), *cells]
 
 
-def cpu_flags() -> str:
-    """The CPU's model and the flags of :data:`FLAGS` it has (and those it lacks)."""
-    model, flags = platform.processor() or platform.machine(), set[str]()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and value:
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-    except OSError:
-        return f"{model}; /proc/cpuinfo unreadable"
-    have = [f for f in FLAGS if f in flags]
-    lack = [f for f in FLAGS if f not in flags]
-    return f"{model}; has {' '.join(have) or 'none'}; lacks {' '.join(lack) or 'none'}"
-
-
 def table(paths: list[str]) -> Iterator[str]:
     """The markdown lines: for each path and dtype, a heading and the rows of every case."""
     header = ["case", "quantity", "torch SDPA", *(f"attnkit {b}" for b in BACKENDS)]
@@ -285,7 +266,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"CPU: {cpu_flags()}")
+    print(cpu_line())  # the CPU and its flags: every figure below depends on them
     print(
         f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, "
         f"{args.threads} threads; B={B} H={H} Hkv={Hkv} L={L} S={S} D={D}"
