@@ -17,7 +17,10 @@ mask is quick). ``--kv-heads 1`` (or 2) is the case the slices are for: fewer ke
 than threads.
 
     python benchmarks/selected_keys.py [--L 8192] [--k 256] [--heads 16] [--dim 128] [--reps 3]
-                                      [--kv-heads 16] [--backward]
+                                      [--kv-heads 16] [--backward] [--dtype bfloat16]
+
+``--dtype bfloat16`` (or ``float16``): q, k, v in that dtype on both sides (attnkit's C++ kernel
+on float32 copies; SDPA in the dtype).
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from __future__ import annotations
 import argparse
 import resource
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 import attnkit
 from attnkit import masks
 from attnkit.backends.blocked import gather_native
+from attnkit.bench.machine import cpu_line
 
 
 def _peak_mib() -> float:
@@ -73,19 +76,6 @@ def _time(fns: dict[str, Callable[[], torch.Tensor]], reps: int) -> dict[str, fl
     return {n: statistics.median(t) for n, t in times.items()}
 
 
-def _cpu_flags() -> str:
-    try:
-        text = subprocess.run(
-            ["grep", "-o", "-E", "avx512_bf16|amx_bf16|avx512f|avx2", "/proc/cpuinfo"],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout
-    except OSError:
-        return "unknown"
-    return " ".join(sorted(set(text.split()))) or "none of avx2/avx512f/avx512_bf16/amx_bf16"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--L", type=int, default=8192)
@@ -95,6 +85,7 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     ap.add_argument("--decode", action="store_true", help="decode steps only (see _decode)")
     ap.add_argument("--cache", type=int, default=32768, help="--decode: the cached keys S")
     args = ap.parse_args()
@@ -104,9 +95,10 @@ def main() -> None:
     B, L, H, Hkv, D, k = 1, args.L, args.heads, args.kv_heads, args.dim, args.k
     S = L
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(B, H, L, D, generator=gen)
-    kk = torch.randn(B, Hkv, S, D, generator=gen)
-    v = torch.randn(B, Hkv, S, D, generator=gen)
+    dtype = getattr(torch, args.dtype)
+    q = torch.randn(B, H, L, D, generator=gen).to(dtype)
+    kk = torch.randn(B, Hkv, S, D, generator=gen).to(dtype)
+    v = torch.randn(B, Hkv, S, D, generator=gen).to(dtype)
     ind = _indices(B, L, S, k, gen)
     spec = masks.causal() & masks.selected_keys(ind)
     plan = attnkit.explain(q, kk, v, mask=spec)
@@ -128,10 +120,9 @@ def main() -> None:
     err = (a - b).abs().max().item()
     t = _time({"attnkit": ours, "sdpa": sdpa}, args.reps)
     mask_mib = B * L * S / 2**20
-    print(
-        f"CPU flags: {_cpu_flags()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
-    )
-    print(f"B={B} H={H} Hkv={Hkv} L=S={L} D={D} top-{k}, float32, forward; max |diff| {err:.1e}")
+    print(f"{cpu_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    shape = f"B={B} H={H} Hkv={Hkv} L=S={L} D={D} top-{k}"
+    print(f"{shape}, {args.dtype}, forward; max |diff| {err:.1e}")
     print("| path | forward s | vs sdpa | peak MiB (growth) |")
     print("|---|---|---|---|")
     print(

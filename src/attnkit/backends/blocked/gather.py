@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from attnkit import cpu
 from attnkit.backends import nonfinite
 from attnkit.masks import MaskSpec
 from attnkit.masks.selected import SelectedKeys, find_selected
@@ -51,6 +52,11 @@ __all__ = ["CHUNK_BYTES", "GatherPlan", "backward", "block_plan", "describe", "f
 
 #: the most bytes one chunk's gathered K and V rows take (the kernel's working set)
 CHUNK_BYTES = 32 << 20
+#: the dtypes the C++ kernel serves: float32, and bfloat16 and float16 on float32 copies of
+#: q, k, v (made per call in this thread's conversion buffer, :func:`attnkit.cpu.to_float32`:
+#: O((L + S) D) bytes, never the gathered ``(L, k, D)``); its results are float32, as the
+#: torch operations' are, and the backend returns them in the input dtype
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -188,9 +194,9 @@ def _runs_native(
     dtype: torch.dtype | None,
     device: torch.device | None,
 ) -> bool:
-    """Whether the C++ kernel runs the plan: float32 on the CPU, a key per row, no score
-    bias, and the build loads."""
-    native = dtype == torch.float32 and (device is None or device.type == "cpu")
+    """Whether the C++ kernel runs the plan: float32 (bfloat16 and float16 on float32 copies)
+    on the CPU, a key per row, no score bias, and the build loads."""
+    native = dtype in NATIVE_DTYPES and (device is None or device.type == "cpu")
     native = native and sel.topk > 0 and not (rest is not None and rest.has_bias)
     if native:
         from attnkit.backends.blocked import gather_native
@@ -239,9 +245,10 @@ def describe(p: GatherPlan, L: int, S: int, dtype: torch.dtype) -> str:
     rest = "" if p.rest is None else f", {p.rest!r} applied to the selected pairs"
     from attnkit.backends.blocked import gather_native
 
-    lib = gather_native.kernel() if p.native and dtype == torch.float32 else None
+    lib = gather_native.kernel() if p.native and dtype in NATIVE_DTYPES else None
+    copies = "" if dtype == torch.float32 else f" on float32 copies of the {dtype} q, k, v"
     how = (
-        "forward and backward in C++ (float32; the backward parallel over batch rows, "
+        f"forward and backward in C++ (float32{copies}; the backward parallel over batch rows, "
         "key/value heads and slices of query rows, each slice adding into dK/dV rows of its own)"
         if lib is not None
         else "forward and backward in chunks of query rows in torch operations"
@@ -342,8 +349,8 @@ def _allowed_entries(p: GatherPlan, H: int) -> torch.Tensor:
 
 def _native_inputs(p: GatherPlan, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The C++ kernel's ``idx`` and ``ok`` (:mod:`~attnkit.backends.blocked.gather_native`)
-    where the plan runs it (``native``: float32 on the CPU, no score bias)."""
-    if not p.native or q.device.type != "cpu" or q.dtype != torch.float32:
+    where the plan runs it (``native``: :data:`NATIVE_DTYPES` on the CPU, no score bias)."""
+    if not p.native or q.device.type != "cpu" or q.dtype not in NATIVE_DTYPES:
         return None
     idx = p.selected.ind.long().clamp(min=0).contiguous()
     return idx, _allowed_entries(p, q.shape[1])
@@ -357,7 +364,18 @@ def _native(
     from attnkit.backends.blocked import gather_native
 
     inputs = _native_inputs(p, q)
-    return None if inputs is None else gather_native.forward(q, k, v, *inputs, scale)
+    if inputs is None:
+        return None
+    qf, kf, vf = _as_float32(q, k, v)
+    return gather_native.forward(qf, kf, vf, *inputs, scale)
+
+
+def _as_float32(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``ts`` as they are where all are float32, else float32 copies of them (the C++
+    kernel reads float32)."""
+    if all(t.dtype == torch.float32 for t in ts):
+        return ts
+    return cpu.to_float32(*ts)
 
 
 def forward(
@@ -409,7 +427,8 @@ def backward(
     if inputs is not None:
         from attnkit.backends.blocked import gather_native
 
-        done = gather_native.backward(q, k, v, out, dout, lse, *inputs, scale)
+        qf, kf, vf, of, df, lf = _as_float32(q, k, v, out, dout, lse)
+        done = gather_native.backward(qf, kf, vf, of, df, lf, *inputs, scale)
         if done is not None:
             return done
     B, H, L, Dk = q.shape
