@@ -154,3 +154,16 @@ def test_explain_names_per_token_sinks() -> None:
     e = attnkit.explain(q, k, v, causal=True, sinks=sinks)
     assert f"sinks: ({B}, {H}, {L}) per query row" in e.summary
     assert "sinks: (4,) per head" in attnkit.explain(q, k, v, sinks=torch.zeros(H)).summary
+
+
+def test_per_token_sinks_have_second_derivatives_on_blocked() -> None:
+    """create_graph=True through blocked recomputes the math backend's gradients, per-token
+    sinks included (tests/core/test_second_order.py does the same for ``(H,)``)."""
+    g = torch.Generator().manual_seed(10)
+    shapes = ((1, 2, 5, 3), (1, 1, 5, 3), (1, 1, 5, 3), (1, 2, 5))
+    inputs = tuple(torch.randn(*s, generator=g, dtype=F64).requires_grad_() for s in shapes)
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return attnkit.attention(q, k, v, causal=True, sinks=s, backend="blocked")
+
+    assert torch.autograd.gradgradcheck(fn, inputs)
