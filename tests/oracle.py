@@ -110,7 +110,8 @@ def reference_attention(
     ``dtype=torch.float64`` is the oracle; a lower dtype gives the "naive run in the same
     dtype" that the tolerance rule compares against. ``softcap`` caps the scaled scores to
     ``c * tanh(s / c)`` before the mask; ``sinks (H,)`` adds one logit per head to every row's
-    softmax (a column with no value, dropped from the weights).
+    softmax, ``sinks (B, H, L)`` (or ``(1, H, L)``) one per row and head (a column with no value,
+    dropped from the weights).
     """
     q, k, v = (t.to(dtype) for t in (q, k, v))
     B, H, L, Dk = q.shape
@@ -151,7 +152,10 @@ def reference_attention(
             s = (s + additive[b, h]).masked_fill(~allowed[b, h], float("-inf"))
             live = allowed[b, h].any(dim=1)  # rows with something to attend to
             if sinks is not None:  # the sink column: every row has it, and it has no value
-                sink = sinks[h].to(dtype).expand(L, 1)
+                per_row = (
+                    sinks[h].expand(L) if sinks.dim() == 1 else sinks[min(b, len(sinks) - 1), h]
+                )
+                sink = per_row.to(dtype).unsqueeze(1)  # (L, 1)
                 w_all = torch.softmax(torch.cat([s, sink], dim=1), dim=1)[:, :S]
                 weights[b, h] = w_all
                 out[b, h] = w_all @ v[b, hk]

@@ -23,7 +23,17 @@ import torch
 from attnkit.cpu import path_for, upcasts
 from attnkit.masks import DenseMask, MaskSpec, as_spec, is_causal
 
-__all__ = ["AttentionCall", "Dims"]
+__all__ = ["AttentionCall", "Dims", "sink_rows"]
+
+
+def sink_rows(sinks: torch.Tensor) -> torch.Tensor:
+    """Attention sinks as checked by :func:`attnkit.validate.check_sinks`, viewed to broadcast
+    over ``(B, H, L)``: ``(H,)`` becomes ``(1, H, 1)``; ``(B, H, L)`` and ``(1, H, L)`` stay.
+
+    >>> sink_rows(torch.zeros(4)).shape
+    torch.Size([1, 4, 1])
+    """
+    return sinks.view(1, -1, 1) if sinks.dim() == 1 else sinks
 
 
 class Dims(NamedTuple):
@@ -52,8 +62,10 @@ class AttentionCall:
         dims: the sizes by name.
         softcap: logit soft-cap ``c`` (Gemma 2): scores become ``c * tanh(s / c)`` before the
             mask; ``None``: none.
-        sinks: attention sinks ``(H,)`` (gpt-oss ``s_aux``): one logit per query head that
-            joins every row's softmax denominator and adds no value; ``None``: none.
+        sinks: attention sinks, logits that join the softmax denominator of the rows they
+            belong to and add no value: ``(H,)`` (gpt-oss ``s_aux``: one per query head, for
+            every row) or ``(B, H, L)`` / ``(1, H, L)`` (Inkling 2: one per query row and
+            head); ``None``: none. :func:`sink_rows` gives them one form.
         explaining: built by :func:`attnkit.explain`: nothing runs, and :meth:`dense_mask`
             returns a zero-memory stand-in of the right shape and dtype.
         cpu_path: for bfloat16/float16 on the CPU, the path the backends follow

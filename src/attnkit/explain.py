@@ -104,12 +104,17 @@ def _summary(call: AttentionCall, mask: torch.Tensor | MaskSpec | None, causal: 
         f"return_weights: {call.return_weights}"
     )
     if call.softcap is not None or call.sinks is not None:
-        sinks_str = "none" if call.sinks is None else f"({d.H},) per head"
+        sinks_str = "none" if call.sinks is None else _sinks_str(call.sinks)
         summary += f"\n  softcap: {call.softcap}; sinks: {sinks_str}"
     if call.cpu_path is not None:
         summary += f"\n  CPU path: {cpu.describe(call.cpu_path, q.dtype)}"
         summary += f"\n  CPU: {cpu.features()}"
     return summary
+
+
+def _sinks_str(sinks: torch.Tensor) -> str:
+    """The sinks in the summary's words: ``(4,) per head``, ``(2, 4, 8) per query row``."""
+    return f"{tuple(sinks.shape)} per {'head' if sinks.dim() == 1 else 'query row'}"
 
 
 def explain(

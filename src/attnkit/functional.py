@@ -110,9 +110,11 @@ def attention(
             that cannot serve the call raises; attnkit never falls back silently.
         softcap: logit soft-capping (Gemma 2): the scaled scores become
             ``softcap * tanh(scores / softcap)`` before the mask is applied.
-        sinks: attention sinks ``(H,)`` (gpt-oss ``s_aux``): one logit per query head that
-            joins each row's softmax denominator and contributes no value (its gradient is
-            computed). A row that sees no key then gives 0.
+        sinks: attention sinks, logits that join a row's softmax denominator and contribute
+            no value (their gradient is computed): ``(H,)`` (gpt-oss ``s_aux``), one per query
+            head for every row, or ``(B, H, L)`` (Inkling 2), one per query row and head
+            (``(1, H, L)`` serves every sequence of the batch). A row that sees no key then
+            gives 0.
 
     Returns:
         ``(B, H, L, Dv)``; with ``return_weights=True`` an :class:`AttentionOutput`

@@ -13,7 +13,7 @@ The pieces, in the order :func:`attnkit.attention` runs them:
   float mask's values), then :func:`warn_if_inverted_causal` for a mask given in attnkit's
   convention;
 - :func:`check_scalars`: ``causal``, ``scale``, ``dropout_p``, ``return_weights``, ``softcap``;
-- :func:`check_sinks`: attention sinks ``(H,)``.
+- :func:`check_sinks`: attention sinks ``(H,)``, ``(B, H, L)`` or ``(1, H, L)``.
 
 Every check raises :class:`~attnkit.errors.AttentionInputError` with the argument's name, the
 shapes it got (with dim names), what was expected and the likely fix. Checks that look at tensor
@@ -281,18 +281,22 @@ def _check_softcap(softcap: object, where: str) -> None:
 
 
 def check_sinks(sinks: object, q: torch.Tensor, dims: Dims, *, where: str) -> None:
-    """Check attention sinks: ``None``, or one logit per query head, a tensor ``(H,)`` of q's
-    dtype on q's device (``dims`` from :func:`check_qkv`). Raises
-    :class:`AttentionInputError`."""
+    """Check attention sinks: ``None``, or a tensor of q's dtype on q's device holding one
+    logit per query head, ``(H,)`` (the same for every row), or one per query row and head,
+    ``(B, H, L)``, or ``(1, H, L)`` for every sequence of the batch (``dims`` from
+    :func:`check_qkv`). Raises :class:`AttentionInputError`."""
     if sinks is None:
         return
-    want = f"sinks (H={dims.H},) of dtype {q.dtype} on {q.device}"
+    want = (
+        f"sinks (H={dims.H},) or (B={dims.B}, H={dims.H}, L={dims.L}) or (1, H={dims.H}, "
+        f"L={dims.L}), of dtype {q.dtype} on {q.device}"
+    )
     if not isinstance(sinks, torch.Tensor):
         problem, got, fix = "`sinks` is not a tensor.", f"sinks: {type(sinks).__name__}", None
-    elif tuple(sinks.shape) != (dims.H,):
-        problem = f"`sinks` has shape {tuple(sinks.shape)}; it holds one logit per query head."
-        got = f"{shape_str('sinks', sinks, None)}  q (B={dims.B}, H={dims.H}, L={dims.L})"
-        fix = "one learned logit per query head, e.g. nn.Parameter(torch.zeros(H))"
+    elif (shape_fix := _sinks_shape_fix(tuple(sinks.shape), dims)) is not None:
+        problem, fix = shape_fix
+        named = {1: ("H",), 3: ("B", "H", "L")}.get(sinks.dim())
+        got = f"{shape_str('sinks', sinks, named)}  q (B={dims.B}, H={dims.H}, L={dims.L})"
     elif sinks.dtype != q.dtype or sinks.device != q.device:
         got = f"sinks {sinks.dtype} on {sinks.device}, q {q.dtype} on {q.device}"
         computes = f"{want} (attnkit computes in {DTYPE_NAMES})"
@@ -304,6 +308,24 @@ def check_sinks(sinks: object, q: torch.Tensor, dims: Dims, *, where: str) -> No
     else:
         return
     raise AttentionInputError(where, "sinks", problem, got=got, expected=want, fix=fix)
+
+
+def _sinks_shape_fix(shape: tuple[int, ...], dims: Dims) -> tuple[str, str] | None:
+    """What is wrong with sinks of ``shape`` and the likely fix, or ``None`` where the shape is
+    one :func:`check_sinks` takes."""
+    B, H, L = dims.B, dims.H, dims.L
+    if shape == (H,) or shape in ((B, H, L), (1, H, L)):
+        return None
+    if len(shape) == 1:
+        problem = f"`sinks` has shape {shape}; it holds one logit per query head."
+        return problem, "one learned logit per query head, e.g. nn.Parameter(torch.zeros(H))"
+    problem = f"`sinks` has shape {shape}; per-token sinks hold one logit per query row and head."
+    if shape in ((B, H, L, 1), (1, H, L, 1)):
+        return problem, "sinks.squeeze(-1) (transformers passes Inkling 2's sinks as (B, H, L, 1))"
+    if shape in ((B, L, H), (1, L, H)):
+        return problem, "sinks.transpose(1, 2) (heads before query rows, as in q)"
+    fix = f"(H={H},) for one sink per head, or (B={B}, H={H}, L={L}) for one per query row"
+    return problem, fix
 
 
 def is_real(x: object) -> bool:

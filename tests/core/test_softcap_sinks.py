@@ -1,6 +1,6 @@
-"""Logit soft-capping (Gemma 2) and attention sinks (gpt-oss ``s_aux``) against the float64
-oracle, forward and backward, on every backend that serves them (``math`` and ``blocked``);
-the others refuse them with the reason.
+"""Logit soft-capping (Gemma 2) and attention sinks (gpt-oss ``s_aux`` ``(H,)``, Inkling 2's
+per-token ``(B, H, L)``) against the float64 oracle, forward and backward, on every backend
+that serves them (``math`` and ``blocked``); the others refuse them with the reason.
 
 Tolerances: float64 backends must match the oracle to 1e-9 (outputs and gradients); float32 to
 2e-5 relative to the largest value (the exact float32 softmax of the oracle differs from a
@@ -60,7 +60,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str)
     backend=st.sampled_from(["math", "blocked", "auto"]),
     dtype=st.sampled_from([torch.float64, torch.float32]),
     softcap=st.one_of(st.none(), st.floats(0.5, 30.0)),
-    with_sinks=st.booleans(),
+    sink_rows=st.sampled_from([None, "H", "BHL", "1HL"]),
     causal=st.booleans(),
 )
 def test_softcap_and_sinks_match_the_oracle(
@@ -68,16 +68,19 @@ def test_softcap_and_sinks_match_the_oracle(
     backend: str,
     dtype: torch.dtype,
     softcap: float | None,
-    with_sinks: bool,
+    sink_rows: str | None,
     causal: bool,
 ) -> None:
     q, k, v = data.draw(qkv(SIZES, dtype))
     B, H, L = q.shape[:3]
     S = k.shape[2]
     spec = data.draw(st.one_of(st.none(), specs(B, L, S, depth=1)))
-    if softcap is None and not with_sinks:
+    if softcap is None and sink_rows is None:
         softcap = 5.0  # every example exercises at least one of the two
-    sinks = torch.randn(H, dtype=torch.float64).to(dtype) * 2 if with_sinks else None
+    sink_shape = {None: None, "H": (H,), "BHL": (B, H, L), "1HL": (1, H, L)}[sink_rows]
+    sinks = (
+        None if sink_shape is None else torch.randn(sink_shape, dtype=torch.float64).to(dtype) * 2
+    )
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     sink_leaf = sinks.clone().requires_grad_() if sinks is not None else None
     out = attnkit.attention(

@@ -75,6 +75,7 @@ def test_every_keyword_a_model_writes_into_its_attention_call_is_classified() ->
     assert set(inspect.signature(hfa.hf_attention).parameters) >= positional
     assert KWARGS["indices"].kind == "computed"  # masks.selected_keys (tests/interop/test_hf_dsa)
     assert KWARGS["block_indices"].kind == "refused"
+    assert KWARGS["sinks"].kind == "computed"  # Inkling 2's per token (tests/interop/test_hf_sinks)
     assert {"deepseek_v32", "glm_moe_dsa", "mistral_large4"} <= names["indices"]
 
 
@@ -88,7 +89,6 @@ REFUSED = {
         torch.zeros(1, 2, 6, 1, dtype=torch.long),
         "MiniMax-M3's block-sparse key selection (block_indices=...)",
     ),
-    "sinks": (torch.zeros(1, 4, 6, 1), "per-token attention sinks (sinks=..."),
     "head_mask": (torch.ones(4), "a head mask (head_mask)"),
 }
 

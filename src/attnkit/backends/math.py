@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from attnkit.backends.base import Backend, Decision
-from attnkit.call import AttentionCall
+from attnkit.call import AttentionCall, sink_rows
 
 __all__ = ["MathBackend", "attend", "compute_dtype"]
 
@@ -131,8 +131,8 @@ def attend(
         scores = scores.masked_fill(~mask, float("-inf"))
     elif mask is not None:
         scores = scores + mask
-    if sinks is not None:  # one more logit per head in every row's denominator
-        sink = sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, L, 1)
+    if sinks is not None:  # one more logit in every row's denominator (per head or per row)
+        sink = sink_rows(sinks).to(scores.dtype).unsqueeze(-1).expand(B, H, L, 1)
         weights = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :S]
     else:
         # A query row with nothing to attend to is all -inf; softmax would give NaN. Give

@@ -12,8 +12,8 @@ under a key made of everything a decision reads:
 - the backend asked for (``"auto"`` or a name);
 - q, k and v's shapes, strides, dtype and device, the CPU path (:mod:`attnkit.cpu`), and which
   of them needs a gradient (with ``torch.is_grad_enabled()``);
-- ``dropout_p``, ``return_weights``, ``softcap`` and the sinks' dtype and whether they need a
-  gradient;
+- ``dropout_p``, ``return_weights``, ``softcap`` and the sinks' shape, dtype and whether they
+  need a gradient;
 - the mask spec's cache key (:meth:`~attnkit.masks.MaskSpec.key`: its rule and the values of
   its tensors). A spec that attnkit built itself for one forward (the one
   :func:`attnkit.interop.hf_mask` hands every layer, :mod:`attnkit.backends.owned`) is keyed
@@ -127,7 +127,7 @@ def call_key(call: AttentionCall, backend: str) -> Hashable | None:
         backend, skey, q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
         q.dtype, q.device, call.cpu_path, call.dropout_p, call.return_weights, call.softcap,
         q.requires_grad, k.requires_grad, v.requires_grad, torch.is_grad_enabled(),
-        None if sinks is None else (sinks.dtype, sinks.requires_grad),
+        None if sinks is None else (sinks.shape, sinks.dtype, sinks.requires_grad),
     )  # fmt: skip
 
 

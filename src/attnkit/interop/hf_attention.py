@@ -61,6 +61,7 @@ from attnkit.interop.hf_kwargs import (
     check_kwargs,
     collecting_attentions,
     packed_documents,
+    shown,
 )
 from attnkit.interop.hf_lazy_mask import LazyMask, spec_of
 from attnkit.interop.hf_mask import (
@@ -276,8 +277,31 @@ def attention_arguments(
         "scale": scaling,
         "dropout_p": dropout,
         "softcap": kwargs.get("softcap"),
-        "sinks": kwargs.get("s_aux"),
+        "sinks": _sinks(module, kwargs),
     }
+
+
+def _sinks(module: nn.Module, kwargs: dict[str, Any]) -> Any:
+    """The ``sinks`` of :func:`attnkit.attention` (which checks them): gpt-oss's ``s_aux``
+    ``(H,)`` (one per head) as it is, or Inkling 2's per-token ``sinks`` ``(B, H, L, 1)`` (the
+    column eager joins to the scores) as ``(B, H, L)``; ``None`` for neither."""
+    s_aux, sinks = kwargs.get("s_aux"), kwargs.get("sinks")
+    if sinks is None:
+        return s_aux
+    if s_aux is not None:
+        layer = type(module).__name__
+        raise AttentionInputError(
+            f"attnkit.interop.hf_attention ({layer})",
+            "sinks",
+            "this layer passes both s_aux= (sinks per head) and sinks= (per token); eager "
+            "joins only one column to the scores.",
+            got=f"s_aux={shown(s_aux)}, sinks={shown(sinks)} from {layer}",
+            expected="s_aux=None or sinks=None",
+            fix="pass one of them (attnkit.attention(sinks=) takes (H,) or (B, H, L))",
+        )
+    if isinstance(sinks, torch.Tensor) and sinks.dim() == 4 and sinks.shape[-1] == 1:
+        return sinks.squeeze(-1)
+    return sinks
 
 
 def hf_attention(
@@ -302,8 +326,9 @@ def hf_attention(
             ``dropout`` (on the weights; models pass 0 outside training), ``scaling``
             (multiplies ``q @ k^T``; default ``1 / sqrt(D)``), ``is_causal``,
             ``sliding_window`` (used only with no mask: the mask holds the window otherwise),
-            ``softcap`` (Gemma 2's logit soft-cap) and ``s_aux`` (gpt-oss's attention sinks,
-            ``(H,)``), which go to :func:`attnkit.attention` as ``softcap`` and ``sinks``;
+            ``softcap`` (Gemma 2's logit soft-cap), ``s_aux`` (gpt-oss's attention sinks,
+            ``(H,)``) and ``sinks`` (Inkling 2's per-token sinks, ``(B, H, L, 1)``, passed as
+            ``(B, H, L)``), which go to :func:`attnkit.attention` as ``softcap`` and ``sinks``;
             ``output_attentions`` (else ``module.config.output_attentions``) asks for the
             weights, and so does transformers' output capturing when it collects attentions
             (GPT-2 and others do not hand the flag on); the models of
@@ -316,9 +341,8 @@ def hf_attention(
             ``(B|1, H, L, S)``) is added to the scores. Arguments that
             cannot change the result (``position_ids``, ``use_cache``, ``max_length_q``, loss
             arguments such as ``shift_labels`` ...) are accepted; what attnkit does not
-            compute (``block_indices``, per-token ``sinks``,
-            ``head_mask``) and any unknown argument that is not ``None`` raise
-            :class:`~attnkit.AttentionInputError`: the table is
+            compute (``block_indices``, ``head_mask``) and any unknown argument that is not
+            ``None`` raise :class:`~attnkit.AttentionInputError`: the table is
             :data:`attnkit.interop.hf_kwargs.KWARGS`, with the rules of
             :func:`attnkit.interop.hf_kwargs.classify` for a name it lacks.
 

@@ -45,6 +45,7 @@ __all__ = [
     "collecting_attentions",
     "markdown_table",
     "packed_documents",
+    "shown",
 ]
 
 #: ``config.model_type`` of the models whose eager attention applies ``s_aux`` as a scale on
@@ -191,17 +192,11 @@ KWARGS: dict[str, Kwarg] = {
         "flash-attention's choice of backward kernel; eager ignores it",
         "ModernBERT",
     ),
-    # refused: features attnkit does not compute
     "indices": _computed(
         "`masks.selected_keys(indices)` (DeepSeek-V3.2's DSA top-k keys, `(B, L, k)`), "
         "intersected with the mask, as eager scatters them into it; the blocked backend "
         "gathers each query's k keys (no L x S)",
         "DeepSeek-V3.2, GLM-5 (glm_moe_dsa), Mistral Large 4, HunYuan V4, A.X K2, dots3",
-    ),
-    "block_indices": _refused(
-        "MiniMax-M3's block-sparse key selection (block_indices=...)",
-        "MiniMax-M3-VL",
-        "each query would attend to every key block, not the selected ones",
     ),
     "position_bias": _computed(
         "added to the scores as eager adds it (a float mask (B or 1, H, L, S) inside the mask's "
@@ -210,11 +205,16 @@ KWARGS: dict[str, Kwarg] = {
         "T5, mT5, UMT5, LongT5, Switch, UDOP, Pix2Struct, Pop2Piano, LayoutLMv3, SeamlessM4T, "
         "Inkling, ...",
     ),
-    "sinks": _refused(
-        "per-token attention sinks (sinks=..., one logit per query; attnkit's sinks are one "
-        "per head, s_aux)",
+    "sinks": _computed(
+        "per-token `sinks` (one logit per query row and head, `(B, H, L, 1)`, the extra column "
+        "eager joins to every row's softmax) passed as `(B, H, L)`; their gradient too",
         "Inkling 2",
-        "an extra column in every row's softmax",
+    ),
+    # refused: features attnkit does not compute
+    "block_indices": _refused(
+        "MiniMax-M3's block-sparse key selection (block_indices=...)",
+        "MiniMax-M3-VL",
+        "each query would attend to every key block, not the selected ones",
     ),
     "head_mask": _refused(
         "a head mask (head_mask)",
@@ -277,7 +277,6 @@ def check_kwargs(module: nn.Module, kwargs: dict[str, Any]) -> None:
         layer = type(module).__name__
         model_type = getattr(getattr(module, "config", None), "model_type", None)
         model = f"{layer}, model_type {model_type!r}" if model_type else layer
-        shown = f"tensor {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
         if entry is not None:
             problem = (
                 f"this model uses {entry.what}, which attnkit does not compute yet; running "
@@ -300,10 +299,15 @@ def check_kwargs(module: nn.Module, kwargs: dict[str, Any]) -> None:
             f"attnkit.interop.hf_attention ({layer})",
             name,
             problem,
-            got=f"{name}={shown} from {model}",
+            got=f"{name}={shown(value)} from {model}",
             expected=expected,
             fix=EAGER_FIX,
         )
+
+
+def shown(value: object) -> str:
+    """A keyword's value in an error's ``got``: ``tensor (1, 4, 6, 1)``, or its ``repr``."""
+    return f"tensor {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
 
 
 def collecting_attentions() -> bool:

@@ -141,7 +141,8 @@ class _BlockedAttention(torch.autograd.Function):
     """Autograd over :func:`forward_with_lse` / :func:`backward_from_lse` with one plan: saves
     q, k, v, the output and ``lse (B, H, L)``, nothing of size L x S. With sinks, the saved
     ``lse`` includes them, so the blocks' backward is unchanged; the sinks' own gradient is
-    ``-sum over rows of P_sink * D`` with ``D = rowsum(dout * out)``. With ``upcast`` the
+    ``-P_sink * D`` with ``D = rowsum(dout * out)``, summed over the rows each sink serves
+    (:func:`~attnkit.backends.blocked.blocks.sinks_grad`). With ``upcast`` the
     kernels run on float32 copies (made here, and again in the backward from the saved
     input-dtype tensors); without it they take the tensors as they are (on ``fp32-upcast``
     that is the row-span kernel reading bfloat16/float16)."""

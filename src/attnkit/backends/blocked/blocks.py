@@ -29,6 +29,7 @@ from attnkit.backends.blocked.kernels import KernelPlan
 from attnkit.backends.blocked.plan import Plan, make_plan
 from attnkit.backends.blocked.rowspan import SpanPlan
 from attnkit.backends.blocked.rowspan_kernel import RowSpanKernel
+from attnkit.call import sink_rows
 from attnkit.masks import MaskSpec
 
 __all__ = [
@@ -300,21 +301,25 @@ def backward_from_lse(
 def with_sinks(
     out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Join one logit per head (``sinks (H,)``) to every row's softmax denominator: ``lse``
-    becomes ``logaddexp(lse, sink_h)`` and ``out`` shrinks by ``exp(lse - new)`` (a sink adds no
-    value; a row that saw no key stays 0). The blocks' backward from the new ``lse`` is then the
+    """Join the sinks to their rows' softmax denominators (``sinks (H,)``: one logit per head
+    for every row; ``(B, H, L)`` or ``(1, H, L)``: one per row and head): ``lse`` becomes
+    ``logaddexp(lse, sink)`` and ``out`` shrinks by ``exp(lse - new)`` (a sink adds no value; a
+    row that saw no key stays 0). The blocks' backward from the new ``lse`` is then the
     backward with the sinks; their own gradient is :func:`sinks_grad`."""
     if sinks is None:
         return out, lse
-    new = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))  # (B, H, L)
+    new = torch.logaddexp(lse, sink_rows(sinks).to(lse.dtype))  # (B, H, L)
     return out * torch.exp(lse - new).unsqueeze(-1), new
 
 
 def sinks_grad(
     sinks: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor
 ) -> torch.Tensor:
-    """The sinks' gradient ``(H,)``: ``-sum over rows of P_sink * D``, ``P_sink = exp(sink_h -
-    lse)``, ``D = rowsum(dout * out)`` (``out``, ``lse`` as :func:`with_sinks` returned them)."""
+    """The sinks' gradient, of their shape: ``-P_sink * D`` per row, ``P_sink = exp(sink -
+    lse)``, ``D = rowsum(dout * out)`` (``out``, ``lse`` as :func:`with_sinks` returned them),
+    summed over the rows a sink serves (all rows of its head for ``(H,)``, the batch for
+    ``(1, H, L)``)."""
     D = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (B, H, L)
-    p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
-    return -(p_sink * D).sum(dim=(0, 2)).to(sinks.dtype)
+    rows = sink_rows(sinks)
+    p_sink = torch.exp(rows.to(lse.dtype) - lse)  # (B, H, L)
+    return (-(p_sink * D)).sum_to_size(rows.shape).reshape(sinks.shape).to(sinks.dtype)
