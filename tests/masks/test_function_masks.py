@@ -28,6 +28,7 @@ from attnkit.masks import (
     sliding_window,
 )
 from attnkit.masks import function as fmod
+from attnkit.masks.function_runs import RUN_CHUNK_PAIRS, row_runs
 from oracle import reference_attention, within_naive
 
 Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -165,6 +166,78 @@ def test_runs_of_keys_are_the_dense_masks_runs(
         assert torch.equal(got, dense)
 
 
+def _dense_runs(ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's first and last True of ``(B, n, S)`` bools, read key by key."""
+    S = ok.shape[-1]
+    firsts, lasts = [], []
+    for row in ok.reshape(-1, S).tolist():
+        at = [j for j, x in enumerate(row) if x]
+        if at and at[-1] - at[0] + 1 != len(at):
+            return None
+        firsts.append(at[0] if at else S)
+        lasts.append(at[-1] if at else -1)
+    shape = ok.shape[:-1]
+    return torch.tensor(firsts).view(shape), torch.tensor(lasts).view(shape)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    B=st.integers(1, 3),
+    n=st.integers(1, 5),
+    S=st.integers(1, 40),
+    data=st.data(),
+)
+def test_row_runs_read_eight_keys_a_word_as_the_keys_say(
+    B: int, n: int, S: int, data: st.DataObject
+) -> None:
+    """Runs and holes anywhere: inside one word, across words, at the ends, in a padded last
+    word (S not a multiple of 8), a row that sees nothing, a non-contiguous tensor."""
+    ok = torch.zeros(B, n, S, dtype=torch.bool)
+    for r in range(B * n):
+        lo = data.draw(st.integers(0, S))
+        hi = data.draw(st.integers(lo - 1, S - 1))
+        ok.view(-1, S)[r, lo : hi + 1] = True
+        if data.draw(st.booleans()):  # a hole (or an extra key) anywhere
+            ok.view(-1, S)[r, data.draw(st.integers(0, S - 1))] ^= True
+    if data.draw(st.booleans()):
+        ok = ok.transpose(0, 1).contiguous().transpose(0, 1)
+    want, got = _dense_runs(ok), row_runs(ok)
+    assert (want is None) == (got is None)
+    if want is not None and got is not None:
+        assert torch.equal(want[0], got[0])
+        assert torch.equal(want[1], got[1])
+
+
+def test_runs_of_a_function_of_the_batch_and_with_holes() -> None:
+    """A declared batch gives each batch row its runs; a hole in one batch row's run (and
+    only there) makes the answer None."""
+    L, S = 37, 53
+
+    def shifted(
+        b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
+    ) -> torch.Tensor:
+        return (kv <= q + 3 * b) & (kv > q - 5)
+
+    def holed(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return shifted(b, h, q, kv) & ((b == 0) | (kv != q))
+
+    spans = row_spans(from_function(shifted, batch=3), L, S)
+    assert spans is not None
+    i = torch.arange(L)
+    for b in range(3):
+        assert torch.equal(spans[0][b], (i - 4).clamp(0, S))
+        assert torch.equal(spans[1][b], (i + 3 * b).clamp(-1, S - 1))
+    assert row_spans(from_function(holed, batch=3), L, S) is None
+    only_first = from_function(lambda b, h, q, kv: holed(b, h, q, kv) & (b == 0), batch=3)
+    lo, hi = row_spans(only_first, L, S) or (None, None)  # rows of b = 1, 2 see nothing
+    assert lo is not None
+    assert hi is not None
+    assert torch.equal(lo[0], (i - 4).clamp(0, S))
+    assert torch.equal(hi[0], i.clamp(-1, S - 1))
+    assert bool((lo[1:] == S).all())
+    assert bool((hi[1:] == -1).all())
+
+
 def test_combinations_with_built_in_specs_match_the_oracle() -> None:
     L = S = 96
     f = from_function(lambda b, h, q, kv: (q // 16) == (kv // 16))  # bidirectional 16-blocks
@@ -260,7 +333,7 @@ def test_no_call_of_the_function_spans_l_by_s() -> None:
     q, k, v = _qkv(1, 1, 1, L, L, D=8)
     out = attnkit.attention(q, k, v, mask=spec, backend="blocked")
     assert out.shape == (1, 1, L, 8)
-    assert max(seen) <= fmod.CHUNK_PAIRS < L * L
+    assert max(seen) <= max(fmod.CHUNK_PAIRS, RUN_CHUNK_PAIRS) < L * L
     assert not spec.allows_all(L, L)  # one L x S block: not evaluated (would be L x S work)
 
 

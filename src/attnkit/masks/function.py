@@ -35,6 +35,7 @@ import torch
 
 from attnkit.errors import AttentionInputError
 from attnkit.masks.base import spec_error
+from attnkit.masks.function_runs import function_runs
 from attnkit.masks.runs import Spans
 from attnkit.masks.spec import MaskSpec
 
@@ -250,33 +251,16 @@ class FunctionMask(MaskSpec):
         raise err from cause
 
     def key_runs(self, pos: torch.Tensor, off: int) -> Spans | None:
-        """Each row's allowed keys as one run, found by evaluating the function on the rows
-        against the keys :func:`key_extent` names (a group of rows at a time); ``None`` where a
-        row's keys are not one run, the function reads the head, or no extent is set. Rows
-        that see nothing get ``lo > hi``."""
+        """Each row's allowed keys as one run, found by evaluating the function on every pair
+        of the rows and the keys :func:`key_extent` names (a group of rows at a time:
+        :func:`~attnkit.masks.function_runs.function_runs`); ``None`` where a row's keys are
+        not one run, the function reads the head, or no extent is set. Rows that see nothing
+        get ``lo > hi``."""
         extent = _KEYS.get()
         if extent is None or self.heads is not None:
             return None
-        k0, S = extent
-        Bm, L = self.batch or 1, pos.shape[1]
         dev = self.device or torch.device("cpu")
-        b = torch.arange(Bm, device=dev).view(Bm, 1, 1, 1)
-        zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev)
-        kv = torch.arange(k0, k0 + S, device=dev).view(1, 1, 1, S)
-        step = max(1, CHUNK_PAIRS // max(Bm * S, 1))
-        los, his = [], []
-        for r in range(0, L, step):
-            q = pos[0, r : r + step].to(dev).view(1, 1, -1, 1)
-            ok = self.call(b, zero, q, kv).expand(Bm, 1, q.shape[2], S)[:, 0]
-            count = ok.sum(-1, dtype=torch.int32)
-            first = ok.view(torch.uint8).argmax(-1)
-            last = S - 1 - ok.flip(-1).view(torch.uint8).argmax(-1)
-            seen = count > 0
-            if not bool((~seen | (count == last - first + 1)).all()):
-                return None  # a row with a hole: not one run
-            los.append(torch.where(seen, first + k0, k0 + S).cpu())
-            his.append(torch.where(seen, last + k0, k0 - 1).cpu())
-        return torch.cat(los, dim=1), torch.cat(his, dim=1)
+        return function_runs(self.call, pos, extent, self.batch or 1, dev)
 
     def block_bounds(self, q_lo, q_hi, k_lo, k_hi, off):  # type: ignore[no-untyped-def]
         dev = q_lo.device
