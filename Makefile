@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml setup.py
 	  gguf==0.19.0 accelerate==1.15.0 psutil==7.2.2
 	# which kernel builds load here (the ones just compiled into the package; where a kernel
 	# source is edited later, attnkit compiles it again on first use: docs/install.md)
-	$(PY) -c 'from attnkit.backends.blocked.rowspan import main; main()'
+	$(PY) -c 'from attnkit.backends.blocked.rowspan_builds import main; main()'
 	$(PY) -c 'from attnkit.backends.blocked.decode import main; main()'
 	touch $(STAMP)
 
