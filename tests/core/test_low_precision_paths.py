@@ -281,7 +281,9 @@ def test_fp32_upcast_calls_the_kernel_does_not_serve_still_convert(
     note = attnkit.explain(q, k, v, mask=spec).notes["blocked"]
     assert note.startswith("fp32-upcast path: the kernels run on float32 copies of q, k, v; ")
 
-    lazy = rowspan._lazy(rowspan._isa())  # the build that runs float32 here
+    build = rowspan_builds.select(torch.float32)[0]  # the build that runs float32 here
+    assert build is not None
+    lazy = build.lazy
     real = lazy.module
 
     class NoF16C:  # the module as built without -mf16c
@@ -333,7 +335,7 @@ def test_other_paths_keep_the_input_dtype(
     spec = masks.causal() & masks.sliding_window(32)
     q = torch.randn(1, 2, 256, 32, dtype=torch.bfloat16)
     attnkit.attention(q, q, q, mask=spec)
-    dot = path != "torch" and rowspan.build_dot() is not None
+    dot = path != "torch" and rowspan_builds.AVX512_BF16.lazy.get() is not None
     assert kernel_calls == ([("forward", torch.bfloat16)] if dot else [])
     seen: list[torch.dtype] = []
     real = torch.nn.functional.scaled_dot_product_attention
