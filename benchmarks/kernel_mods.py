@@ -25,7 +25,7 @@ from torch.utils.cpp_extension import load_inline
 
 from attnkit import masks
 from attnkit.backends import blocked
-from attnkit.backends.blocked import rowspan
+from attnkit.backends.blocked import rowspan, rowspan_builds
 from attnkit.bench.machine import cpu_line
 
 SCALE = 0.125
@@ -127,14 +127,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="interleaved rounds (default 5)")
     ap.add_argument("--base-source", help="a csrc/row_span.cpp without the modifiers")
     args = ap.parse_args()
-    if not rowspan.available():
-        raise SystemExit(f"the row-span kernel does not run here: {rowspan.status()}")
+    if not rowspan_builds.available():
+        raise SystemExit(f"the row-span kernel does not run here: {rowspan_builds.status()}")
     torch.manual_seed(0)
     print(cpu_line())  # the CPU and its flags: every figure below depends on them
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median ms of {args.reps}")
     print("| row | first | second | first / second |\n|---|---|---|---|")
     if args.base_source:
-        plain_rows(load_base(args.base_source), rowspan.kernel(), args.reps)
+        plain_rows(load_base(args.base_source), rowspan_builds.kernel(), args.reps)
     modifier_rows(args.reps)
 
 

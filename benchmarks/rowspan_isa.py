@@ -1,8 +1,8 @@
 """The row-span kernel's AVX2 build against its AVX-512 build and torch's SDPA, float32, timed
 interleaved in one run (median of ``--reps``), with the machine's fp32 GEMM rate beside them.
 
-Each call is timed raw: ``rowspan.kernel(isa).span_forward`` (and ``span_backward``) on a plan
-of the mask, against ``F.scaled_dot_product_attention`` (``is_causal`` for causal rows, the
+Each call is timed raw: ``rowspan_builds.kernel(isa).span_forward`` (and ``span_backward``) on
+a plan of the mask, against ``F.scaled_dot_product_attention`` (``is_causal`` for causal rows, the
 dense boolean mask for the window, nothing for dense). B=1.
 
     PYTHONPATH=src python benchmarks/rowspan_isa.py [--reps 5] [--threads 2] [--rows dense,causal]
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from attnkit import masks
-from attnkit.backends.blocked import rowspan
+from attnkit.backends.blocked import rowspan, rowspan_builds
 from attnkit.bench.runner import measure_gemm
 from attnkit.cpu import hardware_flags
 
@@ -56,8 +56,8 @@ def _calls(row: str) -> tuple[dict[str, Callable[[], Any]], float]:
     flops = 4.0 * pairs * D * H * (3.5 if bwd else 1.0)
     scale = D**-0.5
     calls: dict[str, Callable[[], Any]] = {}
-    for isa in ("avx2", rowspan.AVX512):
-        kern = rowspan.kernel(isa)
+    for isa in (rowspan_builds.AVX2.isa, rowspan_builds.AVX512.isa):
+        kern = rowspan_builds.kernel(isa)
 
         def run(kern: Any = kern) -> Any:
             out, lse = kern.span_forward(q, k, v, plan, scale, 0.0)
@@ -90,8 +90,9 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(ROWS))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if rowspan.build_avx512() is None:
-        raise SystemExit(f"no AVX-512 build here: {rowspan.avx512_status()}")
+    running, why = rowspan_builds.select(torch.float32)
+    if running is not rowspan_builds.AVX512:
+        raise SystemExit(f"no AVX-512 build here: {why}")
     with open("/proc/cpuinfo") as f:
         names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
     model = names[0] if names else platform.processor()
@@ -118,7 +119,7 @@ def main() -> None:
                 calls[name]()
                 times[name].append(time.perf_counter() - t0)
         med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
-        a2, a5, sd = med["avx2"], med[rowspan.AVX512], med["sdpa"]
+        a2, a5, sd = med["avx2"], med[rowspan_builds.AVX512.isa], med["sdpa"]
         print(
             f"| {row} | {a2:.0f} | {a5:.0f} | {sd:.0f} | {a2 / a5:.2f}x | {sd / a5:.2f}x "
             f"| {flops / a5 / 1e6:.0f} |",

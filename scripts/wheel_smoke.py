@@ -26,7 +26,7 @@ T0 = time.perf_counter()
 import torch  # noqa: E402
 
 import attnkit  # noqa: E402
-from attnkit.backends.blocked import decode, gather_native, native, rowspan  # noqa: E402
+from attnkit.backends.blocked import decode, gather_native, native, rowspan_builds  # noqa: E402
 
 COMPILERS = ("cc", "c++", "gcc", "g++", "clang", "clang++")
 CALLS: list[str] = []
@@ -88,16 +88,18 @@ def main() -> None:
     out = attnkit.attention(q, k, v, mask=mask)
     first, cpu = time.perf_counter() - T0, time.process_time()
     out.backward(torch.ones_like(out))
-    for kernel in (rowspan.build(), rowspan.running()):  # AVX2; the one float32 runs in
+    running = rowspan_builds.select(torch.float32)[0]  # the build float32 runs in
+    for kernel in (rowspan_builds.BASE.lazy.get(), running and running.lazy.module):  # AVX2 too
         check(
             kernel is not None and kernel.origin == native.PREBUILT,
-            f"row-span kernel: {rowspan.status()}; {kernel and kernel.describe()}",
+            f"row-span kernel: {rowspan_builds.status()}; {kernel and kernel.describe()}",
         )
     check(
         cpu < 5.0, f"first call {cpu:.2f} s of CPU ({first:.2f} s wall) from a cold start (< 5 s)"
     )
     text = str(attnkit.explain(q, k, v, mask=mask))
-    check(rowspan.status() in text, f"explain names the row-span kernel ({rowspan.status()})")
+    line = rowspan_builds.status()
+    check(line in text, f"explain names the row-span kernel ({line})")
     check(
         CALLS[:2] == ["span_forward_finite torch.float32", "span_backward torch.float32"],
         f"the kernel ran forward and backward ({CALLS})",

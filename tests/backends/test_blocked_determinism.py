@@ -18,7 +18,7 @@ import torch
 
 import attnkit
 from attnkit import masks
-from attnkit.backends.blocked import rowspan
+from attnkit.backends.blocked import rowspan_builds
 from attnkit.masks import MaskSpec
 from oracle import reference_attention
 
@@ -104,8 +104,8 @@ def test_the_kernel_reading_bfloat16_repeats_its_bits(Hkv: int) -> None:
     """bfloat16 on the fp32-upcast CPU path: the kernel reads it directly, sums dk/dv in
     float32 per stripe of keys and converts each stripe once all its sums are in."""
     spec = masks.causal() & masks.sliding_window(300)
-    if not rowspan.available():
-        pytest.skip(rowspan.status())
+    if not rowspan_builds.available():
+        pytest.skip(rowspan_builds.status())
     results = _runs(spec, torch.bfloat16, Hkv)
     assert _distinct(results) == {"out": 1, "dq": 1, "dk": 1, "dv": 1}
 

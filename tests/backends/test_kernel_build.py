@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from attnkit.backends.blocked import builds, jit, native, rowspan
+from attnkit.backends.blocked import builds, jit, native, rowspan_builds
 
 
 def test_a_lock_file_left_by_a_killed_builder_is_removed(tmp_path: Path) -> None:
@@ -87,8 +87,8 @@ def test_each_source_flag_and_environment_gets_its_own_build(
 def test_the_row_span_kernel_loads_past_a_stale_lock_in_its_build_directory(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    if not rowspan.available():
-        pytest.skip(rowspan.status())
+    if not rowspan_builds.available():
+        pytest.skip(rowspan_builds.status())
     monkeypatch.setenv(native.ENV, "compile")  # the build compiled here, not the package's
     kernel, why = native.load(builds.ROW_SPAN, native.SpanKernel)
     assert kernel is not None, why
@@ -97,8 +97,8 @@ def test_the_row_span_kernel_loads_past_a_stale_lock_in_its_build_directory(
     with jit.exclusive(directory, wait=600):
         (directory / jit.TORCH_LOCK).touch()  # left there as a killed builder leaves it
     code = (
-        "from attnkit.backends.blocked import rowspan; print(rowspan.status()); "
-        "print(rowspan.build().__file__)"
+        "from attnkit.backends.blocked import rowspan_builds as r; print(r.status()); "
+        "print(r.kernel().__file__)"
     )
     run = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True

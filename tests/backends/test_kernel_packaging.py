@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from attnkit.backends.blocked import builds, decode, native, rowspan
+from attnkit.backends.blocked import builds, decode, native, rowspan_builds
 
 
 @pytest.fixture
@@ -84,8 +84,8 @@ def test_each_build_has_its_own_fingerprint(tmp_path: Path) -> None:
 def test_prebuilt_only_never_compiles_and_says_why(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    if rowspan._cpu_reason() is not None:
-        pytest.skip(rowspan._cpu_reason())
+    if rowspan_builds.cpu_reason() is not None:
+        pytest.skip(rowspan_builds.cpu_reason())
     monkeypatch.setattr(native, "prebuilt_dir", lambda: tmp_path / "none")
     monkeypatch.setenv(native.ENV, "prebuilt")
     monkeypatch.setenv("ATTNKIT_KERNEL_CACHE", str(tmp_path / "cache"))
@@ -105,9 +105,10 @@ def test_prebuilt_only_never_compiles_and_says_why(
 
 
 def _loaded() -> list[native.Library]:
-    found = [m for m in (rowspan.build(), rowspan.build_dot(), decode.build()) if m is not None]
+    rows = (e.lazy.get() for e in rowspan_builds.TABLE) if rowspan_builds.available() else ()
+    found = [m for m in (*rows, decode.build()) if m is not None]
     if not found:
-        pytest.skip(rowspan.status())
+        pytest.skip(rowspan_builds.status())
     return found
 
 
@@ -131,8 +132,8 @@ def test_the_kernels_share_torchs_openmp_runtime() -> None:
     code = textwrap.dedent(
         """
         import json, os, torch
-        from attnkit.backends.blocked import decode, rowspan
-        assert rowspan.build() is not None and decode.build() is not None
+        from attnkit.backends.blocked import decode, rowspan_builds
+        assert rowspan_builds.available() and decode.build() is not None
         with open("/proc/self/maps") as f:
             found = {ln.split()[-1] for ln in f if "libgomp" in ln or "libiomp" in ln}
         print(json.dumps({"found": sorted(found), "torch": os.path.dirname(torch.__file__)}))
@@ -192,7 +193,7 @@ NO_KERNEL = textwrap.dedent(
     """
     import torch, attnkit
     from attnkit import masks
-    from attnkit.backends.blocked import rowspan, decode
+    from attnkit.backends.blocked import rowspan_builds, decode
     from attnkit.cli.doctor import _span_kernel
     torch.manual_seed(0)
     q = torch.randn(2, 4, 300, 16, requires_grad=True)
@@ -208,7 +209,7 @@ NO_KERNEL = textwrap.dedent(
                            mask=mask)
     od = attnkit.attention(q.detach()[:, :, :1], k.detach(), k.detach(), causal=True)
     print(ob.dtype, od.shape)
-    print(rowspan.status())
+    print(rowspan_builds.status())
     print(decode.status())
     print(attnkit.explain(q, k, k, mask=mask).notes["blocked"])
     print(dict(_span_kernel())["span kernel"])
@@ -219,8 +220,8 @@ NO_KERNEL = textwrap.dedent(
 def test_without_prebuilt_kernels_or_a_compiler_attnkit_says_why_and_runs(
     tmp_path: Path,
 ) -> None:
-    if rowspan._cpu_reason() is not None:
-        pytest.skip(rowspan._cpu_reason())
+    if rowspan_builds.cpu_reason() is not None:
+        pytest.skip(rowspan_builds.cpu_reason())
     env = {k: v for k, v in os.environ.items() if k not in ("CXX", "CC")}
     env |= {
         "PATH": str(tmp_path),  # no compiler

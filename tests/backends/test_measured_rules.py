@@ -15,7 +15,7 @@ import torch
 import attnkit
 from attnkit import cpu, masks
 from attnkit.backends import memo
-from attnkit.backends.blocked import decode, measured, rowspan
+from attnkit.backends.blocked import decode, measured, rowspan_builds
 from attnkit.cpu import CpuFeatures
 
 AVX512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}
@@ -102,7 +102,8 @@ def test_an_unmeasured_class_does_what_torch_does() -> None:
 
 
 needs_kernel = pytest.mark.skipif(
-    not rowspan.available(), reason=f"the row-span kernel does not run here: {rowspan.status()}"
+    not rowspan_builds.available(),
+    reason=f"the row-span kernel does not run here: {rowspan_builds.status()}",
 )
 needs_bf16 = pytest.mark.skipif(
     cpu.unavailable("native", torch.bfloat16) is not None

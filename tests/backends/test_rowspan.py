@@ -5,9 +5,9 @@ Each float32 build this CPU runs is tested (``span_builds``: the AVX2 one, and t
 where the CPU has it), called directly and as the build ``attnkit.attention`` runs, and so is
 the choice between them.
 
-The kernel is built by ``make setup`` (``attnkit.backends.blocked.rowspan.main()``); these tests
-need it built: a machine without gcc or AVX2 fails them rather than skipping (the blocked
-backend itself still runs there, on torch's kernel, and says so in ``explain``).
+The kernel is built by ``make setup`` (``attnkit.backends.blocked.rowspan_builds.main()``);
+these tests need it built: a machine without gcc or AVX2 fails them rather than skipping (the
+blocked backend itself still runs there, on torch's kernel, and says so in ``explain``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import attnkit
 from attnkit import cpu, masks
 from attnkit.backends import blocked
-from attnkit.backends.blocked import measured, rowspan
+from attnkit.backends.blocked import measured, rowspan, rowspan_builds
 from attnkit.backends.blocked.tiles import merge
 from attnkit.cpu import hardware_flags
 from attnkit.masks import alibi, alibi_slopes, row_spans, split_alibi
@@ -111,12 +111,12 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
 
 
 def test_the_kernel_is_built_here() -> None:
-    assert rowspan.available(), rowspan.status()
+    assert rowspan_builds.available(), rowspan_builds.status()
     names = {
         "avx2": "attnkit's AVX2 row-span kernel",
         "avx512": "attnkit's AVX-512 row-span kernel",
     }
-    assert rowspan.status() == names[expected_isa()]
+    assert rowspan_builds.status() == names[expected_isa()]
 
 
 @st.composite
@@ -282,9 +282,10 @@ def test_the_kernel_reads_bf16_and_fp16_directly_and_equals_the_float64_oracle(
 
 def _dot_kernel() -> Any:
     """The AVX512-BF16 build, or a skip saying why this machine cannot run it."""
-    if rowspan.build_dot() is None:
-        pytest.skip(f"this machine cannot run it: {rowspan.dot_status()}")
-    return rowspan.kernel(rowspan.DOT)
+    build, why = rowspan_builds.select(torch.bfloat16, in_dtype=True, dot=True)
+    if build is not rowspan_builds.AVX512_BF16:
+        pytest.skip(f"this machine cannot run it: {why}")
+    return rowspan_builds.kernel(rowspan_builds.AVX512_BF16.isa)
 
 
 #: the AVX512-BF16 build also rounds P and dS to bfloat16 for their products (relative 2**-9
@@ -329,11 +330,13 @@ def test_the_native_path_plans_bf16_for_the_dot_product_build_only() -> None:
     assert f32.serves
     assert f32.isa == expected_isa()
     bf = rowspan.plan(spec, q.bfloat16(), q.bfloat16(), q.bfloat16(), in_dtype=True, dot=True)
-    if rowspan.build_dot() is None:
-        assert bf.reason == f"{rowspan.dot_status()}: torch's kernels run on bfloat16 as it is"
+    build, why = rowspan_builds.select(torch.bfloat16, in_dtype=True, dot=True)
+    if build is None:
+        assert bf.reason == why
+        assert "torch's kernels run on bfloat16 as it is" in why or "is off" in why
     else:
         assert bf.serves
-        assert bf.isa == rowspan.DOT
+        assert bf.isa == rowspan_builds.AVX512_BF16.isa
         assert bf.dtype == torch.bfloat16
 
 
@@ -341,10 +344,12 @@ def test_the_kernel_refuses_mixed_dtypes() -> None:
     q = torch.randn(1, 1, 4, 8)
     lo, hi = torch.zeros(1, 4, dtype=torch.long), torch.arange(4)[None]
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16, all one dtype"):
-        rowspan.kernel().span_forward(q.bfloat16(), q, q, _spans(lo, hi), 1.0, 0.0)
-    out, lse = rowspan.kernel().span_forward(q, q, q, _spans(lo, hi), 1.0, 0.0)
+        rowspan_builds.kernel().span_forward(q.bfloat16(), q, q, _spans(lo, hi), 1.0, 0.0)
+    out, lse = rowspan_builds.kernel().span_forward(q, q, q, _spans(lo, hi), 1.0, 0.0)
     with pytest.raises(RuntimeError, match="out, dout must be contiguous in q's dtype"):
-        rowspan.kernel().span_backward(q, q, q, out.bfloat16(), out, lse, _spans(lo, hi), 1.0, 0.0)
+        rowspan_builds.kernel().span_backward(
+            q, q, q, out.bfloat16(), out, lse, _spans(lo, hi), 1.0, 0.0
+        )
 
 
 def test_the_plan_reads_low_precision_only_for_a_caller_that_takes_it_back() -> None:
@@ -564,7 +569,7 @@ def test_the_kernel_refuses_a_plan_without_int64_runs() -> None:
     are refused by name before the C side reads a pointer, forward and backward."""
     q = torch.randn(1, 1, 4, 8)
     lo = torch.zeros(1, 4, dtype=torch.long)
-    kernel = rowspan.kernel()
+    kernel = rowspan_builds.kernel()
     out, lse = kernel.span_forward(q, q, q, _spans(lo, lo), 1.0, 0.0)
     bad = [
         (rowspan.NOT_SPANS, "must be int64"),
@@ -583,7 +588,7 @@ def test_the_kernel_refuses_runs_out_of_order() -> None:
     lo = torch.tensor([[0, 2, 1, 3]])
     hi = torch.tensor([[0, 2, 2, 3]])
     with pytest.raises(RuntimeError, match="non-decreasing along the rows"):
-        rowspan.kernel().span_forward(q, q, q, _spans(lo, hi), 1.0, 0.0)
+        rowspan_builds.kernel().span_forward(q, q, q, _spans(lo, hi), 1.0, 0.0)
 
 
 @pytest.mark.parametrize(
@@ -607,7 +612,7 @@ def test_the_causal_window_is_recognised_exactly(
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, ...]]:
     seen: list[tuple[object, ...]] = []
-    builds = rowspan.kernel
+    builds = rowspan_builds.kernel
 
     class Spy:
         def __init__(self, isa: str = "avx2") -> None:
@@ -621,7 +626,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, ...]]:
             seen.append(("backward", *args[0].shape))
             return self.real.span_backward(*args)  # type: ignore[no-any-return]
 
-    monkeypatch.setattr(rowspan, "kernel", Spy)
+    monkeypatch.setattr(rowspan_builds, "kernel", Spy)
     return seen
 
 
@@ -691,11 +696,11 @@ def test_explain_names_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
         f"{name} row-span kernel"
     )
     # switched off (as on a machine where it cannot be built): torch's kernel, and why
-    monkeypatch.setenv(rowspan.ENV, "0")
-    monkeypatch.setattr(rowspan._span, "tried", False)
-    monkeypatch.setattr(rowspan._span, "module", None)
-    assert not rowspan.available()
-    assert rowspan.status() == (
+    monkeypatch.setenv(rowspan_builds.ENV, "0")
+    monkeypatch.setattr(rowspan_builds.BASE.lazy, "tried", False)
+    monkeypatch.setattr(rowspan_builds.BASE.lazy, "module", None)
+    assert not rowspan_builds.available()
+    assert rowspan_builds.status() == (
         "torch's fused kernel (attnkit's row-span kernel is off: ATTNKIT_SPAN_KERNEL=0 in the "
         "environment)"
     )
@@ -751,7 +756,7 @@ def test_alibi_is_split_from_its_rule_and_the_kernel_runs_both() -> None:
     q = torch.randn(1, 4, 64, 16)
     note = attnkit.explain(q, q, q, mask=alibi(4) & masks.causal(), backend="blocked")
     assert note.notes["blocked"].startswith(
-        f"row spans of alibi(4) & causal(): forward and backward run {rowspan.status()}"
+        f"row spans of alibi(4) & causal(): forward and backward run {rowspan_builds.status()}"
     )
     wrong = blocked.plan_blocks(q, q, q, alibi(2) & masks.causal()).spans
     assert not wrong.serves
@@ -864,27 +869,31 @@ def test_float32_runs_in_the_avx512_build_where_the_cpu_has_it_and_the_switch_ke
     float16 read directly) name the AVX-512 build, ``kernel(isa)`` is that build, status,
     explain and ``make setup``'s line say so and ``attnkit.attention`` calls it; with
     ``ATTNKIT_ROWSPAN_ISA=avx2`` all of that is the AVX2 build; another value is an error."""
-    if not rowspan.available():
-        pytest.skip(rowspan.status())
+    if not rowspan_builds.available():
+        pytest.skip(rowspan_builds.status())
     if not has_avx512():
-        missing = [f for f in rowspan.AVX512_FLAGS if f not in hardware_flags()]
+        missing = [f for f in rowspan_builds.AVX512.needs if f not in hardware_flags()]
         pytest.skip(f"this CPU has no AVX-512 build to choose (no {', '.join(missing)})")
     spec = masks.causal() & masks.sliding_window(8)
     q = torch.randn(1, 4, 64, 16)
     seen: list[str] = []
-    real = rowspan.kernel
+    real = rowspan_builds.kernel
 
     def spy(isa: str = "avx2") -> Any:
         seen.append(isa)
         return real(isa)
 
-    monkeypatch.setattr(rowspan, "kernel", spy)
-    names = {"avx2": "AVX2", rowspan.AVX512: "AVX-512"}
-    for switch, isa in ((None, rowspan.AVX512), ("auto", rowspan.AVX512), ("avx2", "avx2")):
+    monkeypatch.setattr(rowspan_builds, "kernel", spy)
+    names = {"avx2": "AVX2", rowspan_builds.AVX512.isa: "AVX-512"}
+    for switch, isa in (
+        (None, rowspan_builds.AVX512.isa),
+        ("auto", rowspan_builds.AVX512.isa),
+        ("avx2", "avx2"),
+    ):
         if switch is None:
-            monkeypatch.delenv(rowspan.ISA_ENV, raising=False)
+            monkeypatch.delenv(rowspan_builds.ISA_ENV, raising=False)
         else:
-            monkeypatch.setenv(rowspan.ISA_ENV, switch)
+            monkeypatch.setenv(rowspan_builds.ISA_ENV, switch)
         blocked.clear_plans()
         seen.clear()
         assert rowspan.plan(spec, q, q, q).isa == isa
@@ -893,23 +902,25 @@ def test_float32_runs_in_the_avx512_build_where_the_cpu_has_it_and_the_switch_ke
         assert low.isa == isa
         module = real(isa)
         assert module.build.isa == isa
-        assert module._lib.attnkit_span_avx512() == (1 if isa == rowspan.AVX512 else 0)
-        assert rowspan.running() is module
-        assert rowspan.status() == f"attnkit's {names[isa]} row-span kernel"
+        assert module._lib.attnkit_span_avx512() == (1 if isa == rowspan_builds.AVX512.isa else 0)
+        assert rowspan_builds.select(torch.float32)[0].lazy.module is module
+        assert rowspan_builds.status() == f"attnkit's {names[isa]} row-span kernel"
         note = attnkit.explain(q, q, q, mask=spec, backend="blocked").notes["blocked"]
         assert f"forward and backward run attnkit's {names[isa]} row-span kernel" in note
         leaf = q.clone().requires_grad_()
         attnkit.attention(leaf, q, q, mask=spec, backend="blocked").sum().backward()
         assert seen == [isa, isa]  # the forward, then the backward
-        rowspan.main()
+        rowspan_builds.main()
         line = capsys.readouterr().out.splitlines()[0]
         assert line.startswith(f"attnkit row-span kernel: attnkit's {names[isa]} row-span kernel")
-    assert rowspan.avx512_status() == (
+    assert rowspan_builds.select(torch.float32)[1] == (
         "the AVX2 build runs float32 (no AVX-512 build: ATTNKIT_ROWSPAN_ISA=avx2 in the "
         "environment)"
     )
-    assert real(rowspan.AVX512).build.isa == rowspan.AVX512  # still there to call directly
-    monkeypatch.setenv(rowspan.ISA_ENV, "avx-512")
+    assert (
+        real(rowspan_builds.AVX512.isa).build.isa == rowspan_builds.AVX512.isa
+    )  # still there to call directly
+    monkeypatch.setenv(rowspan_builds.ISA_ENV, "avx-512")
     blocked.clear_plans()
     with pytest.raises(ValueError, match="ATTNKIT_ROWSPAN_ISA='avx-512': expected one of auto"):
         rowspan.plan(spec, q, q, q)

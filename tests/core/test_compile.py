@@ -18,7 +18,7 @@ import torch
 
 import attnkit
 from attnkit import AttentionInputError, masks
-from attnkit.backends.blocked import compiled, rowspan
+from attnkit.backends.blocked import compiled, rowspan_builds
 from attnkit.masks import MaskSpec
 from oracle import reference_attention
 
@@ -75,7 +75,7 @@ def test_a_window_compiles_with_inductor_and_keeps_the_blocked_kernels(
     report = attnkit.explain(*qkv, mask=masks.causal() & masks.sliding_window(64))
     assert report.chosen == "blocked"
     assert report.notes["blocked"] == (
-        f"causal sliding window 64: forward and backward run {rowspan.status()} "
+        f"causal sliding window 64: forward and backward run {rowspan_builds.status()} "
         "(one pass each, no tiles); under torch.compile the same, as one custom op "
         "(attnkit::blocked_attention)"
     )
@@ -105,7 +105,7 @@ def test_soft_cap_sinks_and_alibi_compile_as_the_op_with_the_sinks_gradient(
     report = attnkit.explain(*qkv, mask=spec, softcap=5.0, sinks=sinks, backend="blocked")
     assert report.notes["blocked"] == (
         "row spans of alibi(4) & causal() & sliding_window(48), soft-capped at 5: forward and "
-        f"backward run {rowspan.status()} (one pass each, no tiles); under "
+        f"backward run {rowspan_builds.status()} (one pass each, no tiles); under "
         "torch.compile the same, as one custom op (attnkit::blocked_attention)"
     )
     fn = torch.compile(capped, fullgraph=True, backend="aot_eager")

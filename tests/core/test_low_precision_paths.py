@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import cpu, masks
-from attnkit.backends.blocked import rowspan
+from attnkit.backends.blocked import rowspan, rowspan_builds
 from attnkit.masks import MaskSpec
 from cpu_paths import PATHS, use_path
 from oracle import reference_attention
@@ -159,10 +159,10 @@ def test_backward_on_every_spec_kind(
 @pytest.fixture
 def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
     """What reaches the row-span kernel: (direction, dtype of q)."""
-    if not rowspan.available():
-        pytest.skip(f"the row-span kernel does not run here: {rowspan.status()}")
+    if not rowspan_builds.available():
+        pytest.skip(f"the row-span kernel does not run here: {rowspan_builds.status()}")
     seen: list[tuple[Any, ...]] = []
-    builds = rowspan.kernel
+    builds = rowspan_builds.kernel
 
     class Spy:
         def __init__(self, isa: str = "avx2") -> None:
@@ -176,7 +176,7 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
             seen.append(("backward", args[0].dtype, args[3].dtype, args[4].dtype))
             return self.real.span_backward(*args)
 
-    monkeypatch.setattr(rowspan, "kernel", Spy)
+    monkeypatch.setattr(rowspan_builds, "kernel", Spy)
     return seen
 
 
@@ -224,7 +224,7 @@ def test_fp32_upcast_hands_a_low_precision_window_to_the_row_span_kernel_as_it_i
     assert note.startswith(
         f"fp32-upcast path: attnkit's row-span kernel reads {name} q, k, v directly (float32 "
         "inside, no float32 copies); causal sliding window 32: forward and backward run "
-        f"{rowspan.status()}"
+        f"{rowspan_builds.status()}"
     )
 
 
@@ -281,7 +281,9 @@ def test_fp32_upcast_calls_the_kernel_does_not_serve_still_convert(
     note = attnkit.explain(q, k, v, mask=spec).notes["blocked"]
     assert note.startswith("fp32-upcast path: the kernels run on float32 copies of q, k, v; ")
 
-    lazy = rowspan._lazy(rowspan._isa())  # the build that runs float32 here
+    build = rowspan_builds.select(torch.float32)[0]  # the build that runs float32 here
+    assert build is not None
+    lazy = build.lazy
     real = lazy.module
 
     class NoF16C:  # the module as built without -mf16c
@@ -304,7 +306,7 @@ def test_fp32_upcast_calls_the_kernel_does_not_serve_still_convert(
         assert conversions == [(dtype,) * 3, (dtype,) * 5]
         note = attnkit.explain(q, k, v, mask=window).notes["blocked"]
         assert note.startswith("fp32-upcast path: the kernels run on float32 copies of q, k, v; ")
-        assert rowspan.status() in note
+        assert rowspan_builds.status() in note
         plan = rowspan.plan(window, q, k, v, in_dtype=True)
         assert plan.reason == (
             "attnkit's row-span kernel was built without F16C (this CPU has none), so it does "
@@ -333,7 +335,7 @@ def test_other_paths_keep_the_input_dtype(
     spec = masks.causal() & masks.sliding_window(32)
     q = torch.randn(1, 2, 256, 32, dtype=torch.bfloat16)
     attnkit.attention(q, q, q, mask=spec)
-    dot = path != "torch" and rowspan.build_dot() is not None
+    dot = path != "torch" and rowspan_builds.AVX512_BF16.lazy.get() is not None
     assert kernel_calls == ([("forward", torch.bfloat16)] if dot else [])
     seen: list[torch.dtype] = []
     real = torch.nn.functional.scaled_dot_product_attention

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import AttentionInputError, masks
-from attnkit.backends.blocked import rowspan
+from attnkit.backends.blocked import rowspan_builds
 from attnkit.masks import MaskSpec
 from oracle import reference_attention
 from strategies import Sizes, qkv, specs
@@ -125,8 +125,9 @@ def test_auto_takes_blocked_for_long_soft_capped_calls_and_explain_says_so() -> 
     assert e.verdicts["sdpa"] == "torch's fused kernels have no logit soft-cap or attention sinks"
     assert "no soft-cap" in str(e.verdicts["flex"]) or "soft-cap" in str(e.verdicts["flex"])
     window = attnkit.explain(q, q, q, mask=masks.causal() & masks.sliding_window(64), softcap=5.0)
+    runs = rowspan_builds.status()
     assert window.notes["blocked"].startswith(
-        f"causal sliding window 64, soft-capped at 5: forward and backward run {rowspan.status()}"
+        f"causal sliding window 64, soft-capped at 5: forward and backward run {runs}"
     )
     small = torch.randn(1, 2, 8, 16)
     assert attnkit.explain(small, small, small, sinks=torch.zeros(2)).chosen == "math"

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from attnkit.backends.blocked import rowspan
+from attnkit.backends.blocked import rowspan_builds
 from attnkit.bench.machine import last_level_cache_bytes
 from attnkit.bench.peers import PEERS, step
 from attnkit.bench.workloads import get_workload
@@ -83,7 +83,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     L = int(job["L"])
     if job["kind"] == "memory":
         (name,) = job["peers"]
-        rowspan.build()  # the one-time load of the kernel's library (see the docstring)
+        rowspan_builds.available()  # the one-time load of the kernel's library (see the docstring)
         before = _status("VmRSS")
         inputs = wl.inputs(L, dtype, grad=backward)
         base = _status("VmRSS")

@@ -92,22 +92,28 @@ def _cpu_rows() -> list[tuple[str, str]]:
 
 
 def _span_kernel() -> list[tuple[str, str]]:
-    """The blocked backend's row-span kernel (one run of keys per query row), and its build for
-    bfloat16 on the native path: loaded (which build, from the package or compiled here, and
-    from where), or why not."""
-    from attnkit.backends.blocked import decode, rowspan
+    """The blocked backend's row-span kernel (one run of keys per query row) for float32, and
+    its build for each dtype it serves on the native path (``rowspan_builds.select``): loaded
+    (which build, why, from the package or compiled here, and from where), or why not."""
+    from attnkit.backends.blocked import decode, rowspan_builds
 
     def where(module: Any) -> str:  # loaded: how long it took, which build, from where
         return "" if module is None else f" (loaded in {module.seconds:.1f} s; {module.describe()})"
 
-    line = rowspan.status() + where(rowspan.running())
-    dot = rowspan.dot_status() + where(rowspan.build_dot())
+    def line(dtype: torch.dtype, native: bool) -> str:  # the build that runs, and why; or why not
+        build, why = rowspan_builds.select(dtype, in_dtype=native, dot=native)
+        if build is not None:
+            return f"{build.in_use}{where(build.lazy.module)}; {why}"
+        name = str(dtype).removeprefix("torch.")
+        return f"{why}; for {name} on the native path" if native else why
+
+    rows = [("span kernel", line(torch.float32, False))]
+    for dtype in rowspan_builds.native_dtypes():
+        short = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+        rows.append((f"{short} kernel", line(dtype, True)))
     dec = decode.status() + where(decode.build())
-    return [
-        ("span kernel", line),
-        ("bf16 kernel", f"{dot}; for bfloat16 on the native path"),
-        ("decode kernel", f"{dec}; for decode steps (L <= {decode.MAX_L}, no autograd)"),
-    ]
+    rows.append(("decode kernel", f"{dec}; for decode steps (L <= {decode.MAX_L}, no autograd)"))
+    return rows
 
 
 def _rule_rows() -> list[tuple[str, str]]:

@@ -25,7 +25,8 @@ The package, in the order a call goes through it:
 * ``rowspan`` and ``csrc/row_span.cpp``: attnkit's own AVX2 kernel for masks that allow one
   run of keys per query row (causal, windows, documents, prefix-LM, contiguous padding; runs
   from :func:`attnkit.masks.row_spans`), grouped-query heads sharing packed K panels, forward
-  and backward in one pass each.
+  and backward in one pass each; ``rowspan_builds``: its builds (AVX2, AVX-512, AVX512-BF16)
+  in one table, and the one ``select()`` of the build that runs a call.
 * ``decode`` and ``csrc/decode.cpp``: the forward of decode-shaped calls (a few queries
   against a long key/value cache, no autograd): each key/value head read once for its query
   heads, split-K across threads, only the keys of each row's run (the same runs), at the

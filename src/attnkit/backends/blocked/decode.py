@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from attnkit.backends import nonfinite
-from attnkit.backends.blocked import builds, native, rowspan
+from attnkit.backends.blocked import builds, native, rowspan, rowspan_builds
 from attnkit.backends.blocked.kernels import OP, Direct
 from attnkit.call import AttentionCall
 
@@ -61,7 +61,7 @@ NAME = builds.DECODE.name
 MAX_L = 16
 
 #: the kernel, loaded on first use (the row-span kernel's switch and CPU requirements)
-_decode = native.Lazy(builds.DECODE, native.DecodeKernel, rowspan._cpu_reason)
+_decode = native.Lazy(builds.DECODE, native.DecodeKernel, rowspan_builds.cpu_reason)
 
 
 def build() -> Any:
@@ -78,7 +78,8 @@ def available() -> bool:
 
 def status() -> str:
     """One line: the kernel is in use, or why not (the row-span kernel's switch and
-    requirements, :func:`attnkit.backends.blocked.rowspan.status`, are this kernel's too)."""
+    requirements, :func:`attnkit.backends.blocked.rowspan_builds.cpu_reason`, are this
+    kernel's too)."""
     if build() is not None:
         return "attnkit's AVX2 decode kernel"
     return f"attnkit's decode kernel is off: {_decode.reason}"
@@ -233,7 +234,7 @@ def plan(call: AttentionCall) -> DecodePlan | None:
     elif spec.from_tensor:
         return DecodePlan(None, None, "a mask tensor", "it reads runs of keys from a mask spec")
     else:
-        runs = rowspan._runs(spec, L, S, 0, 0, S - L)  # the row-span kernel's (cached) runs
+        runs = rowspan._runs(spec, L, S, (0, 0, S - L))  # the row-span kernel's (cached) runs
         if runs.lo is None or runs.hi is None:
             return DecodePlan(None, None, repr(spec), "the mask is not one run of keys per row")
         if runs.slopes.numel() or runs.keys.numel():

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from attnkit.backends.blocked import builds, native, rowspan
+from attnkit.backends.blocked import builds, native, rowspan_builds
 
 __all__ = ["GATHER", "ROW_SLICES", "GatherKernel", "backward", "forward", "kernel"]
 
@@ -39,7 +39,7 @@ class GatherKernel(native.Library):
 #: 1 is the backward parallel over batch rows and key/value heads only (benchmarks compare)
 ROW_SLICES = 0
 
-_gather = native.Lazy(GATHER, GatherKernel, rowspan._cpu_reason)
+_gather = native.Lazy(GATHER, GatherKernel, rowspan_builds.cpu_reason)
 
 
 def kernel() -> Any:

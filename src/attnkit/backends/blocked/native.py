@@ -222,7 +222,7 @@ _SPAN_COMMON = [_P, _P, _P, _I64, _I64, _F64, _F64, _P, _I64, _I64, _P, _I64, _I
 
 class SpanKernel(Library):
     """The row-span kernel (``csrc/row_span.cpp``): see
-    :func:`attnkit.backends.blocked.rowspan.kernel` for ``span_forward`` and
+    :func:`attnkit.backends.blocked.rowspan_builds.kernel` for ``span_forward`` and
     ``span_backward``."""
 
     FUNCTIONS: ClassVar[dict[str, list[Any]]] = {

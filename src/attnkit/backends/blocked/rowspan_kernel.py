@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from attnkit.backends import nonfinite
-from attnkit.backends.blocked import rowspan
+from attnkit.backends.blocked import rowspan_builds
 from attnkit.backends.blocked.config import current
 from attnkit.backends.blocked.kernels import OP, Direct
 from attnkit.backends.blocked.rowspan import SpanPlan
@@ -52,7 +52,7 @@ class RowSpanKernel:
         :func:`~attnkit.backends.nonfinite.reporting` (the rule's exact path runs then)."""
         sp = self.spans
         with torch.no_grad():
-            out, lse, finite = rowspan.kernel(sp.isa).span_forward_finite(
+            out, lse, finite = rowspan_builds.kernel(sp.isa).span_forward_finite(
                 q, k, v, sp, scale, self.softcap or 0.0
             )
         if not finite and nonfinite.reporting():
@@ -75,7 +75,7 @@ class RowSpanKernel:
         if not (q.dtype == out.dtype == dout.dtype == sp.dtype and lse.dtype == torch.float32):
             return None
         with torch.no_grad():
-            return rowspan.kernel(sp.isa).span_backward(  # type: ignore[no-any-return]
+            return rowspan_builds.kernel(sp.isa).span_backward(  # type: ignore[no-any-return]
                 q, k, v, out, dout, lse, sp, scale, self.softcap or 0.0
             )
 
@@ -84,7 +84,7 @@ class RowSpanKernel:
         from its runs)."""
         sp = self.spans
         cap = "" if self.softcap is None else f", soft-capped at {self.softcap:g}"
-        which = rowspan.dot_status() if sp.isa == rowspan.DOT else rowspan.status()
+        which = rowspan_builds.by_isa(sp.isa).in_use
         runs = f"{sp.what}{cap}: forward and backward run {which} (one pass each, no tiles)"
         if sp.lo is not None and sp.hi is not None and evaluates_function(call.mask):
             # a function's block map, from its runs (the built-in rules are named)
