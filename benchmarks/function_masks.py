@@ -30,6 +30,7 @@ import torch
 
 import attnkit
 from attnkit.backends.blocked.blocks import clear_plans
+from attnkit.bench.machine import cpu_line
 from attnkit.masks import causal, from_function, sliding_window
 from attnkit.masks import function as fmod
 
@@ -65,16 +66,6 @@ def _peak_in_fresh_process(side: str, a: argparse.Namespace) -> float:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
     out = subprocess.run(args, capture_output=True, text=True, check=True, env=env).stdout
     return float(out.split()[-1])
-
-
-def _cpu_flags() -> str:
-    text = subprocess.run(
-        ["grep", "-o", "-E", "avx512_bf16|amx_bf16|avx512f|avx2", "/proc/cpuinfo"],
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout
-    return " ".join(sorted(set(text.split()))) or "none of avx2/avx512f/avx512_bf16/amx_bf16"
 
 
 def main() -> None:
@@ -132,7 +123,7 @@ def main() -> None:
     med = {n: statistics.median(t) for n, t in times.items()}
     ratio = med["function"] / med["built-in spec"]
     print(f"L = S = {L}, H = {H}, D = {D}, float32, causal window {w}, forward + backward,")
-    print(f"{torch.get_num_threads()} threads, torch {torch.__version__}, CPU: {_cpu_flags()}")
+    print(f"{torch.get_num_threads()} threads, torch {torch.__version__}; {cpu_line()}")
     print(f"median of {a.reps} interleaved reps; max |out difference| = {diff:.2e}\n")
     print("| mask | forward + backward, warm (s) | first call, caches empty (s) | peak MiB |")
     print("|---|---|---|---|")

@@ -28,6 +28,7 @@ import transformers.masking_utils as mu
 
 import attnkit
 import attnkit.interop.hf_attention as hfa
+from attnkit.bench.machine import cpu_line
 from attnkit.interop import register_hf
 from attnkit.interop.hf_lazy_mask import spec_of
 
@@ -88,6 +89,7 @@ def main() -> None:
     line = [x for x in str(attnkit.explain(q, k, v, mask=spec)).splitlines() if "blocked:" in x]
     print(f"L = S = {a.L}, H = {a.heads}, D = {a.dim}, window {a.window}, image {a.image}, "
           f"{torch.get_num_threads()} threads, medians of {a.reps} (s)")  # fmt: skip
+    print(cpu_line())  # the CPU and its flags: every figure below depends on them
     print("| | attnkit (function mask) | transformers (dense mask, sdpa) |")
     print("|---|---|---|")
     print(f"| mask, once per forward | {med['mask']:.3f} | {med['dense']:.3f} |")
