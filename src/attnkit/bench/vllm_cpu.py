@@ -35,7 +35,6 @@ import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -171,11 +170,10 @@ class VllmCpu(Peer):
         tokens = tokens.contiguous()  # (T, H, D)
         out = torch.empty_like(tokens)
         scale = 1.0 / math.sqrt(D)
-        keep: tuple[Any, ...] = (tokens, out, cache, qsl, seq_lens, meta)
 
         def run() -> torch.Tensor:
             torch.ops._C.cpu_attention_with_kv_cache(
-                keep[0], cache[0], cache[1], out, qsl, seq_lens, scale, reqs.causal, None,
+                tokens, cache[0], cache[1], out, qsl, seq_lens, scale, reqs.causal, None,
                 reqs.window, cache[2], 0.0, meta, None, None,
             )  # fmt: skip
             return out.view(B, L, H, D).transpose(1, 2)

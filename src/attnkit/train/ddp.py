@@ -90,13 +90,11 @@ def _worker(
             if rank != 0:
                 raise
             summary = e.with_traceback(None)
-            gc.collect()
         except TrainingDivergedError as e:  # every rank stops at the same step
             # without its traceback: the exception would otherwise keep fit's frames, and with
             # them its DistributedDataParallel wrapper, alive past destroy_process_group below
             # (a rank then aborted at exit: "terminate called without an active exception")
             summary = e.with_traceback(None)
-            gc.collect()
         if rank == 0:
             queue.put(summary)
     finally:

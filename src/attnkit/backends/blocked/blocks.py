@@ -198,7 +198,11 @@ def plan_on_path(
 def converts(plan: BlockPlan, dtype: torch.dtype, upcast: bool) -> bool:
     """Whether a call of ``dtype`` runs ``plan`` on float32 copies: on ``fp32-upcast``
     (``upcast``), unless the plan's kernel reads q, k, v as they are
-    (:meth:`~attnkit.backends.blocked.kernels.KernelPlan.reads_note`)."""
+    (:meth:`~attnkit.backends.blocked.kernels.KernelPlan.reads_note`); on any path where the
+    plan's kernel reads ``dtype`` only as float32
+    (:meth:`~attnkit.backends.blocked.kernels.KernelPlan.needs_float32`)."""
+    if plan.kernel is not None and plan.kernel.needs_float32(dtype):
+        return True
     return upcast and (plan.kernel is None or plan.kernel.reads_note(dtype, upcast) is None)
 
 

@@ -165,6 +165,10 @@ class DecodePlan:
         """:func:`direct` of this plan."""
         return direct(call, self)
 
+    def needs_float32(self, dtype: torch.dtype) -> bool:
+        """False: it reads q, k, v as they are."""
+        return False
+
 
 def shaped(call: AttentionCall) -> bool:
     """A decode-shaped eager CPU call: ``1 <= L <= MAX_L`` queries against a cache, more keys

@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attnkit import cpu
 from attnkit.backends import nonfinite
 from attnkit.masks import MaskSpec
 from attnkit.masks.selected import SelectedKeys, find_selected
@@ -53,9 +52,9 @@ __all__ = ["CHUNK_BYTES", "GatherPlan", "backward", "block_plan", "describe", "f
 #: the most bytes one chunk's gathered K and V rows take (the kernel's working set)
 CHUNK_BYTES = 32 << 20
 #: the dtypes the C++ kernel serves: float32, and bfloat16 and float16 on float32 copies of
-#: q, k, v (made per call in this thread's conversion buffer, :func:`attnkit.cpu.to_float32`:
-#: O((L + S) D) bytes, never the gathered ``(L, k, D)``); its results are float32, as the
-#: torch operations' are, and the backend returns them in the input dtype
+#: q, k, v on every CPU path (:meth:`GatherPlan.needs_float32`: the blocked backend makes them,
+#: as on ``fp32-upcast``: O((L + S) D) bytes, never the gathered ``(L, k, D)``); its results
+#: are float32, as the torch operations' are, and the backend returns them in the input dtype
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -114,10 +113,18 @@ class GatherPlan:
         """:func:`describe` of this plan."""
         return describe(self, call.dims.L, call.dims.S, dtype)
 
-    def reads_note(self, dtype: torch.dtype, upcast: bool) -> None:
-        """None: it runs on what the CPU path gives every kernel (float32 copies on
-        ``fp32-upcast``)."""
-        return None
+    def reads_note(self, dtype: torch.dtype, upcast: bool) -> str | None:
+        """Where the C++ kernel takes float32 copies of a low-precision q, k, v on a path that
+        gives the other kernels them as they are (``native``): says so; else ``None``."""
+        if upcast or not self.needs_float32(dtype):
+            return None
+        name = str(dtype).removeprefix("torch.")
+        return f"the gather kernel's C++ runs on float32 copies of the {name} q, k, v; "
+
+    def needs_float32(self, dtype: torch.dtype) -> bool:
+        """Where the C++ kernel runs it: bfloat16 and float16 as float32 copies (it reads
+        float32 only)."""
+        return self.native and dtype in (torch.bfloat16, torch.float16)
 
     def direct(self, call: AttentionCall) -> None:
         """None: it has no entry bound to a signature (every call goes the whole way)."""
@@ -245,10 +252,9 @@ def describe(p: GatherPlan, L: int, S: int, dtype: torch.dtype) -> str:
     rest = "" if p.rest is None else f", {p.rest!r} applied to the selected pairs"
     from attnkit.backends.blocked import gather_native
 
-    lib = gather_native.kernel() if p.native and dtype in NATIVE_DTYPES else None
-    copies = "" if dtype == torch.float32 else f" on float32 copies of the {dtype} q, k, v"
+    lib = gather_native.kernel() if p.native and dtype == torch.float32 else None
     how = (
-        f"forward and backward in C++ (float32{copies}; the backward parallel over batch rows, "
+        "forward and backward in C++ (float32; the backward parallel over batch rows, "
         "key/value heads and slices of query rows, each slice adding into dK/dV rows of its own)"
         if lib is not None
         else "forward and backward in chunks of query rows in torch operations"
@@ -349,8 +355,9 @@ def _allowed_entries(p: GatherPlan, H: int) -> torch.Tensor:
 
 def _native_inputs(p: GatherPlan, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The C++ kernel's ``idx`` and ``ok`` (:mod:`~attnkit.backends.blocked.gather_native`)
-    where the plan runs it (``native``: :data:`NATIVE_DTYPES` on the CPU, no score bias)."""
-    if not p.native or q.device.type != "cpu" or q.dtype not in NATIVE_DTYPES:
+    where the plan runs it (``native``: on the CPU, no score bias) on float32 q (the backend
+    converts a low-precision call first: :meth:`GatherPlan.needs_float32`)."""
+    if not p.native or q.device.type != "cpu" or q.dtype != torch.float32:
         return None
     idx = p.selected.ind.long().clamp(min=0).contiguous()
     return idx, _allowed_entries(p, q.shape[1])
@@ -364,18 +371,7 @@ def _native(
     from attnkit.backends.blocked import gather_native
 
     inputs = _native_inputs(p, q)
-    if inputs is None:
-        return None
-    qf, kf, vf = _as_float32(q, k, v)
-    return gather_native.forward(qf, kf, vf, *inputs, scale)
-
-
-def _as_float32(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``ts`` as they are where all are float32, else float32 copies of them (the C++
-    kernel reads float32)."""
-    if all(t.dtype == torch.float32 for t in ts):
-        return ts
-    return cpu.to_float32(*ts)
+    return None if inputs is None else gather_native.forward(q, k, v, *inputs, scale)
 
 
 def forward(
@@ -427,8 +423,7 @@ def backward(
     if inputs is not None:
         from attnkit.backends.blocked import gather_native
 
-        qf, kf, vf, of, df, lf = _as_float32(q, k, v, out, dout, lse)
-        done = gather_native.backward(qf, kf, vf, of, df, lf, *inputs, scale)
+        done = gather_native.backward(q, k, v, out, dout, lse, *inputs, scale)
         if done is not None:
             return done
     B, H, L, Dk = q.shape

@@ -105,6 +105,11 @@ class KernelPlan(Protocol):
         decode step's later calls; ``None`` where it has no such entry."""
         ...
 
+    def needs_float32(self, dtype: torch.dtype) -> bool:
+        """Whether it reads ``dtype`` only as float32 copies on every CPU path (the ``native``
+        one too): :func:`~attnkit.backends.blocked.blocks.converts` then makes them."""
+        ...
+
 
 #: a planner: ``(spec, soft-cap, L, S, dtype, device)`` (the dtype and device the kernels
 #: will see) to its kernel's plan, or ``None`` where it does not run the call

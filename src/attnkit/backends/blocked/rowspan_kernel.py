@@ -104,3 +104,7 @@ class RowSpanKernel:
     def direct(self, call: AttentionCall) -> Direct | None:
         """None: a call of its sizes is long; it always goes the whole way."""
         return None
+
+    def needs_float32(self, dtype: torch.dtype) -> bool:
+        """False: it takes what the CPU path gives (:meth:`reads_note`)."""
+        return False
