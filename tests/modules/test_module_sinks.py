@@ -251,6 +251,23 @@ def test_a_gpt_with_sinks_decodes_as_its_full_forward() -> None:
     assert torch.equal(tokens, model.generate(prompts, 5, static_cache=True))
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method`:DeprecationWarning")
+def test_a_gpt_with_sinks_generates_the_same_tokens_compiled() -> None:
+    """The decode step compiled over a static cache (aot_eager: Dynamo and AOT autograd) takes
+    the learned sinks as it takes the other parameters."""
+    torch._dynamo.reset()  # this test's graphs only (Dynamo's caches live on code objects)
+    torch.manual_seed(7)
+    config = GPTConfig(vocab_size=50, max_positions=32, dim=32, num_layers=2, num_heads=4,
+                       attention_sinks=True)  # fmt: skip
+    model = GPT(config).eval()
+    with torch.no_grad():
+        for layer in model.stack.layers:
+            layer.attn.sinks.normal_(std=2.0)
+    prompts = torch.randint(0, 50, (2, 4))
+    tokens = model.generate(prompts, 5)
+    assert torch.equal(tokens, model.generate(prompts, 5, compile="aot_eager"))
+
+
 def test_gpt_oss_attention_layer_gives_what_the_module_gives() -> None:
     """transformers' GptOssAttention (eager, with its sinks) and a MultiHeadAttention with the
     same weights, RoPE left out (cos = 1, sin = 0) and the causal mask."""
