@@ -60,7 +60,7 @@ def test_a_cat_of_lazy_masks_along_the_keys_is_a_lazy_mask_of_concat_keys() -> N
     mine, cross = _self_mask(), _cross_mask()
     joined = torch.cat([mine, cross], dim=-1)
     assert isinstance(joined, LazyMask)
-    assert not (joined.made)
+    assert not joined.made
     assert not mine.made
     assert not cross.made
     assert (joined.shape, joined.dtype) == ((B, 1, L, S1 + S2), torch.bool)
