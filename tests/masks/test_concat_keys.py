@@ -11,6 +11,7 @@ two parts' key counts, S = S1 + S2.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import pytest
@@ -19,6 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnkit
+from attnkit.backends.blocked.blocks import BlockAt, backward_from_lse, forward_with_lse
+from attnkit.backends.blocked.tiles import merge
 from attnkit.masks import (
     EMPTY,
     FULL,
@@ -152,6 +155,38 @@ def test_it_combines_with_other_specs(op: str) -> None:
     combined = {"&": spec & window, "|": spec | window, "~": ~spec}[op]
     want = {"&": mine & other, "|": mine | other, "~": ~mine}[op]
     assert torch.equal(combined.to_dense(L, S1 + S2).expand(B, 1, L, S1 + S2), want)
+
+
+@pytest.mark.parametrize("chunks", [(0, 64), (0, 30, 64), (0, 10, 40, 50, 64)])
+def test_blocks_of_keys_at_global_positions_merge_to_the_oracle(chunks: tuple[int, ...]) -> None:
+    """The blocked backend's block functions (what ring attention runs per key chunk) on
+    chunks of the keys, some straddling S1 (split into the parts), merged by log-sum-exp."""
+    B, H, Hkv, L, S1, S2 = 2, 4, 2, 40, 40, 24
+    first, second = PARTS["window | unmasked"](B, H, L, S1, S2)
+    spec = concat_keys(first, S1, second & key_mask(_keep(B, S2, 7)), S2)
+    q, k, v = (t.double() for t in _qkv(B, H, Hkv, L, S1 + S2))
+    want = reference_attention(q, k, v, mask=spec.to_dense(L, S1 + S2))[0]
+    out = lse = None
+    for a, b in itertools.pairwise(chunks):
+        at = BlockAt(0, a, L, S1 + S2)
+        o, s = forward_with_lse(q, k[:, :, a:b], v[:, :, a:b], mask=spec, scale=0.25, at=at)
+        if out is None or lse is None:
+            out, lse = o.clone(), s.clone()
+        else:
+            merge(out, lse, o, s)
+    assert out is not None
+    assert lse is not None
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    dout = torch.randn_like(out)
+    dq = torch.zeros_like(q)
+    for a, b in itertools.pairwise(chunks):
+        at = BlockAt(0, a, L, S1 + S2)
+        ks, vs = k[:, :, a:b], v[:, :, a:b]
+        g = backward_from_lse(q, ks, vs, out, dout, lse, mask=spec, scale=0.25, at=at)
+        dq += g[0]
+    q64 = q.clone().requires_grad_()
+    again = reference_attention(q64, k, v, mask=spec.to_dense(L, S1 + S2))[0]
+    torch.testing.assert_close(dq, torch.autograd.grad(again, q64, dout)[0], atol=1e-10, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,7 +330,8 @@ def test_str_repr_and_explain_never_build_l_by_s(monkeypatch: pytest.MonkeyPatch
     assert "concat_keys(causal() & sliding_window(16), 300, key_mask(<bool (1, 200)>), 200)" in (
         text
     )
-    assert "45.0% of 32x32 blocks empty" in text  # the window's blocks of the first part
+    assert "keys split at 300 (the two parts of concat_keys)" in text
+    assert "row-span kernel" in text  # each part's rows are one run of keys
     out = attnkit.attention(q, k, v, mask=small, backend="blocked")
     assert out.shape == (1, 2, L, 16)
 
