@@ -206,7 +206,10 @@ class ConcatKeys(MaskSpec):
         with self._extent(start, n) as searched:
             if searched == 0:  # the keys searched hold none of this part's
                 return nothing
-            runs = part.key_runs(pos, off)
+            # unmasked() gives no runs of its own (a whole call of it is no mask at all);
+            # as a part it is every one of its keys
+            every = part.key() == ("unmasked",)
+            runs = (full(pos, LOW), full(pos, HIGH)) if every else part.key_runs(pos, off)
         if runs is None:
             return None
         lo, hi = runs

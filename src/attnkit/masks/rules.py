@@ -403,9 +403,6 @@ class _Unmasked(MaskSpec):
         every = ((q_lo >= 0) & (k_lo >= 0))[None, None]
         return every, every
 
-    def key_runs(self, pos: torch.Tensor, off: int) -> Spans:
-        return full(pos, LOW), full(pos, HIGH)
-
     def __repr__(self) -> str:
         return "unmasked()"
 
