@@ -128,6 +128,29 @@ def test_attention_with_the_spec_is_the_oracle_with_the_concatenated_masks(
         assert bool((got[1][empty] == 0).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_other_dtypes_keep_to_the_oracle(dtype: torch.dtype) -> None:
+    """Low precision (the CPU path's copies or kernels: each part's plan is made for what its
+    kernel reads) and float64, forward and backward on the blocked backend."""
+    B, H, Hkv, L, S1, S2 = 2, 4, 2, 70, 70, 40
+    first, second = causal() & sliding_window(5), padding(torch.tensor([30, 25]))
+    spec = concat_keys(first, S1, second, S2)
+    dense = cat_dense(first, S1, second, S2, B, H, L)
+    q, k, v = (t.to(dtype) for t in _qkv(B, H, Hkv, L, S1 + S2))
+    dout = torch.randn(B, H, L, 16, generator=torch.Generator().manual_seed(3)).to(dtype)
+    qkv = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attnkit.attention(*qkv, mask=spec, backend="blocked")
+    got = (out, *torch.autograd.grad(out, qkv, dout))
+    q64 = [t.double().requires_grad_() for t in (q, k, v)]
+    want = reference_attention(*q64, mask=dense)[0]
+    wants = (want, *torch.autograd.grad(want, q64, dout.double()))
+    qn = [t.clone().requires_grad_() for t in (q, k, v)]
+    naive = reference_attention(*qn, mask=dense.to(dtype), dtype=dtype)[0]
+    naives = (naive, *torch.autograd.grad(naive, qn, dout))
+    for g, w, n, name in zip(got, wants, naives, "oqkv", strict=True):
+        within_naive(g, w, n, grad=name != "o", what=f"{dtype} {name}")
+
+
 def test_to_dense_is_the_concatenation_and_the_parts_are_read_in_their_own_keys() -> None:
     """The first part is end-aligned to its S1 keys, the second to its S2: with L = 2
     queries, causal over 3 keys lets row 0 see 2 of them, over 4 keys 3."""

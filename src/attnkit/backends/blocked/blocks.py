@@ -259,7 +259,7 @@ class SplitKeys:
         lse: torch.Tensor,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``dq``, ``dk``, ``dv`` in the first part's dtype of them."""
+        """``dq``, ``dk``, ``dv`` in the wider of the parts' dtypes of them."""
         (k1, k2), (v1, v2) = self._keys(k), self._keys(v)
         first, second = self.parts
         dq, dk1, dv1 = backward_from_lse(
@@ -268,9 +268,10 @@ class SplitKeys:
         dq2, dk2, dv2 = backward_from_lse(
             q, k2, v2, out, dout, lse, mask=None, scale=scale, plan=second
         )
-        dk = torch.cat([dk1, dk2.to(dk1.dtype)], dim=2)
-        dv = torch.cat([dv1, dv2.to(dv1.dtype)], dim=2)
-        return dq + dq2.to(dq.dtype), dk, dv
+        wide = torch.promote_types(dq.dtype, dq2.dtype)  # a part's kernel may give bf16
+        dk = torch.cat([dk1.to(wide), dk2.to(wide)], dim=2)
+        dv = torch.cat([dv1.to(wide), dv2.to(wide)], dim=2)
+        return dq.to(wide) + dq2.to(wide), dk, dv
 
     def describe(self, call: AttentionCall, dtype: torch.dtype) -> str:
         """Where the keys are split, and what runs each part."""
@@ -318,7 +319,9 @@ def plan_on_path(
     are."""
     if upcast or native:
         direct = plan_blocks(q, k, v, mask, softcap=softcap, in_dtype=True, dot=native)
-        if native or direct.spans.serves or direct.spans.lo is None:
+        # (a split's parts are planned for the tensors' dtype: on fp32-upcast, for the copies)
+        split = isinstance(direct.kernel, SplitKeys)
+        if native or direct.spans.serves or (direct.spans.lo is None and not split):
             return direct
         q, k, v = stand_in(q), stand_in(k), stand_in(v)
     return plan_blocks(q, k, v, mask, softcap=softcap)
