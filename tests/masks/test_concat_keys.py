@@ -165,6 +165,10 @@ def test_to_dense_is_the_concatenation_and_the_parts_are_read_in_their_own_keys(
     assert empty_first.to_dense(2, 2)[0, 0].tolist() == [[True, False]] * 2
     empty_second = concat_keys(causal(), 3, unmasked(), 0)
     assert torch.equal(empty_second.to_dense(2, 3), causal().to_dense(2, 3))
+    biased = alibi(2) & causal()  # a part with a bias, the other part without keys
+    only = concat_keys(unmasked(), 0, biased, 4)
+    assert torch.equal(only.to_dense(3, 4), biased.to_dense(3, 4))
+    assert torch.equal(concat_keys(biased, 4, causal(), 0).to_dense(3, 4), biased.to_dense(3, 4))
 
 
 @pytest.mark.parametrize("op", ["&", "|", "~"])
@@ -409,5 +413,7 @@ def test_a_call_with_another_key_length_is_refused() -> None:
     text = _message(lambda: attnkit.attention(q, k, v, mask=spec))
     assert "is built for 7 keys but k has S=8" in text
     assert "k (B=1, Hkv=2, S=8, Dk=16)" in text
+    assert "concat_keys(first, S1, second, S2) with S1 + S2 = 8" in text
+    assert "give concat_keys the key counts of the two parts of k's keys" in text
     with pytest.raises(attnkit.AttentionInputError, match="built for 7 keys, not S = 8"):
         spec.to_dense(4, 8)

@@ -156,6 +156,9 @@ class ConcatKeys(MaskSpec):
     ) -> torch.Tensor | None:
         if not self.has_bias:
             return None
+        if self.S2 == 0 or self.S1 == 0:  # one part only: its bias, or none
+            part = self.first if self.S2 == 0 else self.second
+            return part.bias(b, h, q, kv, off) if part.has_bias else None
         in_first, kv1, kv2 = self._indices(kv)
         a = self.first.bias(b, h, q, kv1, off - self.S2) if self.first.has_bias else None
         c = self.second.bias(b, h, q, kv2, off - self.S1) if self.second.has_bias else None
