@@ -37,6 +37,7 @@ import transformers.masking_utils as mu
 
 import attnkit
 import attnkit.interop.hf_attention as hfa
+from attnkit import files
 from attnkit.bench.machine import cpu_line
 from attnkit.interop import register_hf
 from attnkit.interop.hf_lazy_mask import spec_of
@@ -126,9 +127,9 @@ def main() -> None:
             results[layer][n] = med
             print(f"| {layer} ({window or 'no'} window) | {n} | {med[0]:.3f} | {med[1]:.3f} | "
                   f"{med[2]:.3f} | {ref / med[2]:.2f}x | {diff:.1e} |")  # fmt: skip
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "medians_mask_first_further_s": results}, f, indent=1)
+    if a.json:  # through attnkit.files: a link planted at the path is replaced, not followed
+        text = json.dumps({"args": vars(a), "medians_mask_first_further_s": results}, indent=1)
+        files.write_text(a.json, text + "\n", argument="--json")
 
 
 if __name__ == "__main__":
