@@ -187,36 +187,36 @@ def _split_keys(
     softcap: float | None,
     reads: tuple[bool, bool],
 ) -> SplitKeys | None:
-    """Two blocks, one per part of a :func:`~attnkit.masks.concat_keys` mask whose keys this
-    block holds some of, where a part gets a kernel (the row-span kernel: its rows are one run
-    of keys there); ``None`` otherwise (the tiles run the whole block)."""
+    """Two blocks for a block whose keys straddle the two parts of a
+    :func:`~attnkit.masks.concat_keys` mask: each part's keys as an attention of their own,
+    under that part's rule, over that part's keys (``S1`` or ``S2`` of them, where this
+    block's lie), where a part gets a kernel (the row-span kernel: its rows are one run of
+    keys); ``None`` otherwise (the tiles run the whole block). A block inside one part needs
+    no split: the whole mask's runs there are that part's."""
     if not isinstance(mask, ConcatKeys):
         return None
-    S = k.shape[2]
-    cut = min(max(int(mask.S1) - at.k_start, 0), S)
+    S, S1 = k.shape[2], int(mask.S1)
+    cut = min(max(S1 - at.k_start, 0), S)
     if cut in (0, S):
         return None
-    parts = tuple(
-        plan_blocks(
-            q,
-            k[:, :, a:b],
-            v[:, :, a:b],
-            mask,
-            replace(at, k_start=at.k_start + a),
-            softcap,
-            *reads,
-        )
-        for a, b in ((0, cut), (cut, S))
-    )
-    if all(p.kernel is None for p in parts):
+    first = plan_blocks(
+        q, k[:, :, :cut], v[:, :, :cut], mask.first,
+        replace(at, S_total=S1), softcap, *reads,
+    )  # fmt: skip
+    second = plan_blocks(
+        q, k[:, :, cut:], v[:, :, cut:], mask.second,
+        replace(at, k_start=at.k_start + cut - S1, S_total=int(mask.S2)), softcap, *reads,
+    )  # fmt: skip
+    if first.kernel is None and second.kernel is None:
         return None
-    return SplitKeys(cut, parts)
+    return SplitKeys(cut, (first, second))
 
 
 @dataclass(frozen=True)
 class SplitKeys:
     """A block of a :func:`~attnkit.masks.concat_keys` mask as two blocks: keys ``[0, cut)``
-    (the first part's) and ``[cut, S)`` (the second's), each with its own plan (``parts``),
+    (the first part's) and ``[cut, S)`` (the second's), each with its own plan (``parts``: the
+    part's rule over the part's keys),
     merged with the log-sum-exp rule; the backward sums the parts' ``dq`` and joins their
     ``dk``/``dv`` (each part's backward from the merged ``out`` and ``lse``, as
     :func:`backward_from_lse` says). A :class:`~attnkit.backends.blocked.kernels.KernelPlan`."""
