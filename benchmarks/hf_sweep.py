@@ -217,7 +217,8 @@ def run_type(transformers: Any, model_type: str) -> tuple[str, str]:
 
 
 def mask_kind(mask: Any, lazy: type) -> str:
-    """What a layer's mask was: ``spec`` (a lazy mask handed on untouched, or a spec),
+    """What a layer's mask was: ``spec`` (a lazy mask handed on untouched, or a spec; lazy masks
+    concatenated over the keys, ``concat_keys`` of their specs, included),
     ``none``, ``edited`` (a lazy mask the model's code operated on, so a dense tensor),
     ``dense rule`` (transformers' dense mask from attnkit's mask interface: a rule it could
     neither prove as a spec nor evaluate as a function mask, since a rule it cannot prove is
@@ -229,7 +230,10 @@ def mask_kind(mask: Any, lazy: type) -> str:
     if mask is None:
         return "none"
     if isinstance(mask, lazy):
-        return "edited" if mask.made else "spec"  # type: ignore[attr-defined]
+        if mask.made:  # type: ignore[attr-defined]
+            return "edited"
+        # a lazy mask whose spec holds a mask tensor (a model's own, joined to a rule) is one
+        return "tensor" if mask.spec.from_tensor else "spec"  # type: ignore[attr-defined]
     if not isinstance(mask, torch.Tensor):
         return "spec"
     if any(mask is d for d in DENSE_MADE):

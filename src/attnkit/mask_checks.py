@@ -18,6 +18,7 @@ import torch
 from attnkit.call import Dims
 from attnkit.errors import DTYPE_NAMES, AttentionInputError, dtype_error, shape_str
 from attnkit.masks import DenseMask, MaskSpec
+from attnkit.masks.concat import ConcatKeys
 from attnkit.masks.selected import check_selected
 from attnkit.validate import can_read_values
 
@@ -60,8 +61,12 @@ def _check_spec(mask: MaskSpec, q: torch.Tensor, dims: Dims, where: str, key_sha
     S = dims.S * key_shards  # the whole sequence's keys
     if mask.length is not None and mask.length != S:
         fix = "build it from a tensor with one entry per key, S of them"
+        expected = f"document ids / key_mask keep with one entry per key: {S}"
         if mask.length == dims.L * key_shards:
             fix = f"its tensor has one entry per query (L={dims.L}); it needs one per key"
+        if any(isinstance(part, ConcatKeys) for part in mask.walk()):
+            expected = f"concat_keys(first, S1, second, S2) with S1 + S2 = {S}"
+            fix = "give concat_keys the key counts of the two parts of k's keys"
         shards = "" if key_shards == 1 else f" ({key_shards} shards of {dims.S} keys)"
         raise AttentionInputError(
             where,
@@ -69,7 +74,7 @@ def _check_spec(mask: MaskSpec, q: torch.Tensor, dims: Dims, where: str, key_sha
             f"the mask spec {mask!r} is built for {mask.length} keys but k has S={S}{shards}.",
             got=f"mask={mask!r} (length {mask.length})  k (B={dims.B}, Hkv={dims.Hkv}, "
             f"S={dims.S}, Dk={dims.Dk})",
-            expected=f"document ids / key_mask keep with one entry per key: {S}",
+            expected=expected,
             fix=fix + " (with a KV cache, S counts the cached keys too)",
         )
     if mask.from_tensor:  # a user's tensor as a spec, or inside one

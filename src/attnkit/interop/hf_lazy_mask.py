@@ -10,6 +10,15 @@ slices the mask, adds a bias, concatenates it, prints it) first makes transforme
 with transformers' own code for the same arguments, once, and runs on that; reading its shape,
 dtype, device or number of dimensions does not. So a model that hands the mask on untouched
 runs attnkit on the spec, and a model that edits it gets exactly what ``sdpa``/``eager`` would.
+
+One operation stays lazy: ``torch.cat`` of lazy masks along the keys (``dim=-1``), none of
+them made yet, of one dtype and device and equal batch, head and query sizes (T5Gemma 2's
+decoder joins its self-attention mask and its cross-attention mask so, for attention over its
+own keys and the encoder's). Its result is a lazy mask of the concatenated shape whose spec is
+:func:`~attnkit.masks.concat_keys` of the parts' specs, and whose recipe concatenates the
+parts' dense masks (what the model's ``torch.cat`` computes). A ``torch.cat`` with anything
+else (a dense tensor, such as DeepSeek-V4's compressor bias, another dim, ``out=``) makes the
+dense masks first, as any other operation does.
 """
 
 from __future__ import annotations
@@ -20,7 +29,9 @@ from typing import Any, ClassVar
 import torch
 from torch.utils._pytree import tree_map
 
-from attnkit.masks import MaskSpec
+from attnkit.backends import owned
+from attnkit.interop.hf_rules import UNMASKED
+from attnkit.masks import MaskSpec, concat_keys
 
 __all__ = ["LazyMask", "spec_of"]
 
@@ -112,6 +123,10 @@ class LazyMask(torch.Tensor):
         if func in cls._METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if func in _CATS:
+            joined = _cat_keys(*args, **kwargs)
+            if joined is not None:
+                return joined
         args, kwargs = tree_map(_values, (args, kwargs))
         return func(*args, **kwargs)
 
@@ -125,6 +140,45 @@ class LazyMask(torch.Tensor):
     ) -> Any:
         args, kwargs = tree_map(_values, (args, kwargs or {}))
         return func(*args, **kwargs)
+
+
+_CATS = frozenset({torch.cat, torch.concat, torch.concatenate})
+
+
+def _cat_keys(
+    tensors: object = (), dim: object = 0, *, axis: object = None, out: object = None
+) -> LazyMask | None:
+    """``torch.cat(tensors, dim=-1)`` of lazy masks not made yet, as a lazy mask whose spec
+    is :func:`~attnkit.masks.concat_keys` of theirs; ``None`` (make the dense masks) for
+    anything else."""
+    dim = dim if axis is None else axis
+    if out is not None or not isinstance(tensors, (list, tuple)) or len(tensors) < 2:
+        return None
+    parts = list(tensors)
+    if not all(isinstance(p, LazyMask) and not p.made and p.dim() == 4 for p in parts):
+        return None
+    first = parts[0]
+    if dim not in (-1, 3) or any(
+        p.dtype != first.dtype or p.device != first.device or p.shape[:3] != first.shape[:3]
+        for p in parts
+    ):
+        return None
+    specs = [p.spec for p in parts]
+    if any(s.from_tensor or s.selects_keys for s in specs):
+        return None
+    makes = [p._make for p in parts]
+    spec, S = specs[0], parts[0].shape[3]
+    for part, more in zip(specs[1:], parts[1:], strict=True):
+        spec, S = concat_keys(spec, S, part, more.shape[3]), S + more.shape[3]
+    if all(s is UNMASKED for s in specs):
+        spec = UNMASKED
+    elif all(owned.owned(s) or not s.tensors() for s in specs):
+        owned.own(spec)  # built from attnkit's own copies, as the parts' specs are
+
+    def make() -> torch.Tensor:  # the model's torch.cat of the parts' dense masks
+        return torch.cat([m() for m in makes if m is not None], dim=-1)
+
+    return LazyMask(spec, make, (*first.shape[:3], S), first.dtype, first.device)
 
 
 def _values(x: object) -> object:

@@ -41,7 +41,8 @@ same in any process for the same mask (``digest.py``): ring attention compares i
 Where things live: the protocol every rule answers and :func:`block_states` in ``base.py``;
 :class:`MaskSpec`, its combinators and its drawing in ``spec.py``; cache keys in ``keys.py``;
 runs of keys per row in ``runs.py``; the built-in rules in ``rules.py``; ALiBi in ``alibi.py``;
-a mask function as a spec (:func:`from_function`) in ``function.py``;
+a mask function as a spec (:func:`from_function`) in ``function.py``; two masks side by side
+over the keys (:func:`concat_keys`: a decoder's own keys and an encoder's) in ``concat.py``;
 the KV cache's per-sequence causal rule in ``sequence.py``; each query's own
 keys (DeepSeek-V3.2's top-k, :func:`selected_keys`) in ``selected.py``; a mask tensor as a spec in
 ``dense.py``; :func:`row_spans` (a spec as one run of keys per query row, where it is one: what
@@ -56,6 +57,7 @@ refuses, before allocating, a dense form above attnkit's memory limit (:mod:`att
 
 from attnkit.masks.alibi import alibi, alibi_slopes, split_alibi
 from attnkit.masks.base import EMPTY, FULL, PARTIAL, BlockMap, block_states
+from attnkit.masks.concat import concat_keys
 from attnkit.masks.dense import DenseMask
 from attnkit.masks.function import from_function
 from attnkit.masks.keys import tensor_key
@@ -91,6 +93,7 @@ __all__ = [
     "causal",
     "causal_mask",
     "causal_window",
+    "concat_keys",
     "document",
     "from_function",
     "is_causal",

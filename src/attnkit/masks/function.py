@@ -46,6 +46,7 @@ __all__ = [
     "clear_cache",
     "from_function",
     "key_extent",
+    "searched_keys",
 ]
 
 MaskFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -83,6 +84,12 @@ def key_extent(k_start: int, S: int) -> Iterator[None]:
         yield
     finally:
         _KEYS.reset(token)
+
+
+def searched_keys() -> tuple[int, int] | None:
+    """The keys :func:`key_extent` names here, ``(first global key, count)``, or ``None``
+    outside it (a spec made of parts, :func:`~attnkit.masks.concat_keys`, names each part's)."""
+    return _KEYS.get()
 
 
 def clear_cache() -> None:

@@ -9,15 +9,20 @@ keys of the block, Dk query/key head dim, Dv value head dim.
 (:func:`attnkit.masks.row_spans`: causal, windows, documents, prefix-LM, contiguous padding, at
 the block's global positions) and the kernel takes the tensors, else tiles of torch's fused
 kernel over the non-empty blocks of the mask (:mod:`~attnkit.backends.blocked.plan`, cached per
-spec key, sizes and config). :func:`forward_with_lse`, :func:`backward_from_lse` and
-``explain`` read that decision.
+spec key, sizes and config). A mask of two parts side by side over the keys
+(:func:`~attnkit.masks.concat_keys`) whose rows are not one run of keys (a decoder's own keys
+up to the row, then the encoder's) runs as two blocks, one per part, each with its own
+decision, merged with the log-sum-exp rule (:class:`SplitKeys`), where that gives a part the
+row-span kernel. :func:`forward_with_lse`, :func:`backward_from_lse` and ``explain`` read
+that decision.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,17 +30,22 @@ import attnkit.backends.blocked.rowspan as rowspan
 import attnkit.backends.blocked.tiles as tiles
 from attnkit.backends.blocked.config import current
 from attnkit.backends.blocked.decode import DecodePlan
-from attnkit.backends.blocked.kernels import KernelPlan
+from attnkit.backends.blocked.kernels import OP, Direct, KernelPlan
 from attnkit.backends.blocked.plan import Plan, make_plan
 from attnkit.backends.blocked.rowspan import SpanPlan
 from attnkit.backends.blocked.rowspan_kernel import RowSpanKernel
 from attnkit.call import sink_rows
 from attnkit.masks import MaskSpec
+from attnkit.masks.concat import ConcatKeys
+
+if TYPE_CHECKING:
+    from attnkit.call import AttentionCall
 
 __all__ = [
     "WHOLE",
     "BlockAt",
     "BlockPlan",
+    "SplitKeys",
     "backward_from_lse",
     "clear_plans",
     "converts",
@@ -160,8 +170,128 @@ def plan_blocks(
     decision = rowspan.plan(
         mask, q, k, v, q_start=q_start, k_start=k_start, off=off, in_dtype=in_dtype, dot=dot
     )
-    kernel = RowSpanKernel(decision, softcap) if decision.serves else None
+    kernel: KernelPlan | None = RowSpanKernel(decision, softcap) if decision.serves else None
+    if kernel is None:
+        whole = BlockAt(q_start, k_start, L if at.L_total is None else at.L_total,
+                        S if at.S_total is None else at.S_total)  # fmt: skip
+        kernel = _split_keys(q, k, v, mask, whole, softcap, (in_dtype, dot))
     return BlockPlan(mask, q_start, k_start, off, decision, softcap, kernel=kernel)
+
+
+def _split_keys(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: MaskSpec | None,
+    at: BlockAt,
+    softcap: float | None,
+    reads: tuple[bool, bool],
+) -> SplitKeys | None:
+    """Two blocks for a block whose keys straddle the two parts of a
+    :func:`~attnkit.masks.concat_keys` mask: each part's keys as an attention of their own,
+    under that part's rule, over that part's keys (``S1`` or ``S2`` of them, where this
+    block's lie), where a part gets a kernel (the row-span kernel: its rows are one run of
+    keys); ``None`` otherwise (the tiles run the whole block). A block inside one part needs
+    no split: the whole mask's runs there are that part's."""
+    if not isinstance(mask, ConcatKeys):
+        return None
+    S, S1 = k.shape[2], int(mask.S1)
+    cut = min(max(S1 - at.k_start, 0), S)
+    if cut in (0, S):
+        return None
+    first = plan_blocks(
+        q, k[:, :, :cut], v[:, :, :cut], mask.first,
+        replace(at, S_total=S1), softcap, *reads,
+    )  # fmt: skip
+    second = plan_blocks(
+        q, k[:, :, cut:], v[:, :, cut:], mask.second,
+        replace(at, k_start=at.k_start + cut - S1, S_total=int(mask.S2)), softcap, *reads,
+    )  # fmt: skip
+    if first.kernel is None and second.kernel is None:
+        return None
+    return SplitKeys(cut, (first, second))
+
+
+@dataclass(frozen=True)
+class SplitKeys:
+    """A block of a :func:`~attnkit.masks.concat_keys` mask as two blocks: keys ``[0, cut)``
+    (the first part's) and ``[cut, S)`` (the second's), each with its own plan (``parts``: the
+    part's rule over the part's keys),
+    merged with the log-sum-exp rule; the backward sums the parts' ``dq`` and joins their
+    ``dk``/``dv`` (each part's backward from the merged ``out`` and ``lse``, as
+    :func:`backward_from_lse` says). A :class:`~attnkit.backends.blocked.kernels.KernelPlan`."""
+
+    cut: int
+    parts: tuple[BlockPlan, ...]
+
+    #: the kernel in explain's words
+    name = "a split of the concatenated keys"
+    #: a compiled call runs the same inside the custom op
+    under_compile = f"under torch.compile the same, as one custom op ({OP})"
+
+    @property
+    def checks_finite(self) -> bool:
+        """Every part's kernel reports NaN/inf itself."""
+        return all(p.checks_finite for p in self.parts)
+
+    def _keys(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return t[:, :, : self.cut], t[:, :, self.cut :]
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``out (B, H, L, Dv)`` and ``lse (B, H, L)`` in ``lse``'s dtype (float32; float64
+        for float64 q): the parts' results merged."""
+        (k1, k2), (v1, v2) = self._keys(k), self._keys(v)
+        out, lse = forward_with_lse(q, k1, v1, mask=None, scale=scale, plan=self.parts[0])
+        o2, lse2 = forward_with_lse(q, k2, v2, mask=None, scale=scale, plan=self.parts[1])
+        out = out.to(lse.dtype, copy=True)  # merged in place, in the accumulation dtype
+        tiles.merge(out, lse, o2.to(lse.dtype, copy=True), lse2.to(lse.dtype))
+        return out, lse
+
+    def backward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        dout: torch.Tensor,
+        lse: torch.Tensor,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``dq``, ``dk``, ``dv`` in the wider of the parts' dtypes of them."""
+        (k1, k2), (v1, v2) = self._keys(k), self._keys(v)
+        first, second = self.parts
+        dq, dk1, dv1 = backward_from_lse(
+            q, k1, v1, out, dout, lse, mask=None, scale=scale, plan=first
+        )
+        dq2, dk2, dv2 = backward_from_lse(
+            q, k2, v2, out, dout, lse, mask=None, scale=scale, plan=second
+        )
+        wide = torch.promote_types(dq.dtype, dq2.dtype)  # a part's kernel may give bf16
+        dk = torch.cat([dk1.to(wide), dk2.to(wide)], dim=2)
+        dv = torch.cat([dv1.to(wide), dv2.to(wide)], dim=2)
+        return dq.to(wide) + dq2.to(wide), dk, dv
+
+    def describe(self, call: AttentionCall, dtype: torch.dtype) -> str:
+        """Where the keys are split, and what runs each part."""
+        names = [p.kernel.name if p.kernel is not None else "tiles" for p in self.parts]
+        return (
+            f"keys split at {self.cut} (the two parts of concat_keys): "
+            f"keys before it on {names[0]}, the rest on {names[1]}, merged by log-sum-exp"
+        )
+
+    def reads_note(self, dtype: torch.dtype, upcast: bool) -> str | None:
+        """``None``: it takes what the path gives every kernel."""
+        return None
+
+    def direct(self, call: AttentionCall) -> Direct | None:
+        """None: every call goes the whole way."""
+        return None
+
+    def needs_float32(self, dtype: torch.dtype) -> bool:
+        """Where a part's kernel reads ``dtype`` only as float32 copies."""
+        return any(p.kernel is not None and p.kernel.needs_float32(dtype) for p in self.parts)
 
 
 def stand_in(t: torch.Tensor) -> torch.Tensor:
@@ -189,7 +319,9 @@ def plan_on_path(
     are."""
     if upcast or native:
         direct = plan_blocks(q, k, v, mask, softcap=softcap, in_dtype=True, dot=native)
-        if native or direct.spans.serves or direct.spans.lo is None:
+        # (a split's parts are planned for the tensors' dtype: on fp32-upcast, for the copies)
+        split = isinstance(direct.kernel, SplitKeys)
+        if native or direct.spans.serves or (direct.spans.lo is None and not split):
             return direct
         q, k, v = stand_in(q), stand_in(k), stand_in(v)
     return plan_blocks(q, k, v, mask, softcap=softcap)
