@@ -6,12 +6,14 @@ Dimension legend: B batch, H query heads, Hkv key/value heads, g = H // Hkv, L q
 S key length, k keys selected per query, c query rows per chunk, Dk / Dv head dims.
 
 Two paths, one plan (:class:`GatherPlan`, a :class:`~attnkit.backends.blocked.kernels.
-KernelPlan`). Where the kernels see float32 on the CPU and the C++ build loads
-(:mod:`~attnkit.backends.blocked.gather_native`, ``csrc/gather.cpp``), the forward and the
-backward run there: the selected K and V rows read in place, one task per (batch row,
-key/value head, query row) forward and per (batch row, key/value head, slice of query rows)
-backward (each slice adds into dK/dV rows of its own, summed after); the forward
-reports NaN/inf itself. Here, for the other dtypes and devices and where the build does not
+KernelPlan`). Where q, k, v are float32 on the CPU, or bfloat16/float16 of a whole call, and
+the C++ build loads (:mod:`~attnkit.backends.blocked.gather_native`, ``csrc/gather.cpp``), the
+forward and the backward run there: the selected K and V rows read in place (bfloat16 and
+float16 widened to float32 as they are loaded, results in their dtype: :attr:`GatherPlan.reads`;
+a build without F16C takes float32 copies of float16), one task per (batch row, key/value head,
+query row) forward and per (batch row, key/value head, slice of query rows) backward (each
+slice adds into float32 dK/dV rows of its own, summed after); the forward reports NaN/inf
+itself. Here, for the other dtypes and devices and where the build does not
 load, the same in torch operations: the query rows go in chunks of ``c`` rows; each chunk
 gathers its rows' selected K and V rows (``(B, Hkv, c, k, D)``, bounded by
 :data:`CHUNK_BYTES`; K and V are read in place, as they are laid out, and never copied whole
@@ -51,11 +53,12 @@ __all__ = ["CHUNK_BYTES", "GatherPlan", "backward", "block_plan", "describe", "f
 
 #: the most bytes one chunk's gathered K and V rows take (the kernel's working set)
 CHUNK_BYTES = 32 << 20
-#: the dtypes the C++ kernel serves: float32, and bfloat16 and float16 on float32 copies of
-#: q, k, v on every CPU path (:meth:`GatherPlan.needs_float32`: the blocked backend makes them,
-#: as on ``fp32-upcast``: O((L + S) D) bytes, never the gathered ``(L, k, D)``); its results
-#: are float32, as the torch operations' are, and the backend returns them in the input dtype
+#: the dtypes the C++ kernel serves: float32, and bfloat16 and float16 read in place on every
+#: CPU path where a whole call runs (:attr:`GatherPlan.reads`; results in their dtype), else
+#: on float32 copies of q, k, v (:meth:`GatherPlan.needs_float32`: the blocked backend makes
+#: them, O((L + S) D) bytes, never the gathered ``(L, k, D)``)
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LOW = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -68,12 +71,18 @@ class GatherPlan:
     rest: MaskSpec | None
     keep: torch.Tensor
     off: int
-    #: the C++ kernel runs the call (float32 on the CPU, loaded, no score bias)
+    #: the C++ kernel runs the call (a dtype of :data:`NATIVE_DTYPES` on the CPU, loaded, no
+    #: score bias)
     native: bool = False
     #: the global positions of the first query and the first key where the call is one block
     #: of a longer sequence (:func:`block_plan`; the indices are then local to the block)
     q_start: int = 0
     k_start: int = 0
+    #: the dtypes the C++ kernel reads q, k, v in, in place (where ``native``): float32, and
+    #: for a whole call bfloat16 and float16 (float16 where the build has F16C), its results in
+    #: their dtype; a block of a longer sequence (:func:`block_plan`, whose caller merges the
+    #: blocks in float32) float32 only
+    reads: tuple[torch.dtype, ...] = ()
 
     #: the kernel in explain's words
     name = "the gather kernel"
@@ -114,17 +123,20 @@ class GatherPlan:
         return describe(self, call.dims.L, call.dims.S, dtype)
 
     def reads_note(self, dtype: torch.dtype, upcast: bool) -> str | None:
-        """Where the C++ kernel takes float32 copies of a low-precision q, k, v on a path that
-        gives the other kernels them as they are (``native``): says so; else ``None``."""
+        """``""`` where the C++ kernel reads a low-precision q, k, v in place on any path
+        (:meth:`describe` says so); where it takes float32 copies on a path that gives the other
+        kernels them as they are (``native``), says so; else ``None``."""
+        if self.native and dtype in _LOW and dtype in self.reads:
+            return ""
         if upcast or not self.needs_float32(dtype):
             return None
         name = str(dtype).removeprefix("torch.")
         return f"the gather kernel's C++ runs on float32 copies of the {name} q, k, v; "
 
     def needs_float32(self, dtype: torch.dtype) -> bool:
-        """Where the C++ kernel runs it: bfloat16 and float16 as float32 copies (it reads
-        float32 only)."""
-        return self.native and dtype in (torch.bfloat16, torch.float16)
+        """Where the C++ kernel runs it and does not read bfloat16/float16 ``dtype`` in place
+        (:attr:`reads`): it runs on float32 copies."""
+        return self.native and dtype in _LOW and dtype not in self.reads
 
     def direct(self, call: AttentionCall) -> None:
         """None: it has no entry bound to a signature (every call goes the whole way)."""
@@ -173,12 +185,15 @@ def plan(
 ) -> GatherPlan | None:
     """The gather kernel's plan where ``spec`` holds :func:`~attnkit.masks.selected_keys`
     joined by ``&`` and there is no soft-cap, else ``None``; ``dtype`` and ``device``: what the
-    kernels will see (the C++ kernel runs float32 on the CPU)."""
+    kernels will see (the C++ kernel runs :data:`NATIVE_DTYPES` on the CPU, the low-precision
+    ones in place where the build reads them: :attr:`GatherPlan.reads`)."""
     parts = _parts(spec, softcap)
     if parts is None:
         return None
     sel, rest = parts
-    return GatherPlan(sel, rest, _first(sel.ind), S - L, _runs_native(sel, rest, dtype, device))
+    native = _runs_native(sel, rest, dtype, device)
+    reads = _reads() if native else ()
+    return GatherPlan(sel, rest, _first(sel.ind), S - L, native, reads=reads)
 
 
 def _parts(
@@ -201,7 +216,7 @@ def _runs_native(
     dtype: torch.dtype | None,
     device: torch.device | None,
 ) -> bool:
-    """Whether the C++ kernel runs the plan: float32 (bfloat16 and float16 on float32 copies)
+    """Whether the C++ kernel runs the plan: float32, bfloat16 or float16 (:data:`NATIVE_DTYPES`)
     on the CPU, a key per row, no score bias, and the build loads."""
     native = dtype in NATIVE_DTYPES and (device is None or device.type == "cpu")
     native = native and sel.topk > 0 and not (rest is not None and rest.has_bias)
@@ -210,6 +225,14 @@ def _runs_native(
 
         native = gather_native.kernel() is not None
     return native
+
+
+def _reads() -> tuple[torch.dtype, ...]:
+    """What the loaded C++ kernel reads in place (:func:`~attnkit.backends.blocked.
+    gather_native.reads`)."""
+    from attnkit.backends.blocked import gather_native
+
+    return gather_native.reads()
 
 
 def block_plan(
@@ -243,20 +266,20 @@ def block_plan(
     inside = (ind >= k0) & (ind < k0 + m)
     local = SelectedKeys(torch.where(inside, ind - k0, -1), sel.heads)
     native = _runs_native(local, rest, dtype, device)
-    return GatherPlan(local, rest, _first(local.ind), off, native, q0, k0)
+    reads = (torch.float32,) if native else ()  # the caller merges blocks in float32
+    return GatherPlan(local, rest, _first(local.ind), off, native, q0, k0, reads)
 
 
 def describe(p: GatherPlan, L: int, S: int, dtype: torch.dtype) -> str:
     """The plan in explain's words."""
     k = p.selected.topk
     rest = "" if p.rest is None else f", {p.rest!r} applied to the selected pairs"
-    from attnkit.backends.blocked import gather_native
-
-    lib = gather_native.kernel() if p.native and dtype == torch.float32 else None
+    name = str(dtype).removeprefix("torch.")
+    on = "float32" if dtype == torch.float32 else f"{name} q, k, v read in place, float32 inside"
     how = (
-        "forward and backward in C++ (float32; the backward parallel over batch rows, "
+        f"forward and backward in C++ ({on}; the backward parallel over batch rows, "
         "key/value heads and slices of query rows, each slice adding into dK/dV rows of its own)"
-        if lib is not None
+        if p.native and dtype in p.reads
         else "forward and backward in chunks of query rows in torch operations"
     )
     return (
@@ -355,9 +378,10 @@ def _allowed_entries(p: GatherPlan, H: int) -> torch.Tensor:
 
 def _native_inputs(p: GatherPlan, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The C++ kernel's ``idx`` and ``ok`` (:mod:`~attnkit.backends.blocked.gather_native`)
-    where the plan runs it (``native``: on the CPU, no score bias) on float32 q (the backend
-    converts a low-precision call first: :meth:`GatherPlan.needs_float32`)."""
-    if not p.native or q.device.type != "cpu" or q.dtype != torch.float32:
+    where the plan runs it (``native``: on the CPU, no score bias) on q of a dtype it reads
+    (:attr:`GatherPlan.reads`; the backend converts a call of another low-precision dtype
+    first: :meth:`GatherPlan.needs_float32`)."""
+    if not p.native or q.device.type != "cpu" or q.dtype not in p.reads:
         return None
     idx = p.selected.ind.long().clamp(min=0).contiguous()
     return idx, _allowed_entries(p, q.shape[1])
