@@ -39,6 +39,7 @@ CASES = [  # B, H, Hkv, per-kv-head indices, L, S, k, other rules
     (1, 8, 1, False, 5, 40, 40, "none"),
     (2, 8, 2, True, 1, 300, 32, "causal"),  # a decode step
     (1, 4, 4, True, 16, 300, 64, "padding"),  # a few speculative tokens
+    (1, 2, 1, False, 6, 40, 150, "causal"),  # k > S: keys repeated across blocks of entries
 ]
 
 

@@ -85,6 +85,7 @@ CASES = [  # B, H, Hkv, per-kv-head indices, L, S, k, other rules, Dk, Dv
     (2, 8, 1, False, 13, 70, 12, "causal", 36, 20),  # multi-query; head dims with tails
     (2, 8, 2, True, 1, 300, 32, "causal", 64, 64),  # a decode step
     (1, 4, 4, True, 16, 300, 64, "padding", 16, 24),  # a few speculative tokens
+    (1, 2, 1, False, 6, 40, 150, "causal", 16, 8),  # k > S: keys repeated across blocks
 ]
 
 

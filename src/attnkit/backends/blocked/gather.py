@@ -21,8 +21,10 @@ or repeated per query head), scores them against the chunk's ``g`` query heads p
 head (one small matmul per row), applies the other rules of the spec to the gathered (query,
 key) pairs only (their predicate, evaluated at ``(b, h, q, indices)``), and keeps the softmax
 in float32 (float64 for float64 q). A key listed twice in a row counts once (eager's scatter
-into a bool mask): duplicates and ``-1`` entries are dropped once per call, from the indices
-alone. A row left with no key gives output 0, log-sum-exp ``-inf`` and gradient 0.
+into a bool mask): the torch operations drop duplicates and ``-1`` entries once per plan, from
+the indices alone (:attr:`GatherPlan.keep`: a sort of each row); the C++ kernel drops them as it
+reads each row (a bit per key, set and cleared per row; no sort). A row left with no key gives
+output 0, log-sum-exp ``-inf`` and gradient 0.
 
 The backward recomputes each chunk's scores from the saved log-sum-exp (the flash-attention
 backward on the gathered pairs) and adds the chunk's dK and dV rows into ``dk``/``dv`` with
@@ -36,6 +38,7 @@ the other rules at global positions (``q_start``, ``k_start``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -64,12 +67,10 @@ _LOW = (torch.bfloat16, torch.float16)
 @dataclass(frozen=True)
 class GatherPlan:
     """The gather kernel's plan of one call (a :class:`~attnkit.backends.blocked.kernels.
-    KernelPlan`): the selected keys, the spec's other rules (``None``: none), and ``keep``
-    ``(B, Hkv', L, k)`` bool: the index entries that name a key once."""
+    KernelPlan`): the selected keys and the spec's other rules (``None``: none)."""
 
     selected: SelectedKeys
     rest: MaskSpec | None
-    keep: torch.Tensor
     off: int
     #: the C++ kernel runs the call (a dtype of :data:`NATIVE_DTYPES` on the CPU, loaded, no
     #: score bias)
@@ -86,6 +87,13 @@ class GatherPlan:
 
     #: the kernel in explain's words
     name = "the gather kernel"
+
+    @functools.cached_property
+    def keep(self) -> torch.Tensor:
+        """``(B, Hkv', L, k)`` bool: the index entries that name a key once (the torch
+        operations read it; the C++ kernel drops ``-1`` and repeated entries itself, so a native
+        call never sorts the indices)."""
+        return _first(self.selected.ind)
 
     @property
     def checks_finite(self) -> bool:
@@ -193,7 +201,7 @@ def plan(
     sel, rest = parts
     native = _runs_native(sel, rest, dtype, device)
     reads = _reads() if native else ()
-    return GatherPlan(sel, rest, _first(sel.ind), S - L, native, reads=reads)
+    return GatherPlan(sel, rest, S - L, native, reads=reads)
 
 
 def _parts(
@@ -267,7 +275,7 @@ def block_plan(
     local = SelectedKeys(torch.where(inside, ind - k0, -1), sel.heads)
     native = _runs_native(local, rest, dtype, device)
     reads = (torch.float32,) if native else ()  # the caller merges blocks in float32
-    return GatherPlan(local, rest, _first(local.ind), off, native, q0, k0, reads)
+    return GatherPlan(local, rest, off, native, q0, k0, reads)
 
 
 def describe(p: GatherPlan, L: int, S: int, dtype: torch.dtype) -> str:
@@ -358,33 +366,35 @@ def _lse_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _allowed_entries(p: GatherPlan, H: int) -> torch.Tensor:
-    """Bool ``(B, 1 | H, L, k)`` contiguous: the index entries that count (``keep``) and that
-    the spec's other rules allow, per query head where either depends on it."""
-    ind, keep = p.selected.ind, p.keep
-    B, Hi, L, _ = ind.shape
-    per_head = Hi > 1 or (p.rest is not None and p.rest.heads is not None)
-    Hm = H if per_head else 1
-    if Hi > 1:
-        ind, keep = ind.repeat_interleave(H // Hi, 1), keep.repeat_interleave(H // Hi, 1)
+def _rest_entries(p: GatherPlan, H: int) -> torch.Tensor | None:
+    """Bool ``(B, 1 | H, L, k)`` contiguous: the index entries the spec's other rules allow (at
+    the entry's key; ``-1`` entries read as key 0, which the C++ kernel skips anyway), per query
+    head where the indices or the rules depend on it; ``None`` where there are no other rules."""
     if p.rest is None:
-        return keep.expand(B, Hm, L, -1).contiguous()
+        return None
+    ind = p.selected.ind
+    B, Hi, L, _ = ind.shape
+    Hm = H if Hi > 1 or p.rest.heads is not None else 1
+    if Hi > 1:
+        ind = ind.repeat_interleave(H // Hi, 1)
     b = torch.arange(B, device=ind.device).view(B, 1, 1, 1)
     h = torch.arange(Hm, device=ind.device).view(1, Hm, 1, 1)
     q = torch.arange(L, device=ind.device).view(1, 1, L, 1) + p.q_start
     rest = p.rest.allowed(b, h, q, ind.long().clamp(min=0) + p.k_start, p.off)
-    return (keep & rest).expand(B, Hm, L, -1).contiguous()
+    return rest.expand(B, Hm, L, -1).contiguous()
 
 
-def _native_inputs(p: GatherPlan, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The C++ kernel's ``idx`` and ``ok`` (:mod:`~attnkit.backends.blocked.gather_native`)
-    where the plan runs it (``native``: on the CPU, no score bias) on q of a dtype it reads
+def _native_inputs(
+    p: GatherPlan, q: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The C++ kernel's ``idx`` (the indices as int64, ``-1`` kept) and ``ok``
+    (:func:`_rest_entries`; :mod:`~attnkit.backends.blocked.gather_native`) where the plan runs
+    it (``native``: on the CPU, no score bias) on q of a dtype it reads
     (:attr:`GatherPlan.reads`; the backend converts a call of another low-precision dtype
     first: :meth:`GatherPlan.needs_float32`)."""
     if not p.native or q.device.type != "cpu" or q.dtype not in p.reads:
         return None
-    idx = p.selected.ind.long().clamp(min=0).contiguous()
-    return idx, _allowed_entries(p, q.shape[1])
+    return p.selected.ind.long().contiguous(), _rest_entries(p, q.shape[1])
 
 
 def _native(

@@ -61,6 +61,11 @@ def reads() -> tuple[torch.dtype, ...]:
     return (torch.float32, *named)
 
 
+def _ok(ok: torch.Tensor | None) -> tuple[int, int]:
+    """``ok``'s address and heads as the C side takes them (``0, 0``: every entry allowed)."""
+    return (0, 0) if ok is None else (ok.data_ptr(), ok.shape[1])
+
+
 def _rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
     """q, k, v with a contiguous last dim (the rows are read in place), or ``None`` where the
     kernel does not read them (not loaded, not one dtype it reads)."""
@@ -74,14 +79,15 @@ def forward(
     k: torch.Tensor,
     v: torch.Tensor,
     idx: torch.Tensor,
-    ok: torch.Tensor,
+    ok: torch.Tensor | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
     """``out (B, H, L, Dv)`` in q's dtype, ``lse (B, H, L)`` float32 and ``finite`` (False
     where a query, a score of an allowed pair or an output was not finite), or ``None`` where
     the kernel does not run (not loaded, q, k, v not all one dtype of :func:`reads`). ``idx``
-    int64 ``(B, 1 | Hkv, L, k)`` contiguous with no ``-1`` (clamped), ``ok`` bool
-    ``(B, 1 | H, L, k)`` contiguous."""
+    int64 ``(B, 1 | Hkv, L, k)`` contiguous, in ``-1 .. S - 1`` (checked by the caller: ``-1``
+    names no key, and a key named twice in a row counts once), ``ok`` bool ``(B, 1 | H, L, k)``
+    contiguous: which entries the spec's other rules allow (``None``: every entry)."""
     rows = _rows(q, k, v)
     if rows is None:
         return None
@@ -92,9 +98,9 @@ def forward(
     lse = torch.empty(B, H, L, dtype=torch.float32)
     args = array(
         "q",
-        (q.data_ptr(), k.data_ptr(), v.data_ptr(), idx.data_ptr(), ok.data_ptr(),
+        (q.data_ptr(), k.data_ptr(), v.data_ptr(), idx.data_ptr(), _ok(ok)[0],
          out.data_ptr(), lse.data_ptr(), torch.get_num_threads(), *q.shape, Hkv, S, Dv,
-         *q.stride(), *k.stride(), *v.stride(), idx.shape[1], ok.shape[1], idx.shape[3],
+         *q.stride(), *k.stride(), *v.stride(), idx.shape[1], _ok(ok)[1], idx.shape[3],
          native.DTYPES[q.dtype]),
     )  # fmt: skip
     lib = kernel()
@@ -112,7 +118,7 @@ def backward(
     dout: torch.Tensor,
     lse: torch.Tensor,
     idx: torch.Tensor,
-    ok: torch.Tensor,
+    ok: torch.Tensor | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``dq``, ``dk``, ``dv`` in q's dtype, or ``None`` where the kernel does not run (as
@@ -132,10 +138,10 @@ def backward(
     dv = torch.empty(B, Hkv, S, Dv, dtype=q.dtype)
     args = array(
         "q",
-        (q.data_ptr(), k.data_ptr(), v.data_ptr(), idx.data_ptr(), ok.data_ptr(),
+        (q.data_ptr(), k.data_ptr(), v.data_ptr(), idx.data_ptr(), _ok(ok)[0],
          out.data_ptr(), dout.data_ptr(), lse.data_ptr(), dq.data_ptr(), dk.data_ptr(),
          dv.data_ptr(), torch.get_num_threads(), *q.shape, Hkv, S, Dv, *q.stride(),
-         *k.stride(), *v.stride(), idx.shape[1], ok.shape[1], idx.shape[3], ROW_SLICES,
+         *k.stride(), *v.stride(), idx.shape[1], _ok(ok)[1], idx.shape[3], ROW_SLICES,
          native.DTYPES[q.dtype]),
     )  # fmt: skip
     lib = kernel()

@@ -10,10 +10,12 @@
 // into a copy), each K and V row once for the g query heads of the key/value head, in blocks of
 // keys (gather_rows.h: the live entries, their scores four keys at a time, an online-softmax
 // step, P V with the output in registers), the rows of keys further on prefetched; vector
-// helpers in gather_simd.h, the backward's rows in gather_backward.h. `ok` (bool, 1 byte) says which of the k entries count (the index names a key once,
-// and the spec's other rules allow the pair; made by gather.py), per query head or for every
-// head. A row with no entry allowed gets out 0 and lse -inf. O(L * k * D) work, memory O(g * D)
-// per thread besides out and lse.
+// helpers in gather_simd.h, the backward's rows in gather_backward.h. An entry counts where it
+// names a key (not -1), the first time in its row (a key listed twice counts once: a bit per
+// key, per thread), and where `ok` (bool, 1 byte; made by gather.py from the spec's other rules, per
+// query head or for every head; none where the spec has no other rules) allows the pair. A row
+// with no entry counting gets out 0 and lse -inf. O(L * k * D) work, memory O(g * D + S / 8)
+// bytes per thread besides out and lse.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -55,7 +57,7 @@ bool forward_all(const gather::Rows& P, void* out, int64_t tasks, int64_t nthrea
   int bad = 0;
 #pragma omp parallel num_threads(static_cast<int>(nthreads > 0 ? nthreads : 1))
   {
-    gather::FwdScratch w(P.g, P.Dk, P.Dv);
+    gather::FwdScratch w(P.g, P.Dk, P.Dv, P.S);
     bool mine = true;
 #pragma omp for schedule(dynamic, 8)
     for (int64_t t = 0; t < tasks; ++t) {
@@ -131,7 +133,7 @@ void backward_all(const gather::Rows& P, const gather::Grads& G, const Plan& Q, 
   float* fdv = Q.first ? nullptr : static_cast<float*>(dv);
 #pragma omp parallel num_threads(static_cast<int>(Q.nthreads))
   {
-    gather::BwdScratch w(P.g, P.Dk, P.Dv, P.K);
+    gather::BwdScratch w(P.g, P.Dk, P.Dv, P.K, P.S);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < Q.heads * Q.split; ++t) {
       const int64_t h = t / Q.split, c = t % Q.split;
@@ -155,9 +157,10 @@ const char* attnkit_last_error() { return attnkit_abi::last_error().c_str(); }
 // bit 0: reads bfloat16; bit 1: reads float16 (built with F16C)
 int32_t attnkit_low_dtypes() { return attnkit_abi::low_dtype_bits(); }
 
-// a: q, k, v, idx (int64), ok (bool), out (q's dtype), lse (float32; both contiguous) addresses
-// (0-6); threads (7); B, H, L, Dk (8-11); Hkv, S, Dv (12-14); q's strides (15-18); k's
-// (19-22); v's (23-26); idx heads (27: 1 or Hkv), ok heads (28: 1 or H), k selected per row
+// a: q, k, v, idx (int64, -1: no key; < S, as checked by the caller), ok (bool, or 0), out
+// (q's dtype), lse (float32; both contiguous) addresses (0-6); threads (7); B, H, L, Dk (8-11);
+// Hkv, S, Dv (12-14); q's strides (15-18); k's (19-22); v's (23-26); idx heads (27: 1 or Hkv),
+// ok heads (28: 1 or H; 0 where ok is 0: every pair allowed), k selected per row
 // (29); the dtype code of q, k, v, out (30). Returns 0, 1 on an error (attnkit_last_error), 2
 // where a query, a score of an allowed pair or an output was not finite (the dispatcher then
 // runs its exact rule for NaN and inf).
@@ -171,7 +174,7 @@ int32_t attnkit_gather_forward(const int64_t* a, double scale) {
     void* out = attnkit_abi::arg(a, 5);
     P.lse = attnkit_abi::arg<float>(a, 6);
     const int64_t nthreads = a[7], B = a[8];
-    P.H = a[9], P.L = a[10], P.Dk = a[11], P.Hkv = a[12], P.Dv = a[14];
+    P.H = a[9], P.L = a[10], P.Dk = a[11], P.Hkv = a[12], P.S = a[13], P.Dv = a[14];
     P.qs = a + 15, P.ks = a + 19, P.vs = a + 23;
     P.IH = a[27], P.OH = a[28], P.K = a[29];
     const int64_t dtype = dtype_code(a[30]);
@@ -199,8 +202,8 @@ int32_t attnkit_gather_forward(const int64_t* a, double scale) {
 // head into dk/dv, the others into scratch of S rows each; for bfloat16/float16 every slice into
 // scratch), so that no two threads add to one row; the buffers are then summed into dk/dv (and
 // written in the dtype), parallel over key rows. One slice per head where there are as many
-// heads as threads (a[34] = 0: chosen here, n > 0: n slices). a: q, k, v, idx, ok, out, dout,
-// lse, dq, dk, dv addresses (0-10; out, dout contiguous in the dtype, lse float32; dq
+// heads as threads (a[34] = 0: chosen here, n > 0: n slices). a: q, k, v, idx, ok (as the
+// forward's), out, dout, lse, dq, dk, dv addresses (0-10; out, dout contiguous in the dtype, lse float32; dq
 // (B, H, L, Dk), dk (B, Hkv, S, Dk), dv (B, Hkv, S, Dv) contiguous in the dtype, written here);
 // threads (11); B, H, L, Dk (12-15); Hkv, S, Dv (16-18); q's strides (19-22); k's (23-26); v's
 // (27-30); idx heads (31), ok heads (32), k (33); slices of rows per head (34); the dtype code
@@ -218,7 +221,7 @@ int32_t attnkit_gather_backward(const int64_t* a, double scale) {
     void* dk = attnkit_abi::arg(a, 9);
     void* dv = attnkit_abi::arg(a, 10);
     const int64_t nthreads = a[11] > 0 ? a[11] : 1, B = a[12];
-    P.H = a[13], P.L = a[14], P.Dk = a[15], P.Hkv = a[16], P.Dv = a[18];
+    P.H = a[13], P.L = a[14], P.Dk = a[15], P.Hkv = a[16], P.S = a[17], P.Dv = a[18];
     P.qs = a + 19, P.ks = a + 23, P.vs = a + 27;
     P.IH = a[31], P.OH = a[32], P.K = a[33];
     const int64_t dtype = dtype_code(a[35]);
@@ -228,7 +231,7 @@ int32_t attnkit_gather_backward(const int64_t* a, double scale) {
     P.g = P.H / P.Hkv;
     P.sc = static_cast<float>(scale);
     Plan Q;
-    Q.heads = B * P.Hkv, Q.S = a[17], Q.row = Q.S * (P.Dk + P.Dv), Q.nthreads = nthreads;
+    Q.heads = B * P.Hkv, Q.S = P.S, Q.row = Q.S * (P.Dk + P.Dv), Q.nthreads = nthreads;
     Q.first = dtype != attnkit_abi::F32;
     Q.split = row_slices(a[34], nthreads, Q.heads, P.L, Q.row);
     if (dtype == attnkit_abi::BF16) {

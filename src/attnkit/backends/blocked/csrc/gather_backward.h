@@ -27,9 +27,10 @@ struct BwdScratch {
   std::vector<const uint8_t*> ok;  // each head's row of ok
   std::vector<int64_t> pos;
   std::vector<const void*> krow, vrow;
-  BwdScratch(int64_t g, int64_t Dk, int64_t Dv, int64_t K)
+  Seen seen;
+  BwdScratch(int64_t g, int64_t Dk, int64_t Dv, int64_t K, int64_t S)
       : qf(g * Dk), gf(g * Dv), dqf(g * Dk), D(g), l(g), p(g * 4), ds(g * 4), use(g * 4), ok(g),
-        pos(K), krow(K), vrow(K) {}
+        pos(K), krow(K), vrow(K), seen(S) {}
 };
 
 // Set up query row r's g heads (their ok rows, lse, q and dout rows as float32, D = dout . out,
@@ -40,9 +41,9 @@ static bool backward_heads(const Rows& P, const Grads& G, int64_t b, int64_t hk,
   using T = elem_t<E>;
   const float ninf = -std::numeric_limits<float>::infinity();
   bool any = false;
+  ok_rows(P, b, hk, r, w.ok);
   for (int64_t j = 0; j < P.g; ++j) {
     const int64_t h = hk * P.g + j, row = (b * P.H + h) * P.L + r;
-    w.ok[j] = P.ok + ((b * P.OH + (P.OH > 1 ? h : 0)) * P.L + r) * P.K;
     w.l[j] = P.lse[row];
     std::fill(w.dqf.begin() + j * P.Dk, w.dqf.begin() + (j + 1) * P.Dk, 0.0f);
     if (w.l[j] == ninf) continue;  // no key: gradient 0
@@ -75,10 +76,10 @@ static void backward_head(const Rows& P, int64_t j, int64_t e0, int64_t c, BwdSc
   float* pj = w.p.data() + j * 4;
   float* dsj = w.ds.data() + j * 4;
   uint8_t* uj = w.use.data() + j * 4;
-  const uint8_t* ok = w.ok[P.OH > 1 ? j : 0];
+  const uint8_t* ok = w.ok[j];
   float* dq = w.dqf.data() + j * P.Dk;
   for (int64_t e = 0; e < c; ++e) {
-    uj[e] = ok[w.pos[e0 + e]];
+    uj[e] = allowed(ok, w.pos[e0 + e]);
     pj[e] = uj[e] ? std::exp(s[e] * P.sc - w.l[j]) : 0.0f;
     dsj[e] = pj[e] * (dp[e] - w.D[j]) * P.sc;
     if (uj[e]) axpy<E>(dsj[e], kr[e], dq, P.Dk);  // a row the pair does not count is never read
@@ -103,8 +104,9 @@ static void backward_rows(const Rows& P, const Grads& G, int64_t b, int64_t hk, 
     const int64_t* ix = idx0 + r * P.K;
     const int64_t m = !backward_heads<E>(P, G, b, hk, r, w)
                           ? 0
-                          : live_entries<E>(P, ix, kb, vb, w.ok.data(), 0, P.K, w.pos.data(),
-                                            w.krow.data(), w.vrow.data());
+                          : live_entries<E>(P, ix, kb, vb, w.ok.data(), w.seen, 0, P.K,
+                                            w.pos.data(), w.krow.data(), w.vrow.data());
+    w.seen.clear(ix, P.K);
     for (int64_t e0 = 0; e0 < m; e0 += 4) {
       const int64_t c = std::min<int64_t>(4, m - e0);
       for (int64_t e = e0 + kAhead; e < std::min(e0 + kAhead + c, m); ++e) {

@@ -31,16 +31,51 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 // What a task reads (attnkit_gather_forward / _backward say the layout): q, k, v and (the
-// backward) out, dout as elements; idx int64 (B, IH, L, K) clamped; ok bool (B, OH, L, K).
+// backward) out, dout as elements; idx int64 (B, IH, L, K), -1 where an entry names no key; ok
+// bool (B, OH, L, K): whether the spec's other rules allow the pair (OH = 0: no other rules).
 struct Rows {
   const void *q, *k, *v;
   const int64_t* idx;
   const uint8_t* ok;
   float* lse;
-  int64_t H, L, Dk, Dv, Hkv, IH, OH, K, g;
+  int64_t H, L, S, Dk, Dv, Hkv, IH, OH, K, g;
   const int64_t *qs, *ks, *vs;
   float sc;
 };
+
+// The keys of one row seen so far (a bit per key of the S; the words a row set are cleared
+// after it, so a row costs O(k), whatever S): a key listed twice in a row counts once, at its
+// first entry, as eager's scatter into a bool mask
+struct Seen {
+  std::vector<uint64_t> bits;
+  explicit Seen(int64_t S) : bits(static_cast<size_t>((S + 63) / 64), 0) {}
+  // whether key (0 <= key < S) is new to this row (and remember it)
+  bool first(int64_t key) {
+    uint64_t& w = bits[static_cast<size_t>(key >> 6)];
+    const uint64_t b = uint64_t{1} << (key & 63);
+    if (w & b) return false;
+    w |= b;
+    return true;
+  }
+  // forget the row's n entries ix
+  void clear(const int64_t* ix, int64_t n) {
+    for (int64_t i = 0; i < n; ++i)
+      if (ix[i] >= 0) bits[static_cast<size_t>(ix[i] >> 6)] = 0;
+  }
+};
+
+// whether a head's row of ok allows entry i (no row: the spec has no other rules)
+static inline bool allowed(const uint8_t* ok, int64_t i) { return ok == nullptr || ok[i] != 0; }
+
+// each of the g heads' row of ok for query row r (nullptr where OH = 0: every pair allowed)
+static inline void ok_rows(const Rows& P, int64_t b, int64_t hk, int64_t r,
+                           std::vector<const uint8_t*>& ok) {
+  for (int64_t j = 0; j < P.g; ++j) {
+    const int64_t h = hk * P.g + j;
+    ok[j] = P.OH == 0 ? nullptr : P.ok + ((b * P.OH + (P.OH > 1 ? h : 0)) * P.L + r) * P.K;
+  }
+}
+
 
 // one thread's float32 scratch of the forward: q rows (g x Dk, times scale * log2 e), a block's
 // scores then weights (g x kBlock), the output rows (g x Dv), each head's max and sum; the
@@ -50,23 +85,25 @@ struct FwdScratch {
   std::vector<const uint8_t*> ok;  // each head's row of ok
   std::vector<int64_t> pos;
   std::vector<const void*> krow, vrow;
-  FwdScratch(int64_t g, int64_t Dk, int64_t Dv)
+  Seen seen;
+  FwdScratch(int64_t g, int64_t Dk, int64_t Dv, int64_t S)
       : qf(g * Dk), s(g * kBlock), acc(g * Dv), m(g), l(g), ok(g), pos(kBlock), krow(kBlock),
-        vrow(kBlock) {}
+        vrow(kBlock), seen(S) {}
 };
 
-// The entries i0 .. i0 + n - 1 of a row that some head may attend (`ok`: each head's row of
-// ok, or one for every head): their positions, K rows and V rows, stored from pos, krow, vrow;
-// how many
+// The entries i0 .. i0 + n - 1 of a row that name a key not named before in the row (`seen`)
+// and that some head may attend (`ok`: each head's row of ok): their positions, K rows and V
+// rows, stored from pos, krow, vrow; how many
 template <Dt E>
 static int64_t live_entries(const Rows& P, const int64_t* ix, const elem_t<E>* kb,
-                            const elem_t<E>* vb, const uint8_t* const* ok, int64_t i0, int64_t n,
-                            int64_t* pos, const void** krow, const void** vrow) {
+                            const elem_t<E>* vb, const uint8_t* const* ok, Seen& seen, int64_t i0,
+                            int64_t n, int64_t* pos, const void** krow, const void** vrow) {
   const int64_t heads = P.OH > 1 ? P.g : 1;
   int64_t m = 0;
   for (int64_t i = i0; i < i0 + n; ++i) {
+    if (ix[i] < 0 || !seen.first(ix[i])) continue;  // no key, or a key named before
     bool any = false;
-    for (int64_t j = 0; j < heads && !any; ++j) any = ok[j][i] != 0;
+    for (int64_t j = 0; j < heads && !any; ++j) any = allowed(ok[j], i);
     if (!any) continue;
     pos[m] = i;
     krow[m] = kb + ix[i] * P.ks[2];
@@ -103,7 +140,7 @@ static bool block_scores(const Rows& P, const int64_t* ix, const elem_t<E>* kb, 
         for (int64_t e = 0; e < c; ++e) s[e] = dot<E>(qf, kr[i + e], P.Dk);
       }
       for (int64_t e = 0; e < c; ++e) {
-        if (!w.ok[P.OH > 1 ? j : 0][w.pos[i + e]]) {
+        if (!allowed(w.ok[j], w.pos[i + e])) {
           s[e] = ninf;
         } else {
           fine = fine && std::isfinite(s[e]);
@@ -166,9 +203,9 @@ static bool forward_task(const Rows& P, elem_t<E>* out, int64_t b, int64_t hk, i
   const T* vb = static_cast<const T*>(P.v) + b * P.vs[0] + hk * P.vs[1];
   const int64_t g = P.g;
   bool fine = true;
+  ok_rows(P, b, hk, r, w.ok);
   for (int64_t j = 0; j < g; ++j) {
     const int64_t h = hk * g + j;
-    w.ok[j] = P.ok + ((b * P.OH + (P.OH > 1 ? h : 0)) * P.L + r) * P.K;
     const T* qp = static_cast<const T*>(P.q) + b * P.qs[0] + h * P.qs[1] + r * P.qs[2];
     fine = fine && all_finite<E>(qp, P.Dk);
     widen<E>(qp, P.Dk, P.sc * kLog2e, w.qf.data() + j * P.Dk);
@@ -177,8 +214,9 @@ static bool forward_task(const Rows& P, elem_t<E>* out, int64_t b, int64_t hk, i
     std::fill(w.acc.begin() + j * P.Dv, w.acc.begin() + (j + 1) * P.Dv, 0.0f);
   }
   for (int64_t i0 = 0; i0 < P.K; i0 += kBlock) {
-    const int64_t m = live_entries<E>(P, ix, kb, vb, w.ok.data(), i0, std::min(kBlock, P.K - i0),
-                                      w.pos.data(), w.krow.data(), w.vrow.data());
+    const int64_t m = live_entries<E>(P, ix, kb, vb, w.ok.data(), w.seen, i0,
+                                      std::min(kBlock, P.K - i0), w.pos.data(), w.krow.data(),
+                                      w.vrow.data());
     fine = block_scores<E>(P, ix, kb, m, w) && fine;
     const T* const* vr = reinterpret_cast<const T* const*>(w.vrow.data());
     for (int64_t j = 0; j < g; ++j) {
@@ -186,6 +224,7 @@ static bool forward_task(const Rows& P, elem_t<E>* out, int64_t b, int64_t hk, i
       pv<E>(w.s.data() + j * kBlock, vr, m, P.Dv, w.acc.data() + j * P.Dv);
     }
   }
+  w.seen.clear(ix, P.K);
   for (int64_t j = 0; j < g; ++j) {
     const int64_t row = (b * P.H + hk * g + j) * P.L + r;
     const bool dead = w.m[j] == ninf;
