@@ -3,7 +3,7 @@
 memory, never ``L x S``.
 
 Dimension legend: B batch, H query heads, Hkv key/value heads, g = H // Hkv, L query length,
-S key length, k keys selected per query, c query rows per chunk, Dk / Dv head dims.
+S key length, k keys selected per query, Dk / Dv head dims.
 
 Two paths, one plan (:class:`GatherPlan`, a :class:`~attnkit.backends.blocked.kernels.
 KernelPlan`). Where q, k, v are float32 on the CPU, or bfloat16/float16 of a whole call, and
@@ -13,23 +13,16 @@ float16 widened to float32 as they are loaded, results in their dtype: :attr:`Ga
 a build without F16C takes float32 copies of float16), one task per (batch row, key/value head,
 query row) forward and per (batch row, key/value head, slice of query rows) backward (each
 slice adds into float32 dK/dV rows of its own, summed after); the forward reports NaN/inf
-itself. Here, for the other dtypes and devices and where the build does not
-load, the same in torch operations: the query rows go in chunks of ``c`` rows; each chunk
-gathers its rows' selected K and V rows (``(B, Hkv, c, k, D)``, bounded by
-:data:`CHUNK_BYTES`; K and V are read in place, as they are laid out, and never copied whole
-or repeated per query head), scores them against the chunk's ``g`` query heads per key/value
-head (one small matmul per row), applies the other rules of the spec to the gathered (query,
-key) pairs only (their predicate, evaluated at ``(b, h, q, indices)``), and keeps the softmax
-in float32 (float64 for float64 q). A key listed twice in a row counts once (eager's scatter
-into a bool mask): the torch operations drop duplicates and ``-1`` entries once per plan, from
-the indices alone (:attr:`GatherPlan.keep`: a sort of each row); the C++ kernel drops them as it
-reads each row (a bit per key, set and cleared per row; no sort). A row left with no key gives
-output 0, log-sum-exp ``-inf`` and gradient 0.
-
-The backward recomputes each chunk's scores from the saved log-sum-exp (the flash-attention
-backward on the gathered pairs) and adds the chunk's dK and dV rows into ``dk``/``dv`` with
-``index_add_`` (sums over the query heads of a key/value head and over repeated selections of a
-key by different queries). Soft-capped calls are not served here (the tiles run them).
+itself. For the other dtypes and devices and where the build does not load, the same in torch
+operations, in chunks of query rows (:mod:`~attnkit.backends.blocked.gather_torch`). The other
+rules of the spec are applied to the selected (query, key) pairs only (their predicate,
+evaluated at ``(b, h, q, indices)``), and the softmax is kept in float32 (float64 for float64
+q). A key listed twice in a row counts once (eager's scatter into a bool mask): the torch
+operations drop duplicates and ``-1`` entries once per plan, from the indices alone
+(:attr:`GatherPlan.keep`: a sort of each row); the C++ kernel drops them as it reads each row (a
+bit per key, set and cleared per row; no sort). A row left with no key gives output 0,
+log-sum-exp ``-inf`` and gradient 0. Soft-capped calls are not served here (the tiles run
+them).
 
 :func:`block_plan` plans one block of a longer sequence (ring attention's pairs of chunks): the
 block's rows of the indices, its keys' entries counted from its first key (the others ``-1``),
@@ -45,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from attnkit.backends import nonfinite
+from attnkit.backends.blocked import gather_torch
 from attnkit.masks import MaskSpec
 from attnkit.masks.selected import SelectedKeys, find_selected
 from attnkit.masks.spec import _And, _HeadSlice
@@ -52,10 +46,8 @@ from attnkit.masks.spec import _And, _HeadSlice
 if TYPE_CHECKING:
     from attnkit.call import AttentionCall
 
-__all__ = ["CHUNK_BYTES", "GatherPlan", "backward", "block_plan", "describe", "forward", "plan"]
+__all__ = ["GatherPlan", "backward", "block_plan", "describe", "forward", "plan"]
 
-#: the most bytes one chunk's gathered K and V rows take (the kernel's working set)
-CHUNK_BYTES = 32 << 20
 #: the dtypes the C++ kernel serves: float32, and bfloat16 and float16 read in place on every
 #: CPU path where a whole call runs (:attr:`GatherPlan.reads`; results in their dtype), else
 #: on float32 copies of q, k, v (:meth:`GatherPlan.needs_float32`: the blocked backend makes
@@ -296,76 +288,6 @@ def describe(p: GatherPlan, L: int, S: int, dtype: torch.dtype) -> str:
     )
 
 
-def _chunk_rows(p: GatherPlan, k: torch.Tensor, v: torch.Tensor, L: int) -> int:
-    B, Hkv = k.shape[0], k.shape[1]
-    per_row = B * Hkv * max(p.selected.topk, 1) * (k.shape[3] + v.shape[3]) * k.element_size()
-    return max(1, min(L, CHUNK_BYTES // max(per_row, 1)))
-
-
-@dataclass
-class _Chunk:
-    """One chunk of query rows: its gathered K/V rows, its allowed pairs and its flat indices."""
-
-    ks: torch.Tensor  # (B, Hkv, c, k, Dk)
-    vs: torch.Tensor  # (B, Hkv, c, k, Dv)
-    ok: torch.Tensor  # (B, Hkv, c, g | 1, k) bool
-    bias: torch.Tensor | None  # (B, Hkv, c, g, k) or None
-    flat: torch.Tensor  # (B, Hkv, c, k) int64: row of (B * Hkv * S) in k / v
-
-
-def _rows(
-    t: torch.Tensor, bi: torch.Tensor, hi: torch.Tensor, safe: torch.Tensor, flat: torch.Tensor
-) -> torch.Tensor:
-    """The rows ``t[b, h, safe[b, h, r, i]]`` ``(B, Hkv, c, k, D)``, read in place: one
-    ``index_select`` of whole rows where ``t`` is contiguous, else advanced indexing (strided
-    caches)."""
-    if t.is_contiguous():
-        D = t.shape[3]
-        return t.view(-1, D).index_select(0, flat.reshape(-1)).view(*flat.shape, D)
-    return t[bi, hi, safe]
-
-
-def _gather(p: GatherPlan, k: torch.Tensor, v: torch.Tensor, r0: int, r1: int, H: int) -> _Chunk:
-    B, Hkv, S = k.shape[0], k.shape[1], k.shape[2]
-    g = H // Hkv
-    ind = p.selected.ind[:, :, r0:r1].long()  # (B, Hkv' , c, k)
-    keep = p.keep[:, :, r0:r1]
-    safe = ind.clamp(min=0).expand(B, Hkv, -1, -1)
-    bi = torch.arange(B, device=k.device).view(B, 1, 1, 1)
-    hi = torch.arange(Hkv, device=k.device).view(1, Hkv, 1, 1)
-    flat = (bi * Hkv + hi) * S + safe
-    ks, vs = _rows(k, bi, hi, safe, flat), _rows(v, bi, hi, safe, flat)
-    ok = keep.unsqueeze(3)  # (B, Hkv', c, 1, k)
-    bias = None
-    if p.rest is not None:
-        c = r1 - r0
-        kv = ind.repeat_interleave(g, dim=1) if ind.shape[1] > 1 else ind  # (B, H|1, c, k)
-        b = torch.arange(B, device=k.device).view(B, 1, 1, 1)
-        h = torch.arange(H, device=k.device).view(1, H, 1, 1)
-        q = torch.arange(r0, r1, device=k.device).view(1, 1, c, 1) + p.q_start
-        kv = kv.clamp(min=0) + p.k_start  # global positions
-        rest = p.rest.allowed(b, h, q, kv, p.off).expand(B, H, c, kv.shape[-1])
-        ok = ok & rest.reshape(B, Hkv, g, c, -1).transpose(2, 3)
-        if p.rest.has_bias:
-            extra = p.rest.bias(b, h, q, kv, p.off)
-            if extra is not None:
-                full = extra.expand(B, H, c, kv.shape[-1]).reshape(B, Hkv, g, c, -1)
-                bias = full.transpose(2, 3)
-    return _Chunk(ks, vs, ok, bias, flat)
-
-
-def _scores(ch: _Chunk, qc: torch.Tensor, scale: float) -> torch.Tensor:
-    """Masked, scaled scores ``(B, Hkv, c, g, k)`` (``-inf`` where not allowed)."""
-    s = torch.matmul(qc, ch.ks.transpose(-1, -2)) * scale
-    if ch.bias is not None:
-        s = s + ch.bias.to(s.dtype)
-    return s.masked_fill(~ch.ok, float("-inf"))
-
-
-def _lse_dtype(q: torch.Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
 def _rest_entries(p: GatherPlan, H: int) -> torch.Tensor | None:
     """Bool ``(B, 1 | H, L, k)`` contiguous: the index entries the spec's other rules allow (at
     the entry's key; ``-1`` entries read as key 0, which the C++ kernel skips anyway), per query
@@ -418,27 +340,7 @@ def forward(
         if not finite and nonfinite.reporting():  # NaN/inf read: the rule's exact path
             raise nonfinite.NonFinite
         return out, lse
-    B, H, L, _ = q.shape
-    Hkv, Dv = k.shape[1], v.shape[3]
-    g = H // Hkv
-    acc = _lse_dtype(q)
-    out = q.new_zeros(B, Hkv, L, g, Dv, dtype=acc)
-    lse = q.new_full((B, Hkv, L, g), float("-inf"), dtype=acc)
-    qg = q.view(B, Hkv, g, L, -1).transpose(2, 3)  # (B, Hkv, L, g, Dk), a view
-    step = _chunk_rows(p, k, v, L)
-    with torch.no_grad():
-        for r0 in range(0, L if p.selected.topk else 0, step):  # k = 0: no key
-            r1 = min(L, r0 + step)
-            ch = _gather(p, k, v, r0, r1, H)
-            s = _scores(ch, qg[:, :, r0:r1], scale).to(acc)
-            m = s.amax(-1, keepdim=True)
-            m = torch.where(torch.isfinite(m), m, 0.0)
-            e = torch.exp(s - m)
-            den = e.sum(-1, keepdim=True)
-            o = torch.matmul(e.to(v.dtype), ch.vs).to(acc)
-            out[:, :, r0:r1] = torch.where(den > 0, o / den.clamp(min=1e-30), 0.0)
-            lse[:, :, r0:r1] = (m + den.log()).squeeze(-1)
-    return out.transpose(2, 3).flatten(1, 2), lse.transpose(2, 3).flatten(1, 2)
+    return gather_torch.forward(p, q, k, v, scale)
 
 
 def backward(
@@ -460,36 +362,4 @@ def backward(
         done = gather_native.backward(q, k, v, out, dout, lse, *inputs, scale)
         if done is not None:
             return done
-    B, H, L, Dk = q.shape
-    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
-    g = H // Hkv
-    acc = _lse_dtype(q)
-    dq = q.new_zeros(B, Hkv, L, g, Dk, dtype=acc)
-    dk = k.new_zeros(B * Hkv * S, Dk, dtype=acc)
-    dv = v.new_zeros(B * Hkv * S, Dv, dtype=acc)
-
-    def grouped(t: torch.Tensor) -> torch.Tensor:  # (B, H, L, X) -> (B, Hkv, L, g, X)
-        return t.view(B, Hkv, g, L, t.shape[3]).transpose(2, 3)
-
-    qg, og, dog = grouped(q), grouped(out), grouped(dout)
-    lg = lse.view(B, Hkv, g, L).transpose(2, 3).unsqueeze(-1)  # (B, Hkv, L, g, 1)
-    step = _chunk_rows(p, k, v, L)
-    with torch.no_grad():
-        for r0 in range(0, L if p.selected.topk else 0, step):  # k = 0: no key
-            r1 = min(L, r0 + step)
-            ch = _gather(p, k, v, r0, r1, H)
-            qc, doc = qg[:, :, r0:r1].to(acc), dog[:, :, r0:r1].to(acc)
-            s = _scores(ch, qg[:, :, r0:r1], scale).to(acc)
-            lc = lg[:, :, r0:r1].to(acc)
-            pr = torch.exp(s - torch.where(torch.isfinite(lc), lc, 0.0))  # 0 where masked
-            dp = torch.matmul(doc, ch.vs.to(acc).transpose(-1, -2))
-            d = (doc * og[:, :, r0:r1].to(acc)).sum(-1, keepdim=True)
-            ds = pr * (dp - d)
-            dq[:, :, r0:r1] = torch.matmul(ds, ch.ks.to(acc)) * scale
-            dks = torch.matmul(ds.transpose(-1, -2), qc) * scale  # (B, Hkv, c, k, Dk)
-            dvs = torch.matmul(pr.transpose(-1, -2), doc)  # (B, Hkv, c, k, Dv)
-            flat = ch.flat.reshape(-1)
-            dk.index_add_(0, flat, dks.reshape(-1, Dk))
-            dv.index_add_(0, flat, dvs.reshape(-1, Dv))
-    dqo = dq.transpose(2, 3).flatten(1, 2)
-    return dqo, dk.view(B, Hkv, S, Dk), dv.view(B, Hkv, S, Dv)
+    return gather_torch.backward(p, q, k, v, out, dout, lse, scale)
