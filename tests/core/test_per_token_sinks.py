@@ -2,21 +2,25 @@
 ``(B, H, L)`` or ``(1, H, L)``) against the float64 oracle, forward and backward (the
 gradients of q, k, v and the sinks, of the sinks' shape), on ``math`` and ``blocked``, under
 masks (causal, window, padding), grouped-query heads, rows that see no key, torch.compile and
-bfloat16.
+bfloat16; sinks of both kinds under torch.compile's inductor backend too.
 
 Tolerances: float64 to 1e-9 relative to the largest value (as tests/core/test_softcap_sinks.py);
-bfloat16 to 2**-5 relative (16 roundings, as tests/core/test_low_precision_paths.py).
+float32 (compiled) to 1e-5 relative; bfloat16 to 2**-5 relative (16 roundings, as
+tests/core/test_low_precision_paths.py).
 
 Dimension legend: B batch, H query heads, Hkv key/value heads, L query length, S key length.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 import attnkit
 from attnkit import masks
+from attnkit.backends.blocked import compiled
 from attnkit.masks import MaskSpec
 from oracle import reference_attention
 
@@ -167,3 +171,52 @@ def test_per_token_sinks_have_second_derivatives_on_blocked() -> None:
         return attnkit.attention(q, k, v, causal=True, sinks=s, backend="blocked")
 
     assert torch.autograd.gradgradcheck(fn, inputs)
+
+
+def _both(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, per_head: torch.Tensor, per_row: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = masks.causal() & masks.sliding_window(5)
+    return (
+        attnkit.attention(q, k, v, mask=spec, sinks=per_head, backend="blocked"),
+        attnkit.attention(q, k, v, mask=spec, sinks=per_row, backend="blocked"),
+    )
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method`:DeprecationWarning")
+def test_sinks_per_head_and_per_token_compile_with_inductor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch.compile's default backend (inductor, not only aot_eager) over the blocked op with
+    sinks ``(H,)`` and ``(B, H, L)``, in one graph (one compile, tiny sizes): the op runs
+    forward and backward for each, and the outputs and the gradients of q, k, v and both
+    sinks match the float64 oracle."""
+    calls: list[str] = []
+    for name in ("forward_with_lse", "backward_from_lse"):
+        real = getattr(compiled, name)
+
+        def counting(*args: object, _real: Any = real, _name: str = name, **kw: object) -> Any:
+            calls.append(_name)
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(compiled, name, counting)
+    g = torch.Generator().manual_seed(11)
+    b, h, hkv, n, d = 1, 2, 1, 12, 8
+    shapes = ((b, h, n, d), (b, hkv, n, d), (b, hkv, n, d), (h,), (b, h, n))
+    leaves = [(torch.randn(*s, generator=g) * 1.5).requires_grad_() for s in shapes]
+    with torch._inductor.config.patch(compile_threads=1):
+        fn = torch.compile(_both, fullgraph=True, backend="inductor")
+        outs = fn(*leaves)
+        ws = [torch.randn(o.shape, generator=g) for o in outs]
+        grads = torch.autograd.grad(
+            sum((o * w).sum() for o, w in zip(outs, ws, strict=True)), leaves
+        )
+    assert sorted(calls) == ["backward_from_lse"] * 2 + ["forward_with_lse"] * 2
+    ref = [t.detach().double().requires_grad_() for t in leaves]
+    dense = (masks.causal() & masks.sliding_window(5)).to_dense(n, n)
+    wants = [reference_attention(*ref[:3], mask=dense, sinks=s)[0] for s in ref[3:]]
+    total = sum((o * w.double()).sum() for o, w in zip(wants, ws, strict=True))
+    want_grads = torch.autograd.grad(total, ref)
+    for got, want in zip((*outs, *grads), (*wants, *want_grads), strict=True):
+        assert got.shape == want.shape
+        assert _rel_err(got.detach(), want) <= 1e-5

@@ -343,8 +343,9 @@ def _fault_call(rank: int, world: int, role: str) -> dict[str, Any]:
     return {"raised": None, "seconds": time.monotonic() - t0, "message": ""}
 
 
-def worker(rank: int, world: int, scenario: str, outdir: str) -> None:
-    t_start = time.perf_counter()
+def join_group(rank: int, world: int, outdir: str) -> None:
+    """Join the group: one torch thread per rank, gloo on loopback, rendezvous through a file
+    in ``outdir``."""
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
@@ -354,6 +355,11 @@ def worker(rank: int, world: int, scenario: str, outdir: str) -> None:
         world_size=world,
         timeout=timedelta(seconds=30),
     )
+
+
+def worker(rank: int, world: int, scenario: str, outdir: str) -> None:
+    t_start = time.perf_counter()
+    join_group(rank, world, outdir)
     if scenario == "absent" and rank == world - 1:
         # alive and in the group, but never makes the call; leaves once the others are done
         others = [Path(outdir, f"rank{r}.json") for r in range(world - 1)]
@@ -370,12 +376,19 @@ def worker(rank: int, world: int, scenario: str, outdir: str) -> None:
     os._exit(0)  # skip teardown: after a fault the group cannot be destroyed cleanly
 
 
-def launch(scenario: str, world: int, outdir: Path, limit_s: float) -> None:
-    """Run one scenario on ``world`` forked processes; kill them after ``limit_s`` seconds."""
+def launch(
+    scenario: str,
+    world: int,
+    outdir: Path,
+    limit_s: float,
+    target: Callable[[int, int, str, str], None] = worker,
+) -> None:
+    """Run one scenario on ``world`` forked processes (each ``target(rank, world, scenario,
+    outdir)``); kill them after ``limit_s`` seconds."""
     outdir.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("fork")  # torch is imported once, here, not once per rank
     procs = [
-        ctx.Process(target=worker, args=(r, world, scenario, str(outdir))) for r in range(world)
+        ctx.Process(target=target, args=(r, world, scenario, str(outdir))) for r in range(world)
     ]
     t0 = time.monotonic()
     for p in procs:

@@ -239,3 +239,59 @@ def test_long_shards_go_around_one_head_at_a_time() -> None:
     small = torch.empty(2, 4, 64, 8)
     assert ring._kv_heads_per_pass(None, small, small) == 4
     assert ring._kv_heads_per_pass(3, small, small) == 3
+
+
+def test_ring_sinks_of_a_group_of_one_are_plain_attentions(group_of_one: None) -> None:
+    """Sinks per head and per token through the ring's join: the output and the gradients of
+    q, k, v and the sinks are attention's; a SequenceParallel shares its module's learned
+    sinks (the same state_dict) and gives the module's output."""
+    q, k, v, g = _qkvg(12, 12)
+    for sinks in (torch.randn(4, dtype=torch.float64), torch.randn(2, 4, 12, dtype=torch.float64)):
+        full = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        ref = attnkit.attention(*full[:3], causal=True, sinks=full[3])
+        (ref * g).sum().backward()
+        mine = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        out = akd.ring_attention(*mine[:3], causal=True, sinks=mine[3])
+        (out * g).sum().backward()
+        assert (out - ref).abs().max() <= 1e-12
+        for a, b in zip(mine, full, strict=True):
+            assert a.grad is not None
+            assert b.grad is not None
+            assert (a.grad - b.grad).abs().max() <= 1e-12
+    torch.manual_seed(0)
+    mha = attnkit.MultiHeadAttention(16, 4, num_kv_heads=2, causal=True, sinks=True)
+    sp = akd.SequenceParallel(mha)
+    assert sp.sinks is mha.sinks
+    assert list(sp.state_dict()) == list(mha.state_dict())
+    x = torch.randn(2, 10, 16)
+    assert (sp(x).output - mha(x).output).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("sinks", "got", "fix"),
+    [
+        (torch.zeros(4), "sinks torch.float32 on cpu, q torch.float64 on cpu", "sinks.to(dtype="),
+        (torch.zeros(4, dtype=torch.float64, device="meta"), "sinks torch.float64 on meta", "cpu"),
+        (torch.zeros(2, 8, 4, dtype=torch.float64), "sinks (B=2, H=8, L=4)", "transpose(1, 2)"),
+        ([0.0] * 4, "sinks: list", None),
+    ],
+    ids=["dtype", "device", "transposed", "list"],
+)
+def test_ring_sinks_are_checked_by_attnkit_validation(
+    group_of_one: None, sinks: object, got: str, fix: str | None
+) -> None:
+    q, k, v, _ = _qkvg(8, 8)
+    with pytest.raises(attnkit.AttentionInputError) as info:
+        akd.ring_attention(q, k, v, sinks=sinks)  # type: ignore[arg-type]
+    err = info.value
+    assert err.where == "attnkit.distributed.ring_attention"
+    assert err.argument == "sinks"
+    assert got in err.got
+    assert err.expected == (
+        "sinks (H=4,) or (B=2, H=4, L=8) or (1, H=4, L=8), of dtype torch.float64 on cpu"
+    )
+    if fix is None:
+        assert err.fix is None
+    else:
+        assert err.fix is not None
+        assert fix in err.fix

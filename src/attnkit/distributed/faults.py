@@ -3,10 +3,10 @@
 Every wait on a point-to-point or collective request goes through :func:`wait_all`, which waits
 at most ``timeout`` and then raises :class:`RingError` naming this rank, the rank it was waiting
 for, what it was doing and the limit. Before any K/V moves, :func:`agree` passes each rank's
-shapes, dtype and settings (the mask by its content digest, :meth:`MaskSpec.digest`) around the
-ring (tiny messages, only to the ring neighbours the attention uses anyway), so that ranks that
-disagree raise the same :class:`~attnkit.AttentionInputError` on every rank, and a rank that
-never arrives is named by the rank after it.
+shapes, dtype and settings (the mask by its content digest, :meth:`MaskSpec.digest`; sinks per
+head by their values) around the ring (tiny messages, only to the ring neighbours the attention
+uses anyway), so that ranks that disagree raise the same :class:`~attnkit.AttentionInputError`
+on every rank, and a rank that never arrives is named by the rank after it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from attnkit.distributed.ring_sinks import show_sinks
 from attnkit.errors import AttentionInputError
 from attnkit.masks import MaskSpec
 
@@ -261,6 +262,8 @@ def _show(key: str, value: int) -> str:
             return "mask=None"
         # the first 16 hex digits of the spec's MaskSpec.digest()
         return f"mask=#{value & (2**64 - 1):016x}"
+    if key == "sinks":
+        return show_sinks(value)
     return f"{key}={value}"
 
 
@@ -296,6 +299,12 @@ _ADVICE = {
     "scale": (
         "the same scale= on every rank",
         "pass the same scale= on every rank, or leave it out everywhere (1 / sqrt(Dk))",
+    ),
+    "sinks": (
+        "sinks on every rank or on none: per head, (H,), the same values everywhere; per "
+        "token, each rank its own query rows' (B, H, Lq)",
+        "pass the same sinks parameter on every rank (replicated, as the model's other "
+        "parameters are), or per-token sinks sharded as q on every rank",
     ),
     "kv_heads_per_pass": (
         "the same kv_heads_per_pass= on every rank",

@@ -28,6 +28,7 @@ from attnkit.masks import MaskSpec, key_mask
 from attnkit.modules.attention import MultiHeadAttention
 from attnkit.modules.kv_cache import KVCache
 from attnkit.modules.masking import key_part
+from attnkit.modules.sinks import module_sinks
 
 __all__ = ["SequenceParallel", "parallelize"]
 
@@ -48,13 +49,17 @@ class SequenceParallel(nn.Module):
       a real key.
     - ``positions``: for a module with a rotary embedding, the global positions of the shard's
       tokens; default :func:`~attnkit.distributed.shard_positions`.
+    - ``sinks``: for a module without learned sinks, the call's: ``(H,)``, the same on every
+      rank, or this rank's query rows' ``(B, H, n)`` / ``(1, H, n)`` (see
+      :func:`~attnkit.distributed.ring_attention`).
 
     Returns :class:`~attnkit.AttentionOutput` ``(output (B, n, E), None)``: the weights are
     never materialised. Attention dropout in training mode and a KV cache are refused (the
     one would not be exact, the other decodes on one process).
 
-    The wrapper shares the module's projections and rotary embedding, so its ``state_dict``
-    has the module's keys and training updates the module too.
+    The wrapper shares the module's projections, rotary embedding and learned sinks, so its
+    ``state_dict`` has the module's keys and training updates the module too. Like the
+    projections' gradients, the learned sinks' gradient on a rank is its tokens' part.
 
     >>> # on every rank: sp = SequenceParallel(mha); y = sp(shard(x, causal=mha.causal)).output
     """
@@ -80,6 +85,7 @@ class SequenceParallel(nn.Module):
         self.q_proj, self.k_proj, self.v_proj = module.q_proj, module.k_proj, module.v_proj
         self.out_proj = module.out_proj
         self.rope = module.rope
+        self.sinks = module.sinks  # (H,) or None, the module's parameter (state_dict key "sinks")
         self.embed_dim, self.kdim, self.vdim = module.embed_dim, module.kdim, module.vdim
         self.num_heads, self.num_kv_heads = module.num_heads, module.num_kv_heads
         self.causal, self.batch_first = module.causal, module.batch_first
@@ -106,6 +112,7 @@ class SequenceParallel(nn.Module):
         need_weights: bool = False,
         kv_cache: KVCache | None = None,
         positions: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> AttentionOutput:
         if kv_cache is not None:
             raise AttentionInputError(
@@ -143,6 +150,7 @@ class SequenceParallel(nn.Module):
         q = split_heads(self.q_proj(query), self.num_heads)  # (B, H, n, Dk)
         k = split_heads(self.k_proj(key), self.num_kv_heads)  # (B, Hkv, n, Dk)
         v = split_heads(self.v_proj(value), self.num_kv_heads)  # (B, Hkv, n, Dv)
+        sinks = module_sinks(WHERE, self.sinks, sinks, q)  # (H,) or (B|1, H, n)
         if self.rope is not None:  # rotate at the tokens' places in the whole sequence
             if positions is None:
                 positions = shard_positions(
@@ -158,7 +166,14 @@ class SequenceParallel(nn.Module):
                 expected="positions=None, or a module built with rope=RotaryEmbedding(...)",
             )
         out = ring_attention(
-            q, k, v, mask=mask, causal=self.causal, group=self.group, timeout=self.timeout
+            q,
+            k,
+            v,
+            mask=mask,
+            causal=self.causal,
+            group=self.group,
+            timeout=self.timeout,
+            sinks=sinks,
         )  # (B, H, n, Dv)
         y = self.out_proj(merge_heads(out))  # (B, n, E)
         return AttentionOutput(y.transpose(0, 1) if not self.batch_first else y, None)

@@ -13,11 +13,12 @@ in float32 (float64 for float64 inputs)::
     lse = logaddexp(lse_a, lse_b)
     out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
 
-which is exact: the result is softmax over all keys. A pair that the mask leaves empty is not
-computed (with zigzag causal sharding every rank does the same work). The pairs run through the
-blocked backend's block functions (:func:`attnkit.backends.blocked.forward_with_lse` and
-:func:`~attnkit.backends.blocked.backward_from_lse`), given the chunks' global positions, so a
-mask spec sees global indices and the empty blocks inside a pair are skipped too.
+which is exact: the result is softmax over all keys. Attention sinks join each row's merged result
+once, after the last step (:mod:`attnkit.distributed.ring_sinks`). A pair that the mask leaves empty
+is not computed (with zigzag causal sharding every rank does the same work). The pairs run through
+the blocked backend's block functions (:func:`attnkit.backends.blocked.forward_with_lse` and
+:func:`~attnkit.backends.blocked.backward_from_lse`), given the chunks' global positions, so a mask
+spec sees global indices and the empty blocks inside a pair are skipped too.
 
 Heads are independent, so the ring runs once per group of heads (a *pass*, ``kv_heads_per_pass``
 key/value heads with their query heads): every buffer below holds one group's heads only, which
@@ -27,6 +28,9 @@ Backward: K/V go around the ring again, and with each K/V shard travels the floa
 accumulator of that shard: each rank adds its queries' contribution and passes it on, so after
 ``P`` hops it comes back to the rank that owns the shard. Bytes sent per step of a pass, for
 ``g`` passes: ``2u/g`` forward, ``2u/g`` (K/V) + ``2u/g`` in float32 (dK/dV) backward.
+The blocks' backward is given the final ``out`` and ``lse`` (the sinks included), so it is the
+backward with the sinks; the sinks' own gradient is this rank's rows' part (per head, like every
+replicated parameter's: summed over the ranks, it is the whole sequence's).
 Where autograd records the backward (``create_graph=True``: a Hessian, a gradient penalty), the
 gradients are recomputed differentiably instead (:mod:`attnkit.distributed.second_order`).
 """
@@ -41,6 +45,7 @@ import torch.distributed as dist
 from torch.autograd.function import FunctionCtx
 
 from attnkit.backends.blocked import backward_from_lse, forward_with_lse, merge
+from attnkit.backends.blocked.blocks import sinks_grad, with_sinks
 from attnkit.backends.blocked.tiles import acc_dtype
 from attnkit.cpu import path_for
 from attnkit.distributed.faults import (
@@ -54,6 +59,7 @@ from attnkit.distributed.faults import (
     mask_digest,
 )
 from attnkit.distributed.ring_plan import WHERE, RingPlan
+from attnkit.distributed.ring_sinks import check_ring_sinks, sinks_digest
 from attnkit.distributed.second_order import ring_grads
 from attnkit.distributed.sharding import Chunk, Layout, group_rank_and_size
 from attnkit.errors import AttentionInputError
@@ -255,21 +261,27 @@ def _backward_pairs(
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: FunctionCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan
+        ctx: FunctionCtx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None,
+        plan: RingPlan,
     ) -> torch.Tensor:
-        out, lse = _forward(plan, q, k, v)
+        out, lse = with_sinks(*_forward(plan, q, k, v), sinks)  # the sinks join once, here
         ctx.plan = plan  # type: ignore[attr-defined]
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)  # type: ignore[arg-type]  # None is kept
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: FunctionCtx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
+        q, k, v, out, lse, sinks = ctx.saved_tensors  # type: ignore[attr-defined]
+        needs = ctx.needs_input_grad  # type: ignore[attr-defined]
         if torch.is_grad_enabled():  # create_graph=True: gradients autograd can differentiate
-            needs = ctx.needs_input_grad  # type: ignore[attr-defined]
-            return (*ring_grads(ctx.plan, q, k, v, dout, needs), None)  # type: ignore[attr-defined]
+            return (*ring_grads(ctx.plan, (q, k, v, sinks), dout, needs), None)  # type: ignore[attr-defined]
         dq, dk, dv = _backward(ctx.plan, (q, k, v, out, lse), dout)  # type: ignore[attr-defined]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        dsinks = sinks_grad(sinks, out, dout, lse) if sinks is not None and needs[3] else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None
 
 
 #: bytes of one pass's K and V shards (per rank) that the default ``kv_heads_per_pass`` aims at
@@ -304,6 +316,7 @@ def _make_plan(
     group: dist.ProcessGroup | None,
     timeout: float | timedelta | None,
     kv_heads_per_pass: int | None,
+    sinks: torch.Tensor | None,
 ) -> RingPlan:
     """Check :func:`ring_attention`'s arguments, agree on them with the other ranks (the same
     shapes, dtype and settings everywhere) and return the plan of the ring."""
@@ -322,6 +335,7 @@ def _make_plan(
     dims = check_qkv(q, k, v, where=WHERE)
     check_mask(mask, q, dims, where=WHERE, key_shards=world)  # a spec over every shard's keys
     check_scalars(dims, where=WHERE, causal=causal, scale=scale)
+    check_ring_sinks(sinks, q, dims, world, WHERE)
     path_for(q, WHERE)  # a bad ATTNKIT_CPU_PATH is refused here as in attention()
     td = as_timedelta(timeout, WHERE)
     if causal and (dims.L % 2 or dims.S % 2):
@@ -342,6 +356,7 @@ def _make_plan(
         "scale": float_bits(scale_f),
         "mask": mask_digest(mask),  # its content: rule and tensor bytes, not its repr
         "kv_heads_per_pass": per_pass,
+        "sinks": sinks_digest(sinks),  # per head: their values; per token: that there are some
     }
     shapes = [("q", tuple(q.shape)), ("k", tuple(k.shape)), ("v", tuple(v.shape))]
     agree(
@@ -379,6 +394,7 @@ def ring_attention(
     group: dist.ProcessGroup | None = None,
     timeout: float | timedelta | None = None,
     kv_heads_per_pass: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence split across the ranks of ``group``; forward and backward.
 
@@ -418,21 +434,27 @@ def ring_attention(
             group. Default: the fewest heads whose K and V shards reach
             :data:`PASS_BYTES` (one head at a time for long sequences, all heads at once for
             short ones, where a message's latency would dominate).
+        sinks: attention sinks, as in :func:`attnkit.attention`: ``(H,)``, the same on every
+            rank (gpt-oss), or this rank's query rows' ``(B, H, Lq)`` / ``(1, H, Lq)``. They
+            join each row's softmax once, after the merge over every key shard. The gradient
+            of ``(H,)`` sinks is this rank's rows' part, as for every replicated parameter:
+            summed over the ranks (``dist.all_reduce``) it is the whole sequence's.
 
     Returns:
         This rank's output shard ``(B, H, Lq, Dv)`` in q's dtype. Rows with nothing to attend
         to are 0, with gradient 0.
 
     Every rank must call it (and run its backward) with equal shard shapes and the same dtype,
-    ``causal``, ``scale``, ``kv_heads_per_pass`` and mask: the mask's content, rule and tensor
-    bytes (:meth:`~attnkit.masks.MaskSpec.digest`), not only its repr. Before any K/V moves the
-    ranks compare them; any difference raises :class:`~attnkit.AttentionInputError` on every
-    rank, naming what differs, which ranks hold which value, and the fix.
+    ``causal``, ``scale``, ``kv_heads_per_pass``, sinks (per head: their values) and mask: the
+    mask's content, rule and tensor bytes (:meth:`~attnkit.masks.MaskSpec.digest`), not only its
+    repr. Before any K/V moves the ranks compare them; any difference raises
+    :class:`~attnkit.AttentionInputError` on every rank, naming what differs, which ranks hold which
+    value, and the fix.
 
     >>> # on each of 4 ranks (torchrun --nproc-per-node 4):
     >>> # q, k, v = (shard(t, causal=True) for t in (q_full, k_full, v_full))
     >>> # out = ring_attention(q, k, v, causal=True)     # == shard(attention(..., causal=True))
     """
-    plan = _make_plan(q, k, v, mask, causal, scale, group, timeout, kv_heads_per_pass)
-    out: torch.Tensor = _RingAttention.apply(q, k, v, plan)  # type: ignore[no-untyped-call]
+    plan = _make_plan(q, k, v, mask, causal, scale, group, timeout, kv_heads_per_pass, sinks)
+    out: torch.Tensor = _RingAttention.apply(q, k, v, sinks, plan)  # type: ignore[no-untyped-call]
     return out

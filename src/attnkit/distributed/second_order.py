@@ -3,17 +3,18 @@
 Dimension legend: B batch, H query heads, Hkv key/value heads, Lq / Sk this rank's query / key
 tokens, L / S the whole sequence's (``P * Lq``, ``P * Sk``), Dk / Dv head dims, P ranks.
 
-The ring's backward (:mod:`attnkit.distributed.ring`) sends K/V and their gradients around the
-ring outside autograd: fast, and of no use to a second derivative. When autograd records the
-backward (``create_graph=True``: a Hessian, ``gradgradcheck``, a gradient penalty) the ring
-recomputes its shard's gradients here instead, as :mod:`attnkit.backends.second_order` does for
-one process: this rank's queries against every rank's keys and values, gathered by an all-gather
-whose adjoint sums the gradients of every rank (so each rank's ``dk``/``dv`` collects what every
-rank's queries give it, as the ring's own backward does), through the math backend's formula
-(:func:`attnkit.backends.math.attend`, float32; float64 for float64) with the mask evaluated at
-the global positions. Every rank must take the second derivative too, in the same order (the
-gathers are collectives), as every rank runs the ring's backward. The recompute holds this
-rank's ``Lq x S`` scores: it is refused above attnkit's memory limit.
+The ring's backward (:mod:`attnkit.distributed.ring`) sends K/V and their gradients around the ring
+outside autograd: fast, and of no use to a second derivative. When autograd records the backward
+(``create_graph=True``: a Hessian, ``gradgradcheck``, a gradient penalty) the ring recomputes its
+shard's gradients here instead, as :mod:`attnkit.backends.second_order` does for one process: this
+rank's queries against every rank's keys and values, gathered by an all-gather whose adjoint sums
+the gradients of every rank (so each rank's ``dk``/``dv`` collects what every rank's queries give
+it, as the ring's own backward does), through the math backend's formula
+(:func:`attnkit.backends.math.attend`, float32; float64 for float64) with the mask evaluated at the
+global positions and the sinks, if any, joined to this rank's rows. Every rank must take the second
+derivative too, in the same order (the gathers are collectives), as every rank runs the ring's
+backward. The recompute holds this rank's ``Lq x S`` scores: it is refused above attnkit's memory
+limit.
 """
 
 from __future__ import annotations
@@ -114,14 +115,15 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
 
 def ring_grads(
     plan: RingPlan,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
     dout: torch.Tensor,
     needs: tuple[bool, ...],
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """This rank's ``dq, dk, dv`` (those ``needs`` asks for) of the ring attention whose
-    output's gradient is ``dout``, as a differentiable graph (see the module's text)."""
+) -> tuple[torch.Tensor | None, ...]:
+    """This rank's ``dq, dk, dv, dsinks`` (those ``needs`` asks for; ``None`` for no sinks)
+    of the ring attention of ``inputs`` ``(q, k, v, sinks)`` whose output's gradient is
+    ``dout``, as a differentiable graph (see the module's text). The sinks join this rank's
+    rows only: their gradient is those rows' part, as in the ring's own backward."""
+    q, k, v, sinks = inputs
     B, H, Lq, _ = q.shape
     world = plan.world
     S = world * k.shape[2]
@@ -132,9 +134,14 @@ def ring_grads(
     off = plan.k_layout.total - plan.q_layout.total
     mask = _mask_at(plan.spec, q_pos, k_pos, off, c)
     with torch.enable_grad():
-        qa, ka, va = _alias(q), _alias(k), _alias(v)
-        K = _Gather.apply(ka, plan)  # type: ignore[no-untyped-call]
-        V = _Gather.apply(va, plan)  # type: ignore[no-untyped-call]
-        out, _ = attend(qa.to(c), K.to(c), V.to(c), mask, plan.scale)
-        dq, dk, dv = torch.autograd.grad(out, (qa, ka, va), dout.to(c), create_graph=True)
-    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None)
+        leaves = [_alias(t) for t in (q, k, v)] + ([] if sinks is None else [_alias(sinks)])
+        K = _Gather.apply(leaves[1], plan)  # type: ignore[no-untyped-call]
+        V = _Gather.apply(leaves[2], plan)  # type: ignore[no-untyped-call]
+        s = None if sinks is None else leaves[3].to(c)
+        out, _ = attend(leaves[0].to(c), K.to(c), V.to(c), mask, plan.scale, sinks=s)
+        grads: list[torch.Tensor | None] = list(
+            torch.autograd.grad(out, leaves, dout.to(c), create_graph=True)
+        )
+    if sinks is None:
+        grads.append(None)
+    return tuple(g if needs[i] else None for i, g in enumerate(grads))  # dq, dk, dv, dsinks

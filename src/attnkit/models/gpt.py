@@ -55,6 +55,7 @@ class GPTConfig:
     attn_dropout: float = 0.0  # on the attention weights, in training mode
     tie_embeddings: bool = True  # the LM head shares the token embedding matrix
     backend: str = "auto"  # passed to attnkit.attention
+    attention_sinks: bool = False  # a learned sink per head in every layer (gpt-oss)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_positions", "num_layers"):

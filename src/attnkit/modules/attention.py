@@ -53,11 +53,18 @@ class MultiHeadAttention(AttentionBase):
             ``(B, L, H * Dv)``).
         rope: a :class:`~attnkit.modules.positions.RotaryEmbedding` applied to the queries
             and keys of self-attention (``rope.dim <= Dk``), or ``None``.
+        sinks: ``True`` gives the module one learned attention sink per query head (gpt-oss):
+            the parameter ``sinks (H,)`` (``state_dict`` key ``sinks``), initialised from
+            ``normal(0, 0.02)``; each head's sink joins the softmax denominator of every row
+            and adds no value (see :mod:`attnkit.modules.sinks`).
 
     ``forward(query, key=None, value=None, *, mask=None, key_padding_mask=None,
     attention_mask=None, attn_mask=None, is_causal=False, need_weights=False,
-    average_attn_weights=False, kv_cache=None, positions=None)``: ``query (B, L, E)``,
-    ``key (B, S, kdim)`` (default: the query), ``value (B, S, vdim)`` (default: the key).
+    average_attn_weights=False, kv_cache=None, positions=None, sinks=None)``:
+    ``query (B, L, E)``, ``key (B, S, kdim)`` (default: the query), ``value (B, S, vdim)``
+    (default: the key); ``sinks``, for a module built without learned sinks, the call's own
+    as in :func:`attnkit.attention`: ``(H,)``, or per query row ``(B, H, L)`` / ``(1, H, L)``
+    (heads before rows, whatever the layout; with a KV cache ``L`` counts the new tokens).
     Every mask given must allow a key for it to be attended:
 
     - ``mask``: attnkit's convention (bool True = may attend, or float added;
@@ -104,12 +111,21 @@ class MultiHeadAttention(AttentionBase):
         average_attn_weights: bool = False,
         kv_cache: KVCache | None = None,
         positions: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> AttentionOutput:
         key = query if key is None else key
         value = key if value is None else value
         masks = MaskArgs(mask, key_padding_mask, attention_mask, attn_mask, is_causal)
         return self._attend(
-            query, key, value, masks, need_weights, average_attn_weights, kv_cache, positions
+            query,
+            key,
+            value,
+            masks,
+            need_weights,
+            average_attn_weights,
+            kv_cache,
+            positions,
+            sinks,
         )
 
     @staticmethod
@@ -189,6 +205,8 @@ class MultiHeadAttention(AttentionBase):
             problems.append("causal=True (torch's module has no causal setting)")
         if self.rope is not None:
             problems.append("rope (torch's module has no rotary embedding)")
+        if self.sinks is not None:
+            problems.append("learned sinks (torch's module has no attention sinks)")
         if problems:
             raise AttentionInputError(
                 where,
@@ -196,7 +214,7 @@ class MultiHeadAttention(AttentionBase):
                 "this module has no nn.MultiheadAttention equivalent: " + "; ".join(problems) + ".",
                 got=repr(self),
                 expected="num_kv_heads == num_heads, head_dim == v_head_dim == embed_dim // "
-                "num_heads, an output projection, causal=False",
+                "num_heads, an output projection, causal=False, no rope, no sinks",
                 fix="keep the attnkit module; torch's cannot express these settings",
             )
         assert isinstance(out, nn.Linear)
@@ -236,7 +254,8 @@ class SelfAttention(AttentionBase):
 
     ``x (B, L, E) -> (B, L, v_head_dim)``; queries and keys are ``Linear(E, head_dim)``
     projections of ``x``, values ``Linear(E, v_head_dim)`` (default ``head_dim``; seed 003
-    uses d_q = d_k = 24 and d_v = 28), no bias by default. The mask keywords are those of
+    uses d_q = d_k = 24 and d_v = 28), no bias by default. The mask keywords, ``sinks=True``
+    (one learned sink, ``sinks (1,)``) and the call's ``sinks=`` are those of
     :class:`MultiHeadAttention`. Returns :class:`~attnkit.AttentionOutput`.
 
     >>> SelfAttention(256, 64)(torch.randn(32, 50, 256)).output.shape
@@ -255,6 +274,7 @@ class SelfAttention(AttentionBase):
         dropout: float = 0.0,
         causal: bool = False,
         backend: str = "auto",
+        sinks: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -268,6 +288,7 @@ class SelfAttention(AttentionBase):
             causal=causal,
             backend=backend,
             output_projection=False,
+            sinks=sinks,
             device=device,
             dtype=dtype,
         )
@@ -283,9 +304,10 @@ class SelfAttention(AttentionBase):
         is_causal: bool = False,
         need_weights: bool = False,
         average_attn_weights: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> AttentionOutput:
         masks = MaskArgs(mask, key_padding_mask, attention_mask, attn_mask, is_causal)
-        return self._attend(x, x, x, masks, need_weights, average_attn_weights)
+        return self._attend(x, x, x, masks, need_weights, average_attn_weights, sinks=sinks)
 
 
 class CrossAttention(AttentionBase):
@@ -293,7 +315,7 @@ class CrossAttention(AttentionBase):
 
     ``x (B, L, E)``, ``context (B, S, context_dim)`` with any ``S``; output ``(B, L, E)``.
     Same keywords as :class:`MultiHeadAttention` (``context_dim`` sets both ``kdim`` and
-    ``vdim``).
+    ``vdim``), ``sinks=True`` and the call's ``sinks=`` included.
 
     >>> xattn = CrossAttention(16, 4, context_dim=32)
     >>> xattn(torch.randn(2, 6, 16), torch.randn(2, 8, 32)).output.shape
@@ -313,6 +335,7 @@ class CrossAttention(AttentionBase):
         dropout: float = 0.0,
         batch_first: bool = True,
         backend: str = "auto",
+        sinks: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -328,6 +351,7 @@ class CrossAttention(AttentionBase):
             dropout=dropout,
             batch_first=batch_first,
             backend=backend,
+            sinks=sinks,
             device=device,
             dtype=dtype,
         )
@@ -344,9 +368,12 @@ class CrossAttention(AttentionBase):
         is_causal: bool = False,
         need_weights: bool = False,
         average_attn_weights: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> AttentionOutput:
         masks = MaskArgs(mask, key_padding_mask, attention_mask, attn_mask, is_causal)
-        return self._attend(x, context, context, masks, need_weights, average_attn_weights)
+        return self._attend(
+            x, context, context, masks, need_weights, average_attn_weights, sinks=sinks
+        )
 
 
 class TorchMultiheadAttention(MultiHeadAttention):
@@ -367,9 +394,9 @@ class TorchMultiheadAttention(MultiHeadAttention):
     The one difference: where a query has no key to attend to (a batch row all padding),
     torch gives NaN (with weights, or on its fast path); attnkit gives attention output 0
     (so the output is ``out_proj``'s bias, as torch's other path gives) and weights 0.
-    attnkit's own keywords (``mask``, ``attention_mask``, ``kv_cache``, ``positions``) still
-    work. Construct it with :class:`~attnkit.MultiHeadAttention`'s arguments, or with
-    ``MultiHeadAttention.from_torch(m)``.
+    attnkit's own keywords (``mask``, ``attention_mask``, ``kv_cache``, ``positions``,
+    ``sinks``) still work. Construct it with :class:`~attnkit.MultiHeadAttention`'s
+    arguments, or with ``MultiHeadAttention.from_torch(m)``.
 
     >>> m = nn.MultiheadAttention(8, 2)
     >>> out, w = MultiHeadAttention.from_torch(m)(*[torch.randn(5, 3, 8)] * 3)
@@ -396,6 +423,7 @@ class TorchMultiheadAttention(MultiHeadAttention):
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         positions: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> AttentionOutput:
         key = query if key is None else key
         value = key if value is None else value
@@ -423,6 +451,7 @@ class TorchMultiheadAttention(MultiHeadAttention):
             average_attn_weights=average_attn_weights,
             kv_cache=kv_cache,
             positions=positions,
+            sinks=sinks,
         )
         if not unbatched:
             return out

@@ -28,6 +28,7 @@ from attnkit.modules.checks import attention_call, check_batch, check_head_sizes
 from attnkit.modules.kv_cache import KVCache
 from attnkit.modules.masking import Mask, MaskArgs, combine, module_mask
 from attnkit.modules.positions import RotaryEmbedding
+from attnkit.modules.sinks import learned_sinks, module_sinks
 
 __all__ = ["AttentionBase"]
 
@@ -52,6 +53,7 @@ class AttentionBase(nn.Module):
         backend: str = "auto",
         output_projection: bool = True,
         rope: RotaryEmbedding | None = None,
+        sinks: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -89,12 +91,14 @@ class AttentionBase(nn.Module):
         self.out_proj: nn.Module = (
             nn.Linear(H * Dv, E, bias=bias, **factory) if output_projection else nn.Identity()
         )
+        self.sinks: nn.Parameter | None = learned_sinks(where, sinks, H, factory)  # (H,)
 
     def extra_repr(self) -> str:
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"v_head_dim={self.v_head_dim}, causal={self.causal}, backend={self.backend!r}"
+            + (", sinks=True" if self.sinks is not None else "")
         )
 
     def _batch_first_inputs(
@@ -125,6 +129,7 @@ class AttentionBase(nn.Module):
         average_attn_weights: bool,
         kv_cache: KVCache | None = None,
         positions: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> AttentionOutput:
         where = self._where
         self_attention = key is query and value is query
@@ -146,6 +151,7 @@ class AttentionBase(nn.Module):
         q = split_heads(qp, self.num_heads)  # (B, H, L, Dk)
         k = split_heads(kp, self.num_kv_heads)  # (B, Hkv, S, Dk)
         v = split_heads(vp, self.num_kv_heads)  # (B, Hkv, S, Dv)
+        sinks = module_sinks(where, self.sinks, sinks, q)  # (H,) or (B|1, H, L); before the cache
         if recording():  # attnkit.trace() is open: this thread's traces get the steps
             record_module_start(self, not self.batch_first, *given, qp, kp, vp, q, k, v)
         try:
@@ -156,7 +162,14 @@ class AttentionBase(nn.Module):
                 )
             dropout = self.dropout if self.training else 0.0
             call = attention_call(
-                q, k, v, mask=mask, causal=causal, dropout_p=dropout, need_weights=need_weights
+                q,
+                k,
+                v,
+                mask=mask,
+                causal=causal,
+                dropout_p=dropout,
+                need_weights=need_weights,
+                sinks=sinks,
             )
             out, weights = run_call(call, self.backend)
         except BaseException:

@@ -205,12 +205,14 @@ def attention_call(
     causal: bool,
     dropout_p: float,
     need_weights: bool,
+    sinks: torch.Tensor | None = None,
 ) -> AttentionCall:
     """The call a module makes of its heads ``q (B, H, L, Dk)``, ``k (B, Hkv, S, Dk)``,
     ``v (B, Hkv, S, Dv)`` and its merged mask in attnkit's convention: the checks
     :func:`attnkit.attention` runs, errors named as its, but the inverted-causal-mask warning
     (:func:`~attnkit.modules.masking.module_mask` gave it, in the convention of the argument
-    the mask came as); then :meth:`AttentionCall.build`."""
+    the mask came as); then :meth:`AttentionCall.build`. ``sinks`` were checked by
+    :func:`~attnkit.modules.sinks.module_sinks`, in the module's name."""
     dims = check_qkv(q, k, v, where=WHERE)
     check_mask(mask, q, dims, where=WHERE)
     check_scalars(
@@ -218,5 +220,5 @@ def attention_call(
     )
     return AttentionCall.build(
         q=q, k=k, v=v, dims=dims, where=WHERE, mask=mask, causal=causal, dropout_p=dropout_p,
-        return_weights=need_weights,
+        return_weights=need_weights, sinks=sinks,
     )  # fmt: skip

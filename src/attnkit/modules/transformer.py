@@ -72,6 +72,7 @@ class TransformerConfig:
     cross_attention: bool = False  # add a cross-attention block over a `context`
     context_dim: int | None = None  # width of the context; None = dim
     backend: str = "auto"  # passed to attnkit.attention
+    attention_sinks: bool = False  # a learned sink per head in self-attention (gpt-oss)
 
     def __post_init__(self) -> None:
         for name in ("dim", "num_heads", "ffn_dim", "context_dim"):
@@ -174,6 +175,10 @@ class TransformerLayer(nn.Module):
       tokens only and self-attention sees every cached token (see
       :class:`~attnkit.MultiHeadAttention`; the weights are then ``(B, H, L, S)``).
 
+    With ``config.attention_sinks`` the self-attention has learned sinks (``attn.sinks``
+    ``(H,)``, ``state_dict`` key ``attn.sinks``; see :class:`~attnkit.MultiHeadAttention`);
+    the cross-attention has none.
+
     Returns a :class:`LayerOutput` ``(hidden (B, L, E), weights, cross_weights)``.
 
     >>> layer = TransformerLayer(TransformerConfig(dim=16, num_heads=4, norm_first=True))
@@ -193,6 +198,7 @@ class TransformerLayer(nn.Module):
             dropout=c.attn_dropout,
             causal=c.causal,
             backend=c.backend,
+            sinks=c.attention_sinks,
         )
         self.attn_norm = nn.LayerNorm(c.dim, eps=c.norm_eps, bias=c.bias)
         self.cross_attn: CrossAttention | None = None
