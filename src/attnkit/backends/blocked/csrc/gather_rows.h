@@ -17,8 +17,8 @@ using namespace attnkit_elements;
 
 // the tuning knobs (-D at build time to measure others): keys per block of the forward (its
 // scores, then their softmax step and P V; the block's V rows are prefetched by its score pass
-// and read by its P V pass), and how many keys ahead the K rows (and in the backward the V rows)
-// are prefetched
+// and read by its P V pass), and how many live entries ahead the K rows (in the backward also
+// the V, dK and dV rows) are prefetched (4 to 64 measured alike here; gather_simd.h: into L2)
 #ifndef GATHER_BLOCK_KEYS
 #define GATHER_BLOCK_KEYS 64
 #endif

@@ -9,11 +9,19 @@ namespace gather {
 
 using namespace attnkit_elements;
 
+// the cache level rows are prefetched into (-D at build time to measure another): L2 (T1).
+// Into L1 (T0), a decode step against a 32768-key cache took twice as long (docs/benchmarks.md):
+// the rows of 16 entries ahead (up to 16 KiB of K and V, and in the backward as much of dK and
+// dV) crowd L1 and its miss queue, where L2 holds them and has room for more requests in flight
+#ifndef GATHER_PF_HINT
+#define GATHER_PF_HINT _MM_HINT_T1
+#endif
+
 // bring the `bytes` at p (any alignment) into the cache
 static inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
-  _mm_prefetch(c + bytes - 1, _MM_HINT_T0);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, GATHER_PF_HINT);
+  _mm_prefetch(c + bytes - 1, GATHER_PF_HINT);
 }
 
 // out[d] = x[d] * c for the n elements at x, as float32
