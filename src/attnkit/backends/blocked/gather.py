@@ -123,11 +123,11 @@ class GatherPlan:
         return describe(self, call.dims.L, call.dims.S, dtype)
 
     def reads_note(self, dtype: torch.dtype, upcast: bool) -> str | None:
-        """``""`` where the C++ kernel reads a low-precision q, k, v in place on any path
-        (:meth:`describe` says so); where it takes float32 copies on a path that gives the other
-        kernels them as they are (``native``), says so; else ``None``."""
+        """``""`` where the C++ kernel reads a low-precision q, k, v in place on
+        ``fp32-upcast`` (:meth:`describe` says so); where it takes float32 copies on a path
+        that gives the other kernels them as they are (``native``), says so; else ``None``."""
         if self.native and dtype in _LOW and dtype in self.reads:
-            return ""
+            return "" if upcast else None  # (native: as that path gives every kernel)
         if upcast or not self.needs_float32(dtype):
             return None
         name = str(dtype).removeprefix("torch.")
