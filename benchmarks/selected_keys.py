@@ -20,7 +20,7 @@ than threads.
                                       [--kv-heads 16] [--backward] [--dtype bfloat16]
 
 ``--dtype bfloat16`` (or ``float16``): q, k, v in that dtype on both sides (attnkit's C++ kernel
-on float32 copies; SDPA in the dtype).
+reads them in place, float32 inside; SDPA in the dtype); the decode rows too (``--decode``).
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ def main() -> None:
     ap.add_argument("--cache", type=int, default=32768, help="--decode: the cached keys S")
     args = ap.parse_args()
     if args.decode:
-        _decode(args.cache, args.heads, args.kv_heads, args.dim, 2048, max(args.reps, 21))
+        dtype = getattr(torch, args.dtype)
+        _decode(args.cache, args.heads, args.kv_heads, args.dim, 2048, max(args.reps, 21), dtype)
         return
     B, L, H, Hkv, D, k = 1, args.L, args.heads, args.kv_heads, args.dim, args.k
     S = L
@@ -188,17 +189,19 @@ def _backward(
     print(f"(attnkit's gradients vs sdpa's at L=S={n}: {err:.1e})")
 
 
-def _decode(S: int, H: int, Hkv: int, D: int, k: int, reps: int) -> None:
+def _decode(S: int, H: int, Hkv: int, D: int, k: int, reps: int, dtype: torch.dtype) -> None:
     """Decode steps (L = 1, 4, 16 new queries against S cached keys, DeepSeek-V3.2's top-2048),
-    forward: attnkit against SDPA with the scattered mask, in milliseconds."""
+    forward, in ``dtype``: attnkit against SDPA with the scattered mask, in milliseconds."""
     gen = torch.Generator().manual_seed(1)
-    kk = torch.randn(1, Hkv, S, D, generator=gen)
-    v = torch.randn(1, Hkv, S, D, generator=gen)
-    print(f"decode steps: B=1 H={H} Hkv={Hkv} S={S} D={D} top-{k}, float32, forward")
+    kk = torch.randn(1, Hkv, S, D, generator=gen).to(dtype)
+    v = torch.randn(1, Hkv, S, D, generator=gen).to(dtype)
+    name = str(dtype).removeprefix("torch.")
+    print(f"{cpu_line()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"decode steps: B=1 H={H} Hkv={Hkv} S={S} D={D} top-{k}, {name}, forward")
     print("| L | attnkit ms | sdpa + scattered mask ms | vs sdpa |")
     print("|---|---|---|---|")
     for L in (1, 4, 16):
-        q = torch.randn(1, H, L, D, generator=gen)
+        q = torch.randn(1, H, L, D, generator=gen).to(dtype)
         ind = _indices(1, L, S, k, gen)
         spec = masks.causal() & masks.selected_keys(ind)
         assert "gather kernel" in str(attnkit.explain(q, kk, v, mask=spec))

@@ -90,8 +90,11 @@ ROW_SPAN_DOT = Build(
 DECODE = Build(
     "attnkit_decode_avx2", "decode.cpp", "avx2", (*_AVX2, "-mf16c"), (*_AVX2_CPU, "f16c")
 )
-#: the gather kernel (``masks.selected_keys``: each query's own k keys, read in place)
-GATHER = Build("attnkit_gather_avx2", "gather.cpp", "avx2", _AVX2, _AVX2_CPU)
+#: the gather kernel (``masks.selected_keys``: each query's own k keys, read in place; float32,
+#: and bfloat16/float16 read as they are: float16 with F16C only)
+GATHER = Build(
+    "attnkit_gather_avx2", "gather.cpp", "avx2", (*_AVX2, "-mf16c"), (*_AVX2_CPU, "f16c")
+)
 #: every build the wheel carries
 ALL = (ROW_SPAN, ROW_SPAN_AVX512, ROW_SPAN_DOT, DECODE, GATHER)
 

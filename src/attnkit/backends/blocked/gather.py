@@ -3,29 +3,26 @@
 memory, never ``L x S``.
 
 Dimension legend: B batch, H query heads, Hkv key/value heads, g = H // Hkv, L query length,
-S key length, k keys selected per query, c query rows per chunk, Dk / Dv head dims.
+S key length, k keys selected per query, Dk / Dv head dims.
 
 Two paths, one plan (:class:`GatherPlan`, a :class:`~attnkit.backends.blocked.kernels.
-KernelPlan`). Where the kernels see float32 on the CPU and the C++ build loads
-(:mod:`~attnkit.backends.blocked.gather_native`, ``csrc/gather.cpp``), the forward and the
-backward run there: the selected K and V rows read in place, one task per (batch row,
-key/value head, query row) forward and per (batch row, key/value head, slice of query rows)
-backward (each slice adds into dK/dV rows of its own, summed after); the forward
-reports NaN/inf itself. Here, for the other dtypes and devices and where the build does not
-load, the same in torch operations: the query rows go in chunks of ``c`` rows; each chunk
-gathers its rows' selected K and V rows (``(B, Hkv, c, k, D)``, bounded by
-:data:`CHUNK_BYTES`; K and V are read in place, as they are laid out, and never copied whole
-or repeated per query head), scores them against the chunk's ``g`` query heads per key/value
-head (one small matmul per row), applies the other rules of the spec to the gathered (query,
-key) pairs only (their predicate, evaluated at ``(b, h, q, indices)``), and keeps the softmax
-in float32 (float64 for float64 q). A key listed twice in a row counts once (eager's scatter
-into a bool mask): duplicates and ``-1`` entries are dropped once per call, from the indices
-alone. A row left with no key gives output 0, log-sum-exp ``-inf`` and gradient 0.
-
-The backward recomputes each chunk's scores from the saved log-sum-exp (the flash-attention
-backward on the gathered pairs) and adds the chunk's dK and dV rows into ``dk``/``dv`` with
-``index_add_`` (sums over the query heads of a key/value head and over repeated selections of a
-key by different queries). Soft-capped calls are not served here (the tiles run them).
+KernelPlan`). Where q, k, v are float32 on the CPU, or bfloat16/float16 of a whole call, and
+the C++ build loads (:mod:`~attnkit.backends.blocked.gather_native`, ``csrc/gather.cpp``), the
+forward and the backward run there: the selected K and V rows read in place (bfloat16 and
+float16 widened to float32 as they are loaded, results in their dtype: :attr:`GatherPlan.reads`;
+a build without F16C takes float32 copies of float16), one task per (batch row, key/value head,
+query row) forward and per (batch row, key/value head, slice of query rows) backward (each
+slice adds into float32 dK/dV rows of its own, summed after); the forward reports NaN/inf
+itself. For the other dtypes and devices and where the build does not load, the same in torch
+operations, in chunks of query rows (:mod:`~attnkit.backends.blocked.gather_torch`). The other
+rules of the spec are applied to the selected (query, key) pairs only (their predicate,
+evaluated at ``(b, h, q, indices)``), and the softmax is kept in float32 (float64 for float64
+q). A key listed twice in a row counts once (eager's scatter into a bool mask): the torch
+operations drop duplicates and ``-1`` entries once per plan, from the indices alone
+(:attr:`GatherPlan.keep`: a sort of each row); the C++ kernel drops them as it reads each row (a
+bit per key, set and cleared per row; no sort). A row left with no key gives output 0,
+log-sum-exp ``-inf`` and gradient 0. Soft-capped calls are not served here (the tiles run
+them).
 
 :func:`block_plan` plans one block of a longer sequence (ring attention's pairs of chunks): the
 block's rows of the indices, its keys' entries counted from its first key (the others ``-1``),
@@ -34,12 +31,14 @@ the other rules at global positions (``q_start``, ``k_start``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from attnkit.backends import nonfinite
+from attnkit.backends.blocked import gather_torch
 from attnkit.masks import MaskSpec
 from attnkit.masks.selected import SelectedKeys, find_selected
 from attnkit.masks.spec import _And, _HeadSlice
@@ -47,36 +46,46 @@ from attnkit.masks.spec import _And, _HeadSlice
 if TYPE_CHECKING:
     from attnkit.call import AttentionCall
 
-__all__ = ["CHUNK_BYTES", "GatherPlan", "backward", "block_plan", "describe", "forward", "plan"]
+__all__ = ["GatherPlan", "backward", "block_plan", "describe", "forward", "plan"]
 
-#: the most bytes one chunk's gathered K and V rows take (the kernel's working set)
-CHUNK_BYTES = 32 << 20
-#: the dtypes the C++ kernel serves: float32, and bfloat16 and float16 on float32 copies of
-#: q, k, v on every CPU path (:meth:`GatherPlan.needs_float32`: the blocked backend makes them,
-#: as on ``fp32-upcast``: O((L + S) D) bytes, never the gathered ``(L, k, D)``); its results
-#: are float32, as the torch operations' are, and the backend returns them in the input dtype
+#: the dtypes the C++ kernel serves: float32, and bfloat16 and float16 read in place on every
+#: CPU path where a whole call runs (:attr:`GatherPlan.reads`; results in their dtype), else
+#: on float32 copies of q, k, v (:meth:`GatherPlan.needs_float32`: the blocked backend makes
+#: them, O((L + S) D) bytes, never the gathered ``(L, k, D)``)
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LOW = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
 class GatherPlan:
     """The gather kernel's plan of one call (a :class:`~attnkit.backends.blocked.kernels.
-    KernelPlan`): the selected keys, the spec's other rules (``None``: none), and ``keep``
-    ``(B, Hkv', L, k)`` bool: the index entries that name a key once."""
+    KernelPlan`): the selected keys and the spec's other rules (``None``: none)."""
 
     selected: SelectedKeys
     rest: MaskSpec | None
-    keep: torch.Tensor
     off: int
-    #: the C++ kernel runs the call (float32 on the CPU, loaded, no score bias)
+    #: the C++ kernel runs the call (a dtype of :data:`NATIVE_DTYPES` on the CPU, loaded, no
+    #: score bias)
     native: bool = False
     #: the global positions of the first query and the first key where the call is one block
     #: of a longer sequence (:func:`block_plan`; the indices are then local to the block)
     q_start: int = 0
     k_start: int = 0
+    #: the dtypes the C++ kernel reads q, k, v in, in place (where ``native``): float32, and
+    #: for a whole call bfloat16 and float16 (float16 where the build has F16C), its results in
+    #: their dtype; a block of a longer sequence (:func:`block_plan`, whose caller merges the
+    #: blocks in float32) float32 only
+    reads: tuple[torch.dtype, ...] = ()
 
     #: the kernel in explain's words
     name = "the gather kernel"
+
+    @functools.cached_property
+    def keep(self) -> torch.Tensor:
+        """``(B, Hkv', L, k)`` bool: the index entries that name a key once (the torch
+        operations read it; the C++ kernel drops ``-1`` and repeated entries itself, so a native
+        call never sorts the indices)."""
+        return _first(self.selected.ind)
 
     @property
     def checks_finite(self) -> bool:
@@ -114,17 +123,20 @@ class GatherPlan:
         return describe(self, call.dims.L, call.dims.S, dtype)
 
     def reads_note(self, dtype: torch.dtype, upcast: bool) -> str | None:
-        """Where the C++ kernel takes float32 copies of a low-precision q, k, v on a path that
-        gives the other kernels them as they are (``native``): says so; else ``None``."""
+        """``""`` where the C++ kernel reads a low-precision q, k, v in place on
+        ``fp32-upcast`` (:meth:`describe` says so); where it takes float32 copies on a path
+        that gives the other kernels them as they are (``native``), says so; else ``None``."""
+        if self.native and dtype in _LOW and dtype in self.reads:
+            return "" if upcast else None  # (native: as that path gives every kernel)
         if upcast or not self.needs_float32(dtype):
             return None
         name = str(dtype).removeprefix("torch.")
         return f"the gather kernel's C++ runs on float32 copies of the {name} q, k, v; "
 
     def needs_float32(self, dtype: torch.dtype) -> bool:
-        """Where the C++ kernel runs it: bfloat16 and float16 as float32 copies (it reads
-        float32 only)."""
-        return self.native and dtype in (torch.bfloat16, torch.float16)
+        """Where the C++ kernel runs it and does not read bfloat16/float16 ``dtype`` in place
+        (:attr:`reads`): it runs on float32 copies."""
+        return self.native and dtype in _LOW and dtype not in self.reads
 
     def direct(self, call: AttentionCall) -> None:
         """None: it has no entry bound to a signature (every call goes the whole way)."""
@@ -173,12 +185,15 @@ def plan(
 ) -> GatherPlan | None:
     """The gather kernel's plan where ``spec`` holds :func:`~attnkit.masks.selected_keys`
     joined by ``&`` and there is no soft-cap, else ``None``; ``dtype`` and ``device``: what the
-    kernels will see (the C++ kernel runs float32 on the CPU)."""
+    kernels will see (the C++ kernel runs :data:`NATIVE_DTYPES` on the CPU, the low-precision
+    ones in place where the build reads them: :attr:`GatherPlan.reads`)."""
     parts = _parts(spec, softcap)
     if parts is None:
         return None
     sel, rest = parts
-    return GatherPlan(sel, rest, _first(sel.ind), S - L, _runs_native(sel, rest, dtype, device))
+    native = _runs_native(sel, rest, dtype, device)
+    reads = _reads() if native else ()
+    return GatherPlan(sel, rest, S - L, native, reads=reads)
 
 
 def _parts(
@@ -201,7 +216,7 @@ def _runs_native(
     dtype: torch.dtype | None,
     device: torch.device | None,
 ) -> bool:
-    """Whether the C++ kernel runs the plan: float32 (bfloat16 and float16 on float32 copies)
+    """Whether the C++ kernel runs the plan: float32, bfloat16 or float16 (:data:`NATIVE_DTYPES`)
     on the CPU, a key per row, no score bias, and the build loads."""
     native = dtype in NATIVE_DTYPES and (device is None or device.type == "cpu")
     native = native and sel.topk > 0 and not (rest is not None and rest.has_bias)
@@ -210,6 +225,14 @@ def _runs_native(
 
         native = gather_native.kernel() is not None
     return native
+
+
+def _reads() -> tuple[torch.dtype, ...]:
+    """What the loaded C++ kernel reads in place (:func:`~attnkit.backends.blocked.
+    gather_native.reads`)."""
+    from attnkit.backends.blocked import gather_native
+
+    return gather_native.reads()
 
 
 def block_plan(
@@ -243,20 +266,20 @@ def block_plan(
     inside = (ind >= k0) & (ind < k0 + m)
     local = SelectedKeys(torch.where(inside, ind - k0, -1), sel.heads)
     native = _runs_native(local, rest, dtype, device)
-    return GatherPlan(local, rest, _first(local.ind), off, native, q0, k0)
+    reads = (torch.float32,) if native else ()  # the caller merges blocks in float32
+    return GatherPlan(local, rest, off, native, q0, k0, reads)
 
 
 def describe(p: GatherPlan, L: int, S: int, dtype: torch.dtype) -> str:
     """The plan in explain's words."""
     k = p.selected.topk
     rest = "" if p.rest is None else f", {p.rest!r} applied to the selected pairs"
-    from attnkit.backends.blocked import gather_native
-
-    lib = gather_native.kernel() if p.native and dtype == torch.float32 else None
+    name = str(dtype).removeprefix("torch.")
+    on = "float32" if dtype == torch.float32 else f"{name} q, k, v read in place, float32 inside"
     how = (
-        "forward and backward in C++ (float32; the backward parallel over batch rows, "
+        f"forward and backward in C++ ({on}; the backward parallel over batch rows, "
         "key/value heads and slices of query rows, each slice adding into dK/dV rows of its own)"
-        if lib is not None
+        if p.native and dtype in p.reads
         else "forward and backward in chunks of query rows in torch operations"
     )
     return (
@@ -265,102 +288,35 @@ def describe(p: GatherPlan, L: int, S: int, dtype: torch.dtype) -> str:
     )
 
 
-def _chunk_rows(p: GatherPlan, k: torch.Tensor, v: torch.Tensor, L: int) -> int:
-    B, Hkv = k.shape[0], k.shape[1]
-    per_row = B * Hkv * max(p.selected.topk, 1) * (k.shape[3] + v.shape[3]) * k.element_size()
-    return max(1, min(L, CHUNK_BYTES // max(per_row, 1)))
-
-
-@dataclass
-class _Chunk:
-    """One chunk of query rows: its gathered K/V rows, its allowed pairs and its flat indices."""
-
-    ks: torch.Tensor  # (B, Hkv, c, k, Dk)
-    vs: torch.Tensor  # (B, Hkv, c, k, Dv)
-    ok: torch.Tensor  # (B, Hkv, c, g | 1, k) bool
-    bias: torch.Tensor | None  # (B, Hkv, c, g, k) or None
-    flat: torch.Tensor  # (B, Hkv, c, k) int64: row of (B * Hkv * S) in k / v
-
-
-def _rows(
-    t: torch.Tensor, bi: torch.Tensor, hi: torch.Tensor, safe: torch.Tensor, flat: torch.Tensor
-) -> torch.Tensor:
-    """The rows ``t[b, h, safe[b, h, r, i]]`` ``(B, Hkv, c, k, D)``, read in place: one
-    ``index_select`` of whole rows where ``t`` is contiguous, else advanced indexing (strided
-    caches)."""
-    if t.is_contiguous():
-        D = t.shape[3]
-        return t.view(-1, D).index_select(0, flat.reshape(-1)).view(*flat.shape, D)
-    return t[bi, hi, safe]
-
-
-def _gather(p: GatherPlan, k: torch.Tensor, v: torch.Tensor, r0: int, r1: int, H: int) -> _Chunk:
-    B, Hkv, S = k.shape[0], k.shape[1], k.shape[2]
-    g = H // Hkv
-    ind = p.selected.ind[:, :, r0:r1].long()  # (B, Hkv' , c, k)
-    keep = p.keep[:, :, r0:r1]
-    safe = ind.clamp(min=0).expand(B, Hkv, -1, -1)
-    bi = torch.arange(B, device=k.device).view(B, 1, 1, 1)
-    hi = torch.arange(Hkv, device=k.device).view(1, Hkv, 1, 1)
-    flat = (bi * Hkv + hi) * S + safe
-    ks, vs = _rows(k, bi, hi, safe, flat), _rows(v, bi, hi, safe, flat)
-    ok = keep.unsqueeze(3)  # (B, Hkv', c, 1, k)
-    bias = None
-    if p.rest is not None:
-        c = r1 - r0
-        kv = ind.repeat_interleave(g, dim=1) if ind.shape[1] > 1 else ind  # (B, H|1, c, k)
-        b = torch.arange(B, device=k.device).view(B, 1, 1, 1)
-        h = torch.arange(H, device=k.device).view(1, H, 1, 1)
-        q = torch.arange(r0, r1, device=k.device).view(1, 1, c, 1) + p.q_start
-        kv = kv.clamp(min=0) + p.k_start  # global positions
-        rest = p.rest.allowed(b, h, q, kv, p.off).expand(B, H, c, kv.shape[-1])
-        ok = ok & rest.reshape(B, Hkv, g, c, -1).transpose(2, 3)
-        if p.rest.has_bias:
-            extra = p.rest.bias(b, h, q, kv, p.off)
-            if extra is not None:
-                full = extra.expand(B, H, c, kv.shape[-1]).reshape(B, Hkv, g, c, -1)
-                bias = full.transpose(2, 3)
-    return _Chunk(ks, vs, ok, bias, flat)
-
-
-def _scores(ch: _Chunk, qc: torch.Tensor, scale: float) -> torch.Tensor:
-    """Masked, scaled scores ``(B, Hkv, c, g, k)`` (``-inf`` where not allowed)."""
-    s = torch.matmul(qc, ch.ks.transpose(-1, -2)) * scale
-    if ch.bias is not None:
-        s = s + ch.bias.to(s.dtype)
-    return s.masked_fill(~ch.ok, float("-inf"))
-
-
-def _lse_dtype(q: torch.Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
-def _allowed_entries(p: GatherPlan, H: int) -> torch.Tensor:
-    """Bool ``(B, 1 | H, L, k)`` contiguous: the index entries that count (``keep``) and that
-    the spec's other rules allow, per query head where either depends on it."""
-    ind, keep = p.selected.ind, p.keep
-    B, Hi, L, _ = ind.shape
-    per_head = Hi > 1 or (p.rest is not None and p.rest.heads is not None)
-    Hm = H if per_head else 1
-    if Hi > 1:
-        ind, keep = ind.repeat_interleave(H // Hi, 1), keep.repeat_interleave(H // Hi, 1)
+def _rest_entries(p: GatherPlan, H: int) -> torch.Tensor | None:
+    """Bool ``(B, 1 | H, L, k)`` contiguous: the index entries the spec's other rules allow (at
+    the entry's key; ``-1`` entries read as key 0, which the C++ kernel skips anyway), per query
+    head where the indices or the rules depend on it; ``None`` where there are no other rules."""
     if p.rest is None:
-        return keep.expand(B, Hm, L, -1).contiguous()
+        return None
+    ind = p.selected.ind
+    B, Hi, L, _ = ind.shape
+    Hm = H if Hi > 1 or p.rest.heads is not None else 1
+    if Hi > 1:
+        ind = ind.repeat_interleave(H // Hi, 1)
     b = torch.arange(B, device=ind.device).view(B, 1, 1, 1)
     h = torch.arange(Hm, device=ind.device).view(1, Hm, 1, 1)
     q = torch.arange(L, device=ind.device).view(1, 1, L, 1) + p.q_start
     rest = p.rest.allowed(b, h, q, ind.long().clamp(min=0) + p.k_start, p.off)
-    return (keep & rest).expand(B, Hm, L, -1).contiguous()
+    return rest.expand(B, Hm, L, -1).contiguous()
 
 
-def _native_inputs(p: GatherPlan, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The C++ kernel's ``idx`` and ``ok`` (:mod:`~attnkit.backends.blocked.gather_native`)
-    where the plan runs it (``native``: on the CPU, no score bias) on float32 q (the backend
-    converts a low-precision call first: :meth:`GatherPlan.needs_float32`)."""
-    if not p.native or q.device.type != "cpu" or q.dtype != torch.float32:
+def _native_inputs(
+    p: GatherPlan, q: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The C++ kernel's ``idx`` (the indices as int64, ``-1`` kept) and ``ok``
+    (:func:`_rest_entries`; :mod:`~attnkit.backends.blocked.gather_native`) where the plan runs
+    it (``native``: on the CPU, no score bias) on q of a dtype it reads
+    (:attr:`GatherPlan.reads`; the backend converts a call of another low-precision dtype
+    first: :meth:`GatherPlan.needs_float32`)."""
+    if not p.native or q.device.type != "cpu" or q.dtype not in p.reads:
         return None
-    idx = p.selected.ind.long().clamp(min=0).contiguous()
-    return idx, _allowed_entries(p, q.shape[1])
+    return p.selected.ind.long().contiguous(), _rest_entries(p, q.shape[1])
 
 
 def _native(
@@ -384,27 +340,7 @@ def forward(
         if not finite and nonfinite.reporting():  # NaN/inf read: the rule's exact path
             raise nonfinite.NonFinite
         return out, lse
-    B, H, L, _ = q.shape
-    Hkv, Dv = k.shape[1], v.shape[3]
-    g = H // Hkv
-    acc = _lse_dtype(q)
-    out = q.new_zeros(B, Hkv, L, g, Dv, dtype=acc)
-    lse = q.new_full((B, Hkv, L, g), float("-inf"), dtype=acc)
-    qg = q.view(B, Hkv, g, L, -1).transpose(2, 3)  # (B, Hkv, L, g, Dk), a view
-    step = _chunk_rows(p, k, v, L)
-    with torch.no_grad():
-        for r0 in range(0, L if p.selected.topk else 0, step):  # k = 0: no key
-            r1 = min(L, r0 + step)
-            ch = _gather(p, k, v, r0, r1, H)
-            s = _scores(ch, qg[:, :, r0:r1], scale).to(acc)
-            m = s.amax(-1, keepdim=True)
-            m = torch.where(torch.isfinite(m), m, 0.0)
-            e = torch.exp(s - m)
-            den = e.sum(-1, keepdim=True)
-            o = torch.matmul(e.to(v.dtype), ch.vs).to(acc)
-            out[:, :, r0:r1] = torch.where(den > 0, o / den.clamp(min=1e-30), 0.0)
-            lse[:, :, r0:r1] = (m + den.log()).squeeze(-1)
-    return out.transpose(2, 3).flatten(1, 2), lse.transpose(2, 3).flatten(1, 2)
+    return gather_torch.forward(p, q, k, v, scale)
 
 
 def backward(
@@ -426,36 +362,4 @@ def backward(
         done = gather_native.backward(q, k, v, out, dout, lse, *inputs, scale)
         if done is not None:
             return done
-    B, H, L, Dk = q.shape
-    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
-    g = H // Hkv
-    acc = _lse_dtype(q)
-    dq = q.new_zeros(B, Hkv, L, g, Dk, dtype=acc)
-    dk = k.new_zeros(B * Hkv * S, Dk, dtype=acc)
-    dv = v.new_zeros(B * Hkv * S, Dv, dtype=acc)
-
-    def grouped(t: torch.Tensor) -> torch.Tensor:  # (B, H, L, X) -> (B, Hkv, L, g, X)
-        return t.view(B, Hkv, g, L, t.shape[3]).transpose(2, 3)
-
-    qg, og, dog = grouped(q), grouped(out), grouped(dout)
-    lg = lse.view(B, Hkv, g, L).transpose(2, 3).unsqueeze(-1)  # (B, Hkv, L, g, 1)
-    step = _chunk_rows(p, k, v, L)
-    with torch.no_grad():
-        for r0 in range(0, L if p.selected.topk else 0, step):  # k = 0: no key
-            r1 = min(L, r0 + step)
-            ch = _gather(p, k, v, r0, r1, H)
-            qc, doc = qg[:, :, r0:r1].to(acc), dog[:, :, r0:r1].to(acc)
-            s = _scores(ch, qg[:, :, r0:r1], scale).to(acc)
-            lc = lg[:, :, r0:r1].to(acc)
-            pr = torch.exp(s - torch.where(torch.isfinite(lc), lc, 0.0))  # 0 where masked
-            dp = torch.matmul(doc, ch.vs.to(acc).transpose(-1, -2))
-            d = (doc * og[:, :, r0:r1].to(acc)).sum(-1, keepdim=True)
-            ds = pr * (dp - d)
-            dq[:, :, r0:r1] = torch.matmul(ds, ch.ks.to(acc)) * scale
-            dks = torch.matmul(ds.transpose(-1, -2), qc) * scale  # (B, Hkv, c, k, Dk)
-            dvs = torch.matmul(pr.transpose(-1, -2), doc)  # (B, Hkv, c, k, Dv)
-            flat = ch.flat.reshape(-1)
-            dk.index_add_(0, flat, dks.reshape(-1, Dk))
-            dv.index_add_(0, flat, dvs.reshape(-1, Dv))
-    dqo = dq.transpose(2, 3).flatten(1, 2)
-    return dqo, dk.view(B, Hkv, S, Dk), dv.view(B, Hkv, S, Dv)
+    return gather_torch.backward(p, q, k, v, out, dout, lse, scale)
