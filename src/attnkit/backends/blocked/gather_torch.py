@@ -18,17 +18,35 @@ log-sum-exp and adds the chunk's dK and dV rows into ``dk``/``dv`` with ``index_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from attnkit.backends.blocked.gather import GatherPlan
+from attnkit.masks import MaskSpec
+from attnkit.masks.selected import SelectedKeys
 
 __all__ = ["CHUNK_BYTES", "backward", "forward"]
 
 #: the most bytes one chunk's gathered K and V rows take (the kernel's working set)
 CHUNK_BYTES = 32 << 20
+
+
+class GatherPlan(Protocol):
+    """What these operations read of :class:`attnkit.backends.blocked.gather.GatherPlan` (a
+    protocol, so that this module, which ``gather`` imports, does not import it back)."""
+
+    @property
+    def selected(self) -> SelectedKeys: ...
+    @property
+    def rest(self) -> MaskSpec | None: ...
+    @property
+    def off(self) -> int: ...
+    @property
+    def q_start(self) -> int: ...
+    @property
+    def k_start(self) -> int: ...
+    @property
+    def keep(self) -> torch.Tensor: ...
 
 
 def _chunk_rows(p: GatherPlan, k: torch.Tensor, v: torch.Tensor, L: int) -> int:
