@@ -251,13 +251,16 @@ def test_call_refuses(
         assert "fix:" in msg
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bfloat16", "float16"]
+)
 @pytest.mark.parametrize("where", ["selected key", "unselected key", "value", "query"])
-def test_nan_and_inf_follow_the_rule(where: str) -> None:
+def test_nan_and_inf_follow_the_rule(where: str, dtype: torch.dtype) -> None:
     """A NaN/inf key or value reaches only the rows that select it (and may attend to it); a
-    bad query row is NaN: the C++ forward reports it, the dispatcher's exact rule runs."""
+    bad query row is NaN: the C++ forward reports what it reads (in the input dtype: bfloat16
+    and float16 are read in place), the dispatcher's exact rule runs, as ``math`` gives it."""
     gen = torch.Generator().manual_seed(7)
-    q, k, v = (torch.randn(1, 2, 4, 8, generator=gen), torch.randn(1, 2, 10, 8, generator=gen),
-               torch.randn(1, 2, 10, 8, generator=gen))  # fmt: skip
+    q, k, v = (torch.randn(1, 2, n, 8, generator=gen).to(dtype) for n in (4, 10, 10))
     ind = torch.tensor([[[9, 0, 1], [2, 3, -1], [3, 3, 4], [5, 6, 9]]])
     spec = masks.causal() & masks.selected_keys(ind)
     if where == "selected key":
@@ -270,8 +273,9 @@ def test_nan_and_inf_follow_the_rule(where: str) -> None:
         q[0, 1, 2] = float("inf")
     got = attnkit.attention(q, k, v, mask=spec, backend="blocked")
     want = attnkit.attention(q, k, v, mask=spec, backend="math")
+    assert got.dtype == dtype
     assert torch.equal(got.isnan(), want.isnan())
-    assert got.isnan().any() == (where != "unselected key")
+    assert bool(got.isnan().any()) == (where != "unselected key")
     torch.testing.assert_close(got.nan_to_num(), want.nan_to_num())
 
 
