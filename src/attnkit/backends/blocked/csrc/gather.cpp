@@ -148,6 +148,22 @@ void backward_all(const gather::Rows& P, const gather::Grads& G, const Plan& Q, 
   if (Q.first || Q.split > 1) sum_slices<E>(Q, scratch.get(), dk, dv, P.Dk, P.Dv);
 }
 
+// The sizes and strides both entries share, from s = their "B" slot (the forward's 8, the
+// backward's 12): B, H, L, Dk, Hkv, S, Dv, q's, k's and v's strides, idx heads, ok heads, k
+// selected per row; checked, with the head group and the scale set. Returns B.
+int64_t read_sizes(gather::Rows& P, const int64_t* s, double scale) {
+  const int64_t B = s[0];
+  P.H = s[1], P.L = s[2], P.Dk = s[3], P.Hkv = s[4], P.S = s[5], P.Dv = s[6];
+  P.qs = s + 7, P.ks = s + 11, P.vs = s + 15;
+  P.IH = s[19], P.OH = s[20], P.K = s[21];
+  ABI_CHECK(P.Hkv > 0 && P.H % P.Hkv == 0, "gather: H % Hkv != 0");
+  ABI_CHECK(P.qs[3] == 1 && P.ks[3] == 1 && P.vs[3] == 1,
+            "gather: q, k, v need a contiguous last dim");
+  P.g = P.H / P.Hkv;
+  P.sc = static_cast<float>(scale);
+  return B;
+}
+
 }  // namespace
 
 extern "C" {
@@ -173,16 +189,8 @@ int32_t attnkit_gather_forward(const int64_t* a, double scale) {
     P.ok = attnkit_abi::arg<const uint8_t>(a, 4);
     void* out = attnkit_abi::arg(a, 5);
     P.lse = attnkit_abi::arg<float>(a, 6);
-    const int64_t nthreads = a[7], B = a[8];
-    P.H = a[9], P.L = a[10], P.Dk = a[11], P.Hkv = a[12], P.S = a[13], P.Dv = a[14];
-    P.qs = a + 15, P.ks = a + 19, P.vs = a + 23;
-    P.IH = a[27], P.OH = a[28], P.K = a[29];
+    const int64_t nthreads = a[7], B = read_sizes(P, a + 8, scale);
     const int64_t dtype = dtype_code(a[30]);
-    ABI_CHECK(P.Hkv > 0 && P.H % P.Hkv == 0, "gather: H % Hkv != 0");
-    ABI_CHECK(P.qs[3] == 1 && P.ks[3] == 1 && P.vs[3] == 1,
-              "gather: q, k, v need a contiguous last dim");
-    P.g = P.H / P.Hkv;
-    P.sc = static_cast<float>(scale);
     const int64_t tasks = B * P.Hkv * P.L;
     if (dtype == attnkit_abi::BF16) {
       finite = forward_all<Dt::BF16>(P, out, tasks, nthreads);
@@ -220,16 +228,8 @@ int32_t attnkit_gather_backward(const int64_t* a, double scale) {
     G.dq = attnkit_abi::arg(a, 8);
     void* dk = attnkit_abi::arg(a, 9);
     void* dv = attnkit_abi::arg(a, 10);
-    const int64_t nthreads = a[11] > 0 ? a[11] : 1, B = a[12];
-    P.H = a[13], P.L = a[14], P.Dk = a[15], P.Hkv = a[16], P.S = a[17], P.Dv = a[18];
-    P.qs = a + 19, P.ks = a + 23, P.vs = a + 27;
-    P.IH = a[31], P.OH = a[32], P.K = a[33];
+    const int64_t nthreads = a[11] > 0 ? a[11] : 1, B = read_sizes(P, a + 12, scale);
     const int64_t dtype = dtype_code(a[35]);
-    ABI_CHECK(P.Hkv > 0 && P.H % P.Hkv == 0, "gather: H % Hkv != 0");
-    ABI_CHECK(P.qs[3] == 1 && P.ks[3] == 1 && P.vs[3] == 1,
-              "gather: q, k, v need a contiguous last dim");
-    P.g = P.H / P.Hkv;
-    P.sc = static_cast<float>(scale);
     Plan Q;
     Q.heads = B * P.Hkv, Q.S = P.S, Q.row = Q.S * (P.Dk + P.Dv), Q.nthreads = nthreads;
     Q.first = dtype != attnkit_abi::F32;
