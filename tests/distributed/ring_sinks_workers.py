@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # ring_workers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the oracle
 
 from ring_sink_cases import KINDS, SINK_CASES
-from ring_workers import CASES, FAULT_TIMEOUT_S, Case, join_group, launch
+from ring_workers import CASES, FAULT_TIMEOUT_S, Case, join_group, launch, outcomes
 
 import attnkit
 import attnkit.distributed as akd
@@ -185,14 +185,7 @@ def run_refusals(rank: int, world: int) -> dict[str, Any]:
             attnkit.MultiHeadAttention(8, 2, sinks=True), timeout=FAULT_TIMEOUT_S
         )(akd.shard(torch.randn(2, N, 8)), sinks=torch.zeros(2)),
     }
-    res: dict[str, Any] = {}
-    for name, call in calls.items():
-        try:
-            call()
-            res[name] = {"raised": None, "message": ""}
-        except Exception as e:
-            res[name] = {"raised": type(e).__name__, "message": str(e)}
-    return res
+    return outcomes(calls)
 
 
 def sinks_scenario(rank: int, world: int) -> dict[str, Any]:

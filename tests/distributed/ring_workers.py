@@ -257,6 +257,19 @@ class _Near(masks.MaskSpec):
         return "near()"
 
 
+def outcomes(calls: dict[str, Callable[[], object]]) -> dict[str, Any]:
+    """Each call's outcome, by name: the exception it raised (its type's name and message),
+    or none."""
+    res: dict[str, Any] = {}
+    for name, call in calls.items():
+        try:
+            call()
+            res[name] = {"raised": None, "message": ""}
+        except Exception as e:
+            res[name] = {"raised": type(e).__name__, "message": str(e)}
+    return res
+
+
 def run_disagreements(rank: int, world: int) -> dict[str, Any]:
     """Rank 1 passes a mask (or scale) whose repr is every other rank's but whose contents
     differ: every rank must raise the same AttentionInputError, at once (not a RingError after
@@ -285,13 +298,7 @@ def run_disagreements(rank: int, world: int) -> dict[str, Any]:
         # the same contents in tensors built apart, and a user's spec holding a function
         "same": lambda: ring(mask=masks.document(torch.zeros(N, dtype=torch.long)) & _Near(3)),
     }
-    res: dict[str, Any] = {}
-    for name, call in calls.items():
-        try:
-            call()
-            res[name] = {"raised": None, "message": ""}
-        except Exception as e:
-            res[name] = {"raised": type(e).__name__, "message": str(e)}
+    res: dict[str, Any] = outcomes(calls)
     specs = {"document": masks.document(ids), "key_mask": masks.key_mask(keep)}
     specs["dense"] = masks.as_spec(dense)
     try:  # what the messages should show (the calls above are checked on their own)
