@@ -23,14 +23,18 @@ VOCAB, B, T = 64, 2, 9
 EAGER_FIX = 'fix:      load this model with attn_implementation="eager"'
 
 
-def pair(config: Any) -> tuple[Any, Any]:
-    """(eager model, attnkit model) of ``AutoModelForCausalLM`` with the same random weights
-    (std 0.3, so that attention matters), in eval mode."""
+def pair(config: Any, model_class: Any = None) -> tuple[Any, Any]:
+    """(eager model, attnkit model) of ``model_class`` (default: ``AutoModelForCausalLM``'s
+    class for ``config``) with the same random weights (std 0.3, so that attention matters), in
+    eval mode."""
     models = []
     for impl in ("eager", "attnkit"):
         torch.manual_seed(0)
-        auto = transformers.AutoModelForCausalLM
-        models.append(auto.from_config(copy.deepcopy(config), attn_implementation=impl))
+        if model_class is None:
+            auto = transformers.AutoModelForCausalLM
+            models.append(auto.from_config(copy.deepcopy(config), attn_implementation=impl))
+        else:
+            models.append(model_class._from_config(copy.deepcopy(config), attn_implementation=impl))
     ref, ours = models
     with torch.no_grad():
         for p in ref.parameters():

@@ -23,7 +23,7 @@ from attnkit.interop.hf_lazy_mask import LazyMask, spec_of
 from attnkit.interop.hf_rules import UNMASKED
 from attnkit.masks import MaskSpec
 from attnkit.masks.concat import ConcatKeys
-from hf_tiny import ATOL_LOGITS, ATOL_WEIGHTS, B, record_masks
+from hf_tiny import ATOL_LOGITS, ATOL_WEIGHTS, B, pair, record_masks
 
 transformers = pytest.importorskip("transformers")
 mu = pytest.importorskip("transformers.masking_utils")
@@ -141,18 +141,7 @@ def _t5gemma2() -> Any:
 
 
 def _pair() -> tuple[Any, Any]:
-    models = []
-    for impl in ("eager", "attnkit"):
-        torch.manual_seed(0)
-        model = transformers.T5Gemma2ForConditionalGeneration(copy.deepcopy(_t5gemma2()))
-        model.set_attn_implementation(impl)
-        models.append(model.eval())
-    ref, ours = models
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.normal_(std=0.3)
-    ours.load_state_dict(ref.state_dict())
-    return ref, ours
+    return pair(_t5gemma2(), transformers.T5Gemma2ForConditionalGeneration)
 
 
 def _inputs() -> dict[str, torch.Tensor]:

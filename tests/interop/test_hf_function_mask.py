@@ -150,17 +150,7 @@ def _gemma3() -> tuple[Any, Any]:
         text_config=text, vision_config=vision, mm_tokens_per_image=4,
         image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2,
     )  # fmt: skip
-    models = []
-    for impl in ("eager", "attnkit"):
-        torch.manual_seed(0)
-        cls = transformers.Gemma3ForConditionalGeneration
-        models.append(cls._from_config(copy.deepcopy(config), attn_implementation=impl).eval())
-    ref, ours = models
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.normal_(std=0.3)
-    ours.load_state_dict(ref.state_dict())
-    return ref, ours
+    return pair(config, transformers.Gemma3ForConditionalGeneration)
 
 
 def _image_batch(T: int = 16) -> dict[str, torch.Tensor]:
