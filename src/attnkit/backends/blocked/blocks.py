@@ -319,9 +319,9 @@ def plan_on_path(
     are."""
     if upcast or native:
         direct = plan_blocks(q, k, v, mask, softcap=softcap, in_dtype=True, dot=native)
-        # (a split's parts are planned for the tensors' dtype: on fp32-upcast, for the copies)
-        split = isinstance(direct.kernel, SplitKeys)
-        if native or direct.spans.serves or (direct.spans.lo is None and not split):
+        # tiles alone (no kernel, no runs of keys) are planned from shapes: the same for the
+        # copies; a kernel that does not read the dtype (a split's parts) is planned for them
+        if native or direct.spans.serves or (direct.kernel is None and direct.spans.lo is None):
             return direct
         q, k, v = stand_in(q), stand_in(k), stand_in(v)
     return plan_blocks(q, k, v, mask, softcap=softcap)
